@@ -1,0 +1,89 @@
+"""Audio in and out (NumPy + soundfile + soxr; no torch): reference clips to mono at the codec rate, atomic writes."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+MAX_REF_SECONDS = 100.0  # SGO `_MAX_REF_AUDIO_SEC`
+MIN_REF_SECONDS = 1.0  # shorter clips are zero-padded to this before encoding (SGO)
+WRITE_FORMATS = {".wav": ("WAV", "PCM_16"), ".flac": ("FLAC", "PCM_16"), ".ogg": ("OGG", "VORBIS")}
+
+
+class AudioError(ValueError):
+    """A reference clip that cannot be used; the message says why."""
+
+
+def read_audio(path: str | os.PathLike) -> tuple[np.ndarray, int]:
+    """(samples, channels) float32 and the sample rate of any file libsndfile reads."""
+    import soundfile as sf
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"reference audio {path} does not exist")
+    try:
+        data, sr = sf.read(str(path), dtype="float32", always_2d=True)
+    except (sf.LibsndfileError, RuntimeError, TypeError) as e:
+        raise AudioError(f"cannot read reference audio {path}: {e}") from None
+    return data, int(sr)
+
+
+def to_mono(data: np.ndarray) -> np.ndarray:
+    return data.mean(axis=1) if data.ndim == 2 else data
+
+
+def resample(wav: np.ndarray, sr_in: int, sr_out: int) -> np.ndarray:
+    if sr_in == sr_out:
+        return wav.astype(np.float32, copy=False)
+    import soxr
+
+    return soxr.resample(wav.astype(np.float32, copy=False), sr_in, sr_out, quality="HQ").astype(np.float32)
+
+
+def prepare_reference(data: np.ndarray, sr: int, target_sr: int) -> np.ndarray:
+    """Any channel count / rate / length -> mono float32 at `target_sr`, padded to >= 1 s; refuses bad clips."""
+    wav = to_mono(np.asarray(data, dtype=np.float32))
+    if wav.size == 0:
+        raise AudioError("reference audio is empty (0 samples)")
+    if not np.isfinite(wav).all():
+        raise AudioError("reference audio contains NaN or infinite samples")
+    seconds = wav.size / sr
+    if seconds > MAX_REF_SECONDS:
+        raise AudioError(f"reference audio is {seconds:.1f} s long; the limit is {MAX_REF_SECONDS:.0f} s "
+                         f"(trim it to a clean 5-20 s of speech)")
+    if not np.any(np.abs(wav) > 1e-6):
+        raise AudioError("reference audio is silent (all samples are zero)")
+    wav = resample(wav, sr, target_sr)
+    min_len = int(round(MIN_REF_SECONDS * target_sr))
+    if wav.size < min_len:
+        wav = np.pad(wav, (0, min_len - wav.size))
+    return wav
+
+
+def load_reference(path: str | os.PathLike, target_sr: int) -> np.ndarray:
+    data, sr = read_audio(path)
+    return prepare_reference(data, sr, target_sr)
+
+
+def write_audio(path: str | os.PathLike, wav: np.ndarray, sr: int) -> Path:
+    """Write mono audio; the format follows the extension. Atomic: a temp file renamed into place."""
+    import soundfile as sf
+
+    path = Path(path)
+    fmt = WRITE_FORMATS.get(path.suffix.lower())
+    if fmt is None:
+        raise ValueError(f"unsupported output format {path.suffix!r}; use one of {', '.join(WRITE_FORMATS)}")
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"output folder {path.parent} does not exist")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=path.suffix, dir=path.parent)
+    os.close(fd)
+    try:
+        sf.write(tmp, np.clip(wav, -1.0, 1.0), sr, format=fmt[0], subtype=fmt[1])
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path

@@ -1,0 +1,61 @@
+"""Prompt layouts of spec §3 (SGO `text_tokenizer.py`): token ids appended directly, no chat template.
+
+    zero-shot:            <|tts|> <|text|> tok(text) <|audio|>
+    clone, no transcript: <|tts|> <|ref_audio|> [audio]*R <|text|> tok(text) <|audio|>
+    clone + transcript:   <|tts|> <|ref_text|> tok(ref_text) <|ref_audio|> [audio]*R <|text|> tok(text) <|audio|>
+
+[audio] is the checkpoint's `audio_token_id` placeholder (-100); R = delayed reference rows. Every special id is
+looked up by string in the tokenizer, never hard-coded. Control tags (`<|emotion:elation|>` ...) are added
+tokens, so they tokenize to single ids as part of the text.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from tokenizers import Tokenizer
+
+SPECIAL_NAMES = ("tts", "text", "audio", "ref_audio", "ref_text")
+TAG_PATTERN = re.compile(r"<\|[^<>|]*\|>")
+
+
+@dataclass(frozen=True)
+class PromptTokens:
+    """Special and control-tag ids of one tokenizer, looked up by string."""
+
+    tts: int
+    text: int
+    audio: int
+    ref_audio: int
+    ref_text: int
+    placeholder: int  # config.audio_token_id
+    control_tags: dict[str, int]  # "<|emotion:elation|>" -> id
+
+    @classmethod
+    def from_tokenizer(cls, tok: Tokenizer, placeholder: int) -> "PromptTokens":
+        added = {t.content: i for i, t in tok.get_added_tokens_decoder().items()}
+        missing = [f"<|{n}|>" for n in SPECIAL_NAMES if f"<|{n}|>" not in added]
+        if missing:
+            raise ValueError(f"tokenizer lacks the Higgs special tokens {missing}: not a Higgs v3 tokenizer")
+        tags = {s: i for s, i in added.items() if re.fullmatch(r"<\|[a-z_]+:[a-z_]+\|>", s)}
+        return cls(**{n: added[f"<|{n}|>"] for n in SPECIAL_NAMES}, placeholder=placeholder, control_tags=tags)
+
+    def unknown_tags(self, text: str, tok: Tokenizer) -> list[str]:
+        """`<|...|>` spans in `text` that are not single added tokens (they will be read as plain text)."""
+        added = {t.content for t in tok.get_added_tokens_decoder().values()}
+        return [m for m in TAG_PATTERN.findall(text) if m not in added]
+
+
+def build_prompt(tok: Tokenizer, ids: PromptTokens, text: str, ref_rows: int = 0,
+                 ref_text: str | None = None) -> list[int]:
+    """The prompt ids; `ref_rows` placeholders are spliced with delayed reference rows by the caller."""
+    if ref_text is not None and ref_rows == 0:
+        raise ValueError("a reference transcript needs reference audio")
+    prompt = [ids.tts]
+    if ref_text is not None:
+        prompt += [ids.ref_text, *tok.encode(ref_text, add_special_tokens=False).ids]
+    if ref_rows:
+        prompt += [ids.ref_audio, *([ids.placeholder] * ref_rows)]
+    prompt += [ids.text, *tok.encode(text, add_special_tokens=False).ids, ids.audio]
+    return prompt

@@ -1,0 +1,167 @@
+"""The PyTorch reference: the ground truth that export, inference and eval are compared against.
+
+- Qwen3 body: transformers `Qwen3Model` with the checkpoint's `body.*` / text-embedding tensors (spec §2.1 mapping).
+- Fused audio embedding / tied audio head: one [N*V, D] matrix (spec §4): embed = sum of N rows, head = h @ W^T.
+- Codec: transformers `HiggsAudioV2TokenizerModel` from the codec config and the checkpoint's codec tensors,
+  always fp32 (SGO: ConvTranspose is unstable in bf16).
+`ReferenceBackend` implements the generation `Backend` protocol, so the reference runs the shared loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from ..audio import load_reference
+from ..generation.pipeline import DEFAULT_MAX_ROWS, Speech, synthesize
+from ..generation.prompt import PromptTokens
+from ..generation.sampling import SamplingOptions
+from ..checkpoint import (AUDIO_EMBED, CODEC_PREFIX, QWEN3_NAME_MAP, WEIGHTS, codec_config, load_json, qwen3_config,
+                          validate)
+
+log = logging.getLogger(__name__)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def codec_kwargs(ccfg: dict) -> dict:
+    """Codec config -> HiggsAudioV2TokenizerConfig kwargs (drop the keys the class must not receive, spec §6)."""
+    return {k: v for k, v in ccfg.items() if k not in ("model_type", "architectures", "dtype", "transformers_version")}
+
+
+def load_codec(folder: Path) -> torch.nn.Module:
+    """The codec of a checkpoint folder as an fp32 `HiggsAudioV2TokenizerModel` in eval mode."""
+    from transformers import HiggsAudioV2TokenizerConfig
+
+    from .torchaudio_shim import load_codec_class
+
+    cls = load_codec_class()
+    with torch.device("meta"):
+        codec = cls(HiggsAudioV2TokenizerConfig(**codec_kwargs(codec_config(folder))))
+    state = {}
+    with safe_open(folder / WEIGHTS, "pt") as f:
+        for name in f.keys():
+            if name.startswith(CODEC_PREFIX):
+                state[name[len(CODEC_PREFIX):]] = f.get_tensor(name).float()
+    state.pop("semantic_model.masked_spec_embed", None)  # present in the real file, unused (mask_time_prob 0)
+    missing, unexpected = codec.load_state_dict(state, strict=False, assign=True)
+    if missing or unexpected:
+        raise ValueError(f"codec tensors do not match the codec config: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    return codec.eval()
+
+
+def load_body(folder: Path, dtype: torch.dtype) -> tuple[torch.nn.Module, torch.Tensor]:
+    """(Qwen3Model, fused audio matrix [N*V, D]) in `dtype`, loaded tensor by tensor."""
+    from transformers import Qwen3Config, Qwen3Model
+
+    tc = qwen3_config(load_json(folder / "config.json"))
+    with torch.device("meta"):
+        body = Qwen3Model(Qwen3Config(**{k: v for k, v in tc.items() if k != "dtype"}))
+    state = {}
+    with safe_open(folder / WEIGHTS, "pt") as f:
+        for name in f.keys():
+            for old, new in QWEN3_NAME_MAP:
+                if name.startswith(old):
+                    state[new.removeprefix("model.") + name[len(old):]] = f.get_tensor(name).to(dtype)
+        audio = f.get_tensor(AUDIO_EMBED).to(dtype)
+    missing, unexpected = body.load_state_dict(state, strict=False, assign=True)
+    if missing or unexpected:
+        raise ValueError(f"body tensors do not match config.json: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    body.rotary_emb = type(body.rotary_emb)(config=body.config)  # meta-built buffers (inv_freq) made real
+    return body.eval(), audio
+
+
+class ReferenceModel:
+    """All PyTorch parts of one checkpoint folder."""
+
+    def __init__(self, folder: str | Path, dtype: str = "fp32"):
+        from tokenizers import Tokenizer
+
+        self.folder = Path(folder)
+        self.facts = validate(self.folder)
+        self.dtype = DTYPES[dtype]
+        self.body, self.audio_matrix = load_body(self.folder, self.dtype)
+        self.codec = load_codec(self.folder)
+        self.tokenizer = Tokenizer.from_file(str(self.folder / "tokenizer.json"))
+        f = self.facts
+        self.offsets = torch.arange(f.num_codebooks) * f.codebook_vocab  # row offset of each codebook
+        self.tokens = PromptTokens.from_tokenizer(self.tokenizer, f.placeholder)
+
+    def generate(self, text: str, ref_audio: str | Path | np.ndarray | None = None, ref_text: str | None = None,
+                 sampling: SamplingOptions = SamplingOptions(), seed: int = 0, max_rows: int = DEFAULT_MAX_ROWS,
+                 **kwargs) -> Speech:
+        """Codes and a waveform for `text`; `ref_audio` is a file or a mono waveform at the codec rate."""
+        ref_wav = None
+        if isinstance(ref_audio, (str, Path)):
+            ref_wav = load_reference(ref_audio, self.facts.sample_rate)
+        elif ref_audio is not None:
+            ref_wav = np.asarray(ref_audio, np.float32)
+        speech, _ = synthesize(ReferenceBackend(self), self, self.tokenizer, self.tokens, self.facts, text,
+                               ref_wav=ref_wav, ref_text=ref_text, sampling=sampling, seed=seed, max_rows=max_rows,
+                               **kwargs)
+        return speech
+
+    # -- parts, torch in / torch out (used by export parity checks) ---------------------------------------------
+    @torch.no_grad()
+    def fused_embed(self, codes: torch.Tensor) -> torch.Tensor:
+        """(..., N) codes in [0, V) -> (..., D): sum of the N codebook rows."""
+        return self.audio_matrix[codes + self.offsets].sum(dim=-2)
+
+    @torch.no_grad()
+    def audio_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(..., D) -> (..., N, V) float32 logits (upcast after the matmul, as SGO does)."""
+        logits = hidden.to(self.dtype) @ self.audio_matrix.T
+        return logits.float().unflatten(-1, (self.facts.num_codebooks, self.facts.codebook_vocab))
+
+    @torch.no_grad()
+    def text_embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.body.embed_tokens(ids)
+
+    @torch.no_grad()
+    def encode_audio(self, wav: np.ndarray) -> np.ndarray:
+        """(L,) float32 mono at the codec rate -> (T, N) int64 codes."""
+        codes = self.codec.encode(torch.from_numpy(np.ascontiguousarray(wav, np.float32))[None, None],
+                                  return_dict=False)
+        return codes[0].T.numpy().astype(np.int64)
+
+    @torch.no_grad()
+    def decode_audio(self, codes: np.ndarray) -> np.ndarray:
+        """(1, N, T) int64 codes (already mapped to [0, codebook_size)) -> (hop*T,) float32 waveform."""
+        return self.codec.decode(torch.from_numpy(codes), return_dict=False)[0, 0].numpy()
+
+
+class ReferenceBackend:
+    """The generation `Backend` protocol on the PyTorch reference (one sequence, DynamicCache)."""
+
+    def __init__(self, model: ReferenceModel):
+        self.model = model
+        self.cache = None
+
+    def _run(self, embeds: np.ndarray) -> np.ndarray:
+        x = torch.from_numpy(np.ascontiguousarray(embeds, np.float32)).to(self.model.dtype)[None]
+        with torch.no_grad():
+            out = self.model.body(inputs_embeds=x, cache=self.cache, use_cache=True)
+        self.cache = out.past_key_values
+        return out.last_hidden_state[0, -1].float().numpy()
+
+    def embed_text(self, ids: np.ndarray) -> np.ndarray:
+        return self.model.text_embed(torch.from_numpy(ids)).float().numpy()
+
+    def embed_audio(self, rows: np.ndarray) -> np.ndarray:
+        return self.model.fused_embed(torch.from_numpy(rows)).float().numpy()
+
+    def prefill(self, embeds: np.ndarray, max_len: int) -> np.ndarray:
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache(config=self.model.body.config)
+        return self._run(embeds)
+
+    def decode(self, embed: np.ndarray) -> np.ndarray:
+        return self._run(embed)
+
+    def audio_logits(self, hidden: np.ndarray) -> np.ndarray:
+        return self.model.audio_head(torch.from_numpy(hidden)).numpy()
