@@ -28,11 +28,12 @@ def tensor_nbytes(dtype: str, shape: Iterable[int]) -> int:
 def write_streaming(
     path: Path,
     specs: list[tuple[str, str, tuple[int, ...]]],
-    produce: Callable[[str], bytes | memoryview],
+    produce: Callable[[str], bytes | Iterable[bytes]],
     metadata: dict[str, str] | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> int:
-    """Write `specs` = [(name, dtype_tag, shape)] to `path`, asking `produce(name)` for each tensor's raw bytes.
+    """Write `specs` = [(name, dtype_tag, shape)] to `path`, asking `produce(name)` for each tensor's raw bytes
+    (one bytes object, or an iterable of byte chunks so that even one tensor need not sit in memory whole).
 
     Tensors are written in the given order. The file is first written as `<path>.partial` and renamed at the end,
     so an interrupted write never leaves a file that looks complete. Returns the data size in bytes.
@@ -53,11 +54,14 @@ def write_streaming(
         f.write(raw)
         for name, dtype, shape in specs:
             data = produce(name)
-            if len(data) != tensor_nbytes(dtype, shape):
-                raise ValueError(f"{name}: produced {len(data)} bytes, expected {tensor_nbytes(dtype, shape)}")
-            f.write(data)
-            if progress:
-                progress(len(data))
+            written = 0
+            for chunk in [data] if isinstance(data, (bytes, bytearray, memoryview)) else data:
+                f.write(chunk)
+                written += len(chunk)
+                if progress:
+                    progress(len(chunk))
+            if written != tensor_nbytes(dtype, shape):
+                raise ValueError(f"{name}: produced {written} bytes, expected {tensor_nbytes(dtype, shape)}")
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

@@ -330,7 +330,7 @@ def build(preset_name: str, out: Path, seed: int = 0, plant: Plant | None = None
     specs = [(n, "BF16", weights.shapes[n]) for n in names]
     total = sum(tensor_nbytes("BF16", s) for _, _, s in specs)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"{preset_name} weights", disable=not progress)
-    write_streaming(out / "model.safetensors", specs, lambda n: b"".join(weights.chunks(n)),
+    write_streaming(out / "model.safetensors", specs, weights.chunks,
                     metadata={"format": "pt"}, progress=bar.update)
     bar.close()
 

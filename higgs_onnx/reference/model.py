@@ -143,9 +143,8 @@ class ReferenceBackend:
 
     def _run(self, embeds: np.ndarray) -> np.ndarray:
         x = torch.from_numpy(np.ascontiguousarray(embeds, np.float32)).to(self.model.dtype)[None]
-        with torch.no_grad():
+        with torch.no_grad():  # the DynamicCache is updated in place
             out = self.model.body(inputs_embeds=x, cache=self.cache, use_cache=True)
-        self.cache = out.past_key_values
         return out.last_hidden_state[0, -1].float().numpy()
 
     def embed_text(self, ids: np.ndarray) -> np.ndarray:

@@ -1,0 +1,46 @@
+"""What every command shares: logging setup and turning errors into one clear line and an exit code.
+
+Exit codes: 0 success, 1 runtime failure, 2 usage error (bad arguments, missing or invalid inputs), 130 Ctrl-C.
+The full traceback is printed only with `--log-level DEBUG` (or LOG_LEVEL=DEBUG).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable
+
+USAGE_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
+
+
+def add_log_level(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "WARNING").upper(),
+                    choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="default: $LOG_LEVEL or WARNING")
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level), format="%(levelname)s %(name)s: %(message)s")
+
+
+def run_main(fn: Callable[[argparse.Namespace], int], ap: argparse.ArgumentParser, argv: list[str] | None) -> int:
+    """Parse, set up logging, call `fn(args)`; errors become one line on stderr and a non-zero exit."""
+    args = ap.parse_args(argv)
+    setup_logging(args.log_level)
+    debug = args.log_level == "DEBUG"
+    try:
+        return fn(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except USAGE_ERRORS as e:
+        if debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001 - the one place that turns any failure into a clear line
+        if debug:
+            raise
+        print(f"error: {type(e).__name__}: {e} (rerun with --log-level DEBUG for the full trace)", file=sys.stderr)
+        return 1

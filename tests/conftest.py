@@ -1,0 +1,35 @@
+"""Shared fixtures: one tiny synthetic checkpoint per test session, and its PyTorch reference."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("CI", "1")  # Olive's telemetry hangs at exit without it (toolchain G3)
+
+DATA = Path(__file__).resolve().parent / "data"
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from higgs_onnx.synthetic import build
+
+    return build("tiny", tmp_path_factory.mktemp("tiny") / "ckpt", seed=0, progress=False)
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_ckpt: Path):
+    from higgs_onnx.reference.model import ReferenceModel
+
+    return ReferenceModel(tiny_ckpt)
+
+
+@pytest.fixture(scope="session")
+def real_tokenizer():
+    from tokenizers import Tokenizer
+
+    from higgs_onnx.tokenizer_files import real_tokenizer_json
+
+    return Tokenizer.from_str(real_tokenizer_json())
