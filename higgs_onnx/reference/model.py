@@ -20,8 +20,8 @@ from ..audio import load_reference
 from ..generation.pipeline import DEFAULT_MAX_ROWS, Speech, synthesize
 from ..generation.prompt import PromptTokens
 from ..generation.sampling import SamplingOptions
-from ..checkpoint import (AUDIO_EMBED, CODEC_PREFIX, QWEN3_NAME_MAP, WEIGHTS, codec_config, load_json, qwen3_config,
-                          validate)
+from ..checkpoint import (AUDIO_EMBED, CODEC_PREFIX, QWEN3_NAME_MAP, TEXT_EMBED, WEIGHTS, codec_config, load_json,
+                          qwen3_config, validate)
 
 log = logging.getLogger(__name__)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -54,8 +54,14 @@ def load_codec(folder: Path) -> torch.nn.Module:
     return codec.eval()
 
 
-def load_body(folder: Path, dtype: torch.dtype) -> tuple[torch.nn.Module, torch.Tensor]:
-    """(Qwen3Model, fused audio matrix [N*V, D]) in `dtype`, loaded tensor by tensor."""
+def load_tensor(folder: Path, name: str, dtype: torch.dtype) -> torch.Tensor:
+    with safe_open(folder / WEIGHTS, "pt") as f:
+        return f.get_tensor(name).to(dtype)
+
+
+def load_body(folder: Path, dtype: torch.dtype) -> torch.nn.Module:
+    """`Qwen3Model` in `dtype`, loaded tensor by tensor. Its `embed_tokens` stays unloaded (on the meta device):
+    the reference always feeds `inputs_embeds`, and the text table is loaded once, on its own (`text_table`)."""
     from transformers import Qwen3Config, Qwen3Model
 
     tc = qwen3_config(load_json(folder / "config.json"))
@@ -65,14 +71,13 @@ def load_body(folder: Path, dtype: torch.dtype) -> tuple[torch.nn.Module, torch.
     with safe_open(folder / WEIGHTS, "pt") as f:
         for name in f.keys():
             for old, new in QWEN3_NAME_MAP:
-                if name.startswith(old):
+                if name.startswith(old) and name != TEXT_EMBED:
                     state[new.removeprefix("model.") + name[len(old):]] = f.get_tensor(name).to(dtype)
-        audio = f.get_tensor(AUDIO_EMBED).to(dtype)
     missing, unexpected = body.load_state_dict(state, strict=False, assign=True)
-    if missing or unexpected:
+    if [m for m in missing if not m.startswith("embed_tokens.")] or unexpected:
         raise ValueError(f"body tensors do not match config.json: missing {missing[:5]}, unexpected {unexpected[:5]}")
     body.rotary_emb = type(body.rotary_emb)(config=body.config)  # meta-built buffers (inv_freq) made real
-    return body.eval(), audio
+    return body.eval()
 
 
 class ReferenceModel:
@@ -84,8 +89,7 @@ class ReferenceModel:
         self.folder = Path(folder)
         self.facts = validate(self.folder)
         self.dtype = DTYPES[dtype]
-        self.body, self.audio_matrix = load_body(self.folder, self.dtype)
-        self.codec = load_codec(self.folder)
+        self._body = self._codec = self._audio = self._text = None  # loaded on first use
         self.tokenizer = Tokenizer.from_file(str(self.folder / "tokenizer.json"))
         f = self.facts
         self.offsets = torch.arange(f.num_codebooks) * f.codebook_vocab  # row offset of each codebook
@@ -105,6 +109,35 @@ class ReferenceModel:
                                **kwargs)
         return speech
 
+    @property
+    def body(self) -> torch.nn.Module:
+        if self._body is None:
+            self._body = load_body(self.folder, self.dtype)
+        return self._body
+
+    def release_body(self) -> None:
+        self._body = None
+
+    @property
+    def codec(self) -> torch.nn.Module:
+        if self._codec is None:
+            self._codec = load_codec(self.folder)
+        return self._codec
+
+    @property
+    def audio_matrix(self) -> torch.Tensor:
+        """The fused audio embedding = tied audio head, [N*V, D]."""
+        if self._audio is None:
+            self._audio = load_tensor(self.folder, AUDIO_EMBED, self.dtype)
+        return self._audio
+
+    @property
+    def text_table(self) -> torch.Tensor:
+        """The text embedding = tied text head, [vocab, D]."""
+        if self._text is None:
+            self._text = load_tensor(self.folder, TEXT_EMBED, self.dtype)
+        return self._text
+
     # -- parts, torch in / torch out (used by export parity checks) ---------------------------------------------
     @torch.no_grad()
     def fused_embed(self, codes: torch.Tensor) -> torch.Tensor:
@@ -119,7 +152,7 @@ class ReferenceModel:
 
     @torch.no_grad()
     def text_embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.body.embed_tokens(ids)
+        return self.text_table[ids]
 
     @torch.no_grad()
     def encode_audio(self, wav: np.ndarray) -> np.ndarray:

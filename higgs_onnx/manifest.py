@@ -1,0 +1,100 @@
+"""`manifest.json`: the single contract between `optimize.py` and the runtime / eval.
+
+Written last by the exporter (its presence marks a complete folder), read first by inference and eval through
+`load_manifest`, which checks the schema version, that every file entry is a plain name inside the folder, and
+(unless told not to) each file's size and sha256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+SCHEMA_VERSION = 1
+MANIFEST = "manifest.json"
+PART_NAMES = ("llm_decoder", "text_embed", "audio_embed", "audio_heads", "audio_encoder", "audio_tokenizer")
+
+
+class ManifestError(ValueError):
+    """The model folder is not a usable export; the message says what is wrong and how to fix it."""
+
+
+def sha256_file(path: Path, chunk: int = 2**24) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def safe_member(folder: Path, name: str) -> Path:
+    """`folder/name` for a plain file name; refuses absolute paths, `..`, sub-folders and links leaving the folder."""
+    if not isinstance(name, str) or not name or name != os.path.basename(name) or name in (".", ".."):
+        raise ManifestError(f"manifest file entry {name!r} is not a plain file name inside the model folder")
+    path = folder / name
+    real_folder = folder.resolve()
+    if path.is_symlink() and path.resolve().parent != real_folder:
+        raise ManifestError(f"manifest file entry {name!r} is a link pointing outside the model folder")
+    return path
+
+
+@dataclass(frozen=True)
+class Manifest:
+    folder: Path
+    data: dict
+
+    @property
+    def parts(self) -> dict[str, dict]:
+        return self.data["parts"]
+
+    @property
+    def model(self) -> dict:
+        return self.data["model"]
+
+    def path(self, name: str) -> Path:
+        return safe_member(self.folder, name)
+
+    def part_file(self, part: str) -> Path:
+        return self.path(self.parts[part]["file"])
+
+
+def load_manifest(folder: str | os.PathLike, verify: bool = True) -> Manifest:
+    """Read and check `folder/manifest.json`; `verify` also checks every file's size and sha256."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"model folder {folder} does not exist; build it with: python optimize.py "
+                                f"--device cpu --precision int4")
+    mf = folder / MANIFEST
+    if not mf.is_file():
+        raise ManifestError(f"{folder} has no {MANIFEST}: not a finished export (rerun optimize.py to complete it)")
+    try:
+        data = json.loads(mf.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ManifestError(f"{mf} is corrupt ({e}); rebuild with optimize.py --force") from None
+    if not isinstance(data, dict) or not isinstance(data.get("schema_version"), int):
+        raise ManifestError(f"{mf} has no schema_version: not a higgs-onnx manifest")
+    if data["schema_version"] > SCHEMA_VERSION:
+        raise ManifestError(f"{mf} has schema version {data['schema_version']}, newer than this toolkit "
+                            f"understands ({SCHEMA_VERSION}); update higgs-onnx")
+    if data["schema_version"] < SCHEMA_VERSION:
+        raise ManifestError(f"{mf} has old schema version {data['schema_version']}; rebuild with optimize.py --force")
+    parts = data.get("parts")
+    if not isinstance(parts, dict) or set(parts) != set(PART_NAMES):
+        raise ManifestError(f"{mf} must list the parts {', '.join(PART_NAMES)}")
+    for part, entry in parts.items():
+        for name, meta in entry.get("files", {}).items():
+            path = safe_member(folder, name)
+            if not path.is_file():
+                raise ManifestError(f"{part}: file {name} is missing from {folder}")
+            if path.stat().st_size != meta["size"]:
+                raise ManifestError(f"{part}: file {name} is {path.stat().st_size} bytes, the manifest says "
+                                    f"{meta['size']} (truncated or replaced?)")
+            if verify and sha256_file(path) != meta["sha256"]:
+                raise ManifestError(f"{part}: file {name} does not match its sha256 in the manifest (corrupt or "
+                                    f"modified; rebuild, or pass --no-verify to skip this check)")
+    for name in data.get("files", {}):
+        safe_member(folder, name)
+    return Manifest(folder=folder, data=data)

@@ -1,0 +1,143 @@
+"""Numbers that say how close an exported part is to the PyTorch reference (used by optimize's checks and eval).
+
+Each `check_<part>` runs the ONNX part and the reference on the same fixed input and returns a dict of figures
+with `ok` set against the thresholds of `THRESHOLDS` (one place; fp32 tight, fp16/int4 looser).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# Minimum cosine (or code agreement) per part and precision. fp32 is judged by max abs error instead:
+# <= FP32_REL_ATOL x max(1, |reference| max). int4 on random weights is the worst case (toolchain §2.5:
+# cos 0.99 tiny, 0.93 for a deeper random model), real weights do better.
+FP32_REL_ATOL = 1e-4
+THRESHOLDS = {
+    "int4": {"llm_decoder": 0.9, "audio_embed": 0.99, "audio_heads": 0.99, "text_embed": 0.99},
+    "fp16": {"llm_decoder": 0.999, "audio_embed": 0.999, "audio_heads": 0.999, "text_embed": 0.9999,
+             "audio_tokenizer": 0.999},
+}
+MIN_CODE_AGREEMENT = 0.99  # audio_encoder: share of codes equal to the reference (near-ties may flip)
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
+    den = np.linalg.norm(a) * np.linalg.norm(b)
+    return float(a @ b / den) if den else float(np.array_equal(a, b))
+
+
+def max_abs(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)))) if np.size(a) else 0.0
+
+
+def snr_db(ref: np.ndarray, test: np.ndarray) -> float:
+    noise = np.sum((np.asarray(ref, np.float64) - test) ** 2)
+    return float("inf") if noise == 0 else float(10 * np.log10(np.sum(np.asarray(ref, np.float64) ** 2) / noise))
+
+
+def compare(part: str, precision: str, ref: np.ndarray, out: np.ndarray) -> dict:
+    """Figures for a float output and whether they pass the part's threshold at this precision."""
+    fig = {"cosine": cosine(ref, out), "max_abs": max_abs(ref, out), "ref_max_abs": float(np.max(np.abs(ref)))}
+    if precision == "fp32":
+        fig["limit_max_abs"] = FP32_REL_ATOL * max(1.0, fig["ref_max_abs"])
+        fig["ok"] = fig["max_abs"] <= fig["limit_max_abs"]
+    else:
+        fig["min_cosine"] = THRESHOLDS[precision][part]
+        fig["ok"] = fig["cosine"] >= fig["min_cosine"]
+    return fig
+
+
+def summary(fig: dict) -> str:
+    """One short figure for tables: code agreement, cosine, or max abs error."""
+    if "skipped" in fig:
+        return f"not checked ({fig['skipped']})"
+    if "agreement" in fig:
+        return f"codes {fig['agreement'] * 100:.2f}%"
+    if "limit_max_abs" in fig:
+        return f"maxabs {fig['max_abs']:.1e}"
+    return f"cos {fig['cosine']:.5f}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# per-part checks: fixed inputs, ONNX part vs reference (the reference is a `ReferenceModel`)
+
+def _torch(x):
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(x))
+
+
+def check_text_embed(part, ref, precision: str, rng: np.random.Generator) -> dict:
+    ids = rng.integers(0, ref.tokenizer.get_vocab_size(), (2, 7))
+    out = part(input_ids=ids)["embeddings"]
+    return compare("text_embed", precision, ref.text_embed(_torch(ids)).float().numpy(), out)
+
+
+def check_audio_embed(part, ref, precision: str, rng: np.random.Generator) -> dict:
+    f = ref.facts
+    codes = rng.integers(0, f.codebook_vocab, (2, 5, f.num_codebooks))  # BOC/EOC included
+    out = part(audio_codes=codes)["embeddings"]
+    return compare("audio_embed", precision, ref.fused_embed(_torch(codes)).float().numpy(), out)
+
+
+def check_audio_heads(part, ref, precision: str, rng: np.random.Generator) -> dict:
+    hidden = rng.standard_normal((2, 3, ref.facts.hidden)).astype(np.float32)  # post-norm scale: RMS ~1
+    want = ref.audio_head(_torch(hidden)).numpy()
+    out = part(hidden_states=hidden)["logits"].astype(np.float32)
+    fig = compare("audio_heads", precision, want, out)
+    fig["argmax_agreement"] = float((want.argmax(-1) == out.argmax(-1)).mean())
+    return fig
+
+
+def check_llm_decoder(part, ref, precision: str, rng: np.random.Generator) -> dict:
+    """Prefill of 7 text positions, then 2 single-row decode steps, against one full reference forward."""
+    import torch
+
+    from .runtime.decoder import SimpleDecoder
+
+    f = ref.facts
+    ids = rng.integers(0, ref.tokenizer.get_vocab_size(), 7)
+    codes = rng.integers(0, f.codebook_size, (2, f.num_codebooks))
+    embeds = np.concatenate([ref.text_embed(_torch(ids)).float().numpy(),
+                             ref.fused_embed(_torch(codes)).float().numpy()])
+    with torch.no_grad():
+        want = ref.body(inputs_embeds=_torch(embeds)[None].to(ref.dtype)).last_hidden_state[0].float().numpy()
+    dec = SimpleDecoder(part, f)
+    got = [dec.prefill(embeds[:7])]
+    got += [dec.step(embeds[i:i + 1]) for i in (7, 8)]
+    out = np.concatenate(got)
+    fig = compare("llm_decoder", precision, want, out)
+    fig["per_step_cosine"] = [cosine(want[i], out[i]) for i in (6, 7, 8)]
+    return fig
+
+
+def check_audio_encoder(part, ref, precision: str, rng: np.random.Generator) -> dict:
+    sr = ref.facts.sample_rate
+    t = np.arange(int(1.37 * sr) + 1) / sr  # an odd length: not a multiple of the hop
+    wav = (0.3 * np.sin(2 * np.pi * 220 * t) + 0.05 * rng.standard_normal(t.size)).astype(np.float32)
+    want = ref.encode_audio(wav)  # (T, N)
+    got = part(waveform=wav[None])["audio_codes"][0].T
+    same = want.shape == got.shape
+    agreement = float((want == got).mean()) if same else 0.0
+    return {"agreement": agreement, "frames": int(got.shape[0]), "ok": same and agreement >= MIN_CODE_AGREEMENT}
+
+
+def check_audio_tokenizer(part, ref, precision: str, rng: np.random.Generator) -> dict:
+    f = ref.facts
+    codes = rng.integers(0, f.codebook_size, (1, f.num_codebooks, 7))
+    want = ref.decode_audio(codes)
+    got = part(audio_codes=codes)["waveform"][0, 0].astype(np.float32)
+    fig = compare("audio_tokenizer", precision, want, got)
+    fig["snr_db"] = snr_db(want, got)
+    return fig
+
+
+CHECKS = {"text_embed": check_text_embed, "audio_embed": check_audio_embed, "audio_heads": check_audio_heads,
+          "llm_decoder": check_llm_decoder, "audio_encoder": check_audio_encoder,
+          "audio_tokenizer": check_audio_tokenizer}
+
+
+def check_part(name: str, path, ref, precision: str, provider: str = "cpu", seed: int = 0) -> dict:
+    from .runtime.session import Part
+
+    return CHECKS[name](Part(name, path, provider), ref, precision, np.random.default_rng(seed))

@@ -1,0 +1,129 @@
+"""Streaming int4 weight quantization of an ONNX model with external data: MatMul -> MatMulNBits.
+
+ModelBuilder's own int4 path materialises an fp32 copy of every weight (toolchain G8: ~25 GB for Qwen3-4B), and
+onnxruntime's `MatMulNBitsQuantizer` loads the whole model too (~18 GB). Here the fp32 graph is loaded without its
+weights, each MatMul weight is read from the external data file through a memory map, quantized with the same
+MLAS kernel the stock quantizer calls (`quantize_matmul_4bits`: symmetric RTN, block-wise along K), and written
+out at once, so RAM holds one weight at a time. Node, attribute and initializer names follow the stock quantizer
+(`<weight>_Q4`, `<weight>_scales`), so the quantized weights equal those of ModelBuilder's own int4 build (tested).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+log = logging.getLogger(__name__)
+
+
+def _external_info(t: TensorProto) -> dict[str, str]:
+    return {e.key: e.value for e in t.external_data}
+
+
+def _read_weight(t: TensorProto, base: Path) -> np.ndarray:
+    if t.data_location != TensorProto.EXTERNAL:
+        return numpy_helper.to_array(t)
+    info = _external_info(t)
+    dtype = helper.tensor_dtype_to_np_dtype(t.data_type)
+    count = int(np.prod(t.dims))
+    return np.memmap(base / info["location"], dtype=dtype, mode="r", offset=int(info.get("offset", 0)),
+                     shape=tuple(t.dims))
+
+
+def quantize_block(w: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(K, N) float32 weight -> packed uint8 (N, K/bs, bs/2) and float32 scales (N, K/bs), symmetric."""
+    from onnxruntime.capi._pybind_state import quantize_matmul_4bits
+
+    k, n = w.shape
+    k_blocks = (k + block_size - 1) // block_size
+    if k_blocks * block_size != k:
+        w = np.pad(w, ((0, k_blocks * block_size - k), (0, 0)))
+    packed = np.zeros((n, k_blocks, block_size // 2), dtype=np.uint8)
+    scales = np.zeros((n, k_blocks), dtype=np.float32)
+    zero_points = np.zeros((n, (k_blocks + 1) // 2), dtype=np.uint8)
+    quantize_matmul_4bits(packed, np.ascontiguousarray(w, np.float32), scales, zero_points, block_size, n, k, True)
+    return packed, scales
+
+
+class _DataWriter:
+    """Appends tensors to one external data file, 4 KiB aligned like onnx's own writer."""
+
+    def __init__(self, path: Path):
+        self.path, self.f, self.offset = path, open(path, "wb"), 0
+
+    def add(self, name: str, array: np.ndarray) -> TensorProto:
+        pad = -self.offset % 4096
+        self.f.write(b"\0" * pad)
+        self.offset += pad
+        data = np.ascontiguousarray(array).tobytes()
+        self.f.write(data)
+        t = TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(array.dtype), dims=array.shape)
+        t.data_location = TensorProto.EXTERNAL
+        for key, value in (("location", self.path.name), ("offset", str(self.offset)), ("length", str(len(data)))):
+            t.external_data.add(key=key, value=value)
+        self.offset += len(data)
+        return t
+
+    def close(self) -> None:
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+
+
+def quantize_model_int4(src: Path, dst: Path, block_size: int = 32, accuracy_level: int = 4,
+                        progress: Callable[[int, int], None] | None = None) -> int:
+    """Quantize every MatMul with a 2-D constant weight in `src` to MatMulNBits into `dst` (+ `<dst>.data`).
+
+    Other initializers are copied as they are. Returns the number of quantized MatMuls.
+    """
+    model = onnx.load(str(src), load_external_data=False)
+    graph, base = model.graph, src.parent
+    inits = {t.name: t for t in graph.initializer}
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    writer = _DataWriter(dst.with_name(dst.name + ".data"))
+    new_inits: list[TensorProto] = []
+    new_nodes: list[onnx.NodeProto] = []
+    targets = [n for n in graph.node if n.op_type == "MatMul" and n.input[1] in inits
+               and len(inits[n.input[1]].dims) == 2 and inits[n.input[1]].data_type == TensorProto.FLOAT]
+    quantized = {n.input[1] for n in targets}
+    done = 0
+    try:
+        for node in graph.node:
+            if node not in targets:
+                new_nodes.append(node)
+                continue
+            t = inits[node.input[1]]
+            k, n = t.dims
+            packed, scales = quantize_block(_read_weight(t, base), block_size)
+            q = writer.add(t.name + "_Q4", packed)
+            s = writer.add(t.name + "_scales", scales)
+            new_inits += [q, s]
+            attrs = {"K": k, "N": n, "bits": 4, "block_size": block_size}
+            if accuracy_level:
+                attrs["accuracy_level"] = accuracy_level
+            new_nodes.append(helper.make_node("MatMulNBits", [node.input[0], q.name, s.name], list(node.output),
+                                              name=node.name + "_Q4" if node.name else "", domain="com.microsoft",
+                                              **attrs))
+            done += 1
+            if progress:
+                progress(done, len(targets))
+        for t in graph.initializer:  # everything else (norm weights, rotary caches): copied through
+            if t.name not in quantized:
+                new_inits.append(writer.add(t.name, _read_weight(t, base)) if t.data_location ==
+                                 TensorProto.EXTERNAL else t)
+    finally:
+        writer.close()
+    del graph.node[:]
+    graph.node.extend(new_nodes)
+    del graph.initializer[:]
+    graph.initializer.extend(new_inits)
+    if not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    onnx.save(model, str(dst))
+    return done

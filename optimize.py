@@ -1,0 +1,72 @@
+"""Export Higgs Audio v3 TTS to a self-contained ONNX folder `onnx/<device>_<precision>/` with a manifest.
+
+Usage:
+    python optimize.py --device cpu --precision int4                  # downloads bosonai/higgs-tts-3-4b
+    python optimize.py --model-dir path/to/checkpoint --device cuda --precision fp16
+    python optimize.py --synthetic tiny --device cpu --precision int4  # embedded default, no download
+    python optimize.py ... --components llm_decoder audio_heads       # rebuild a subset
+    python optimize.py ... --part-precision audio_heads=fp16          # keep a part at higher precision
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from higgs_onnx.checkpoint import DEFAULT_REPO
+from higgs_onnx.cli import add_log_level, run_main
+from higgs_onnx.export import VALID, ExportOptions, Exporter
+from higgs_onnx.manifest import PART_NAMES
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = ExportOptions()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--model-dir", help=f"checkpoint folder or Hub repo id (default {DEFAULT_REPO})")
+    src.add_argument("--synthetic", choices=["tiny", "4b"], help="build a synthetic checkpoint instead")
+    ap.add_argument("--revision", help="Hub revision (branch, tag or commit)")
+    ap.add_argument("--device", choices=sorted(VALID), default=d.device)
+    ap.add_argument("--precision", choices=["int4", "fp16", "fp32"], default=d.precision)
+    ap.add_argument("--part-precision", nargs="+", default=[], metavar="PART=PREC",
+                    help="per-part precision overrides, e.g. audio_heads=fp16 audio_embed=fp32")
+    ap.add_argument("--components", nargs="+", default=[], choices=PART_NAMES, metavar="PART",
+                    help=f"parts to rebuild even when up to date ({', '.join(PART_NAMES)})")
+    ap.add_argument("--block-size", type=int, default=d.block_size, help="int4 block size (default %(default)s)")
+    ap.add_argument("--accuracy-level", type=int, choices=range(5), help="MatMulNBits accuracy level "
+                    "(default 4 on cpu, 0 elsewhere)")
+    ap.add_argument("--output", type=Path, default=Path("onnx"), help="output root (default %(default)s)")
+    ap.add_argument("--force", action="store_true", help="rebuild every step")
+    add_log_level(ap)
+    return ap
+
+
+def parse_overrides(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        part, sep, prec = item.partition("=")
+        if not sep:
+            raise ValueError(f"--part-precision expects PART=PRECISION, got {item!r}")
+        out[part.strip()] = prec.strip()
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    opts = ExportOptions(device=args.device, precision=args.precision,
+                         part_precision=parse_overrides(args.part_precision), block_size=args.block_size,
+                         accuracy_level=args.accuracy_level, components=tuple(args.components), force=args.force)
+    exporter = Exporter(args.model_dir or DEFAULT_REPO, args.output, opts, revision=args.revision,
+                        token=os.environ.get("HF_TOKEN"), synthetic=args.synthetic)
+    exporter.run()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_main(run, build_parser(), argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
