@@ -10,14 +10,16 @@ import numpy as np
 
 # Minimum cosine (or code agreement) per part and precision. fp32 is judged by max abs error instead:
 # <= FP32_REL_ATOL x max(1, |reference| max). int4 on random weights is the worst case (toolchain §2.5:
-# cos 0.99 tiny, 0.93 for a deeper random model), real weights do better.
+# cos 0.99 tiny, 0.93 for a deeper random model, 0.65 for 36 random layers), real weights do better; the int4
+# decoder's real gate is INT4_DEQUANTIZED_MIN_COSINE below, its plain-cosine floor (0.5) only catches wrecks.
 FP32_REL_ATOL = 1e-4
 THRESHOLDS = {
-    "int4": {"llm_decoder": 0.9, "audio_embed": 0.99, "audio_heads": 0.99, "text_embed": 0.99},
+    "int4": {"llm_decoder": 0.5, "audio_embed": 0.99, "audio_heads": 0.99, "text_embed": 0.99},
     "fp16": {"llm_decoder": 0.999, "audio_embed": 0.999, "audio_heads": 0.999, "text_embed": 0.9999,
              "audio_tokenizer": 0.999},
 }
-MIN_CODE_AGREEMENT = 0.99  # audio_encoder: share of codes equal to the reference (near-ties may flip)
+MIN_CODE_AGREEMENT = 0.99
+INT4_DEQUANTIZED_MIN_COSINE = 0.99  # int4 decoder vs a reference with the same (dequantized) int4 weights  # audio_encoder: share of codes equal to the reference (near-ties may flip)
 
 
 def cosine(a: np.ndarray, b: np.ndarray) -> float:
@@ -55,6 +57,8 @@ def summary(fig: dict) -> str:
         return f"codes {fig['agreement'] * 100:.2f}%"
     if "limit_max_abs" in fig:
         return f"maxabs {fig['max_abs']:.1e}"
+    if "cosine_vs_dequantized" in fig:
+        return f"cos {fig['cosine']:.5f} (vs dequantized weights {fig['cosine_vs_dequantized']:.5f})"
     return f"cos {fig['cosine']:.5f}"
 
 
@@ -108,7 +112,42 @@ def check_llm_decoder(part, ref, precision: str, rng: np.random.Generator) -> di
     out = np.concatenate(got)
     fig = compare("llm_decoder", precision, want, out)
     fig["per_step_cosine"] = [cosine(want[i], out[i]) for i in (6, 7, 8)]
+    if precision == "int4":
+        # int4 weight error compounds with depth on random weights (36 random layers: cos ~0.65 although every
+        # layer is right), so the gate is the comparison with a reference that uses the export's own dequantized
+        # int4 weights: it isolates graph faults from quantization loss. The plain cosine stays in the report.
+        ref.release_body()
+        body = dequantized_body(ref, part.path)
+        with torch.no_grad():
+            deq = body(inputs_embeds=_torch(embeds)[None].to(ref.dtype)).last_hidden_state[0].float().numpy()
+        del body
+        fig["cosine_vs_dequantized"] = cosine(deq, out)
+        fig["min_cosine_vs_dequantized"] = INT4_DEQUANTIZED_MIN_COSINE
+        fig["ok"] = fig["ok"] and fig["cosine_vs_dequantized"] >= INT4_DEQUANTIZED_MIN_COSINE
     return fig
+
+
+def dequantized_body(ref, onnx_path):
+    """A fresh reference body whose projection weights are the export's int4 weights, dequantized."""
+    import torch
+
+    from .quantize import dequantized_weights
+    from .reference.model import load_body
+
+    body = load_body(ref.folder, ref.dtype)
+    f = ref.facts
+    q, kv = f.heads * f.head_dim, f.kv_heads * f.head_dim
+    for name, w in dequantized_weights(onnx_path):  # e.g. model.layers.3.attn.qkv_proj.MatMul.weight
+        parts = name.split(".")
+        layer, proj = body.layers[int(parts[2])], parts[4]
+        wt = torch.from_numpy(np.ascontiguousarray(w.T)).to(ref.dtype)  # (N, K) like nn.Linear
+        if proj == "qkv_proj":
+            layer.self_attn.q_proj.weight.data, layer.self_attn.k_proj.weight.data, \
+                layer.self_attn.v_proj.weight.data = wt[:q].clone(), wt[q:q + kv].clone(), wt[q + kv:].clone()
+        else:
+            owner = layer.self_attn if parts[3] == "attn" else layer.mlp
+            getattr(owner, proj).weight.data = wt
+    return body
 
 
 def check_audio_encoder(part, ref, precision: str, rng: np.random.Generator) -> dict:

@@ -127,3 +127,26 @@ def quantize_model_int4(src: Path, dst: Path, block_size: int = 32, accuracy_lev
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     onnx.save(model, str(dst))
     return done
+
+
+def dequantize_block(packed: np.ndarray, scales: np.ndarray, k: int) -> np.ndarray:
+    """Inverse of `quantize_block` (symmetric: zero point 8): -> (K, N) float32. Low nibble = even element."""
+    n, k_blocks, half = packed.shape
+    q = np.empty((n, k_blocks, half * 2), dtype=np.int8)
+    q[..., 0::2] = packed & 0x0F
+    q[..., 1::2] = packed >> 4
+    w = (q.astype(np.float32) - 8.0) * scales[..., None]
+    return w.reshape(n, k_blocks * half * 2)[:, :k].T
+
+
+def dequantized_weights(path: Path):
+    """Yield (MatMul weight name, (K, N) float32) for every MatMulNBits of a model, one at a time."""
+    model = onnx.load(str(path), load_external_data=False)
+    inits = {t.name: t for t in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type != "MatMulNBits":
+            continue
+        attrs = {a.name: a.i for a in node.attribute}
+        packed = np.asarray(_read_weight(inits[node.input[1]], path.parent))
+        scales = np.asarray(_read_weight(inits[node.input[2]], path.parent), np.float32)
+        yield node.input[1].removesuffix("_Q4"), dequantize_block(packed, scales, attrs["K"])

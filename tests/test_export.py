@@ -1,0 +1,195 @@
+"""optimize.py on the tiny checkpoint: six verified parts + manifest, skip/force/components, atomicity, copies."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from higgs_onnx.export import ExportOptions, Exporter
+from higgs_onnx.manifest import PART_NAMES, ManifestError, load_manifest, safe_member
+from higgs_onnx.parity import check_part
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="session")
+def out_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("onnx")
+
+
+@pytest.fixture(scope="session")
+def builds(tiny_ckpt, out_root):
+    return {p: Exporter(str(tiny_ckpt), out_root, ExportOptions("cpu", p)).run() for p in ("int4", "fp32")}
+
+
+def optimize(*args, **kw):
+    env = {**os.environ, "CI": "1"}
+    return subprocess.run([sys.executable, str(ROOT / "optimize.py"), *args], capture_output=True, text=True,
+                          env=env, cwd=ROOT, **kw)
+
+
+@pytest.mark.parametrize("precision", ["int4", "fp32"])
+def test_six_parts_and_manifest(builds, precision):
+    m = load_manifest(builds[precision], verify=True)
+    assert m.data["schema_version"] == 1 and m.data["execution_provider"] == "CPUExecutionProvider"
+    assert set(m.parts) == set(PART_NAMES)
+    expected = {"int4": {"llm_decoder": "int4", "text_embed": "fp16", "audio_embed": "int4", "audio_heads": "int4",
+                         "audio_encoder": "fp32", "audio_tokenizer": "fp32"},
+                "fp32": dict.fromkeys(PART_NAMES, "fp32")}[precision]
+    assert {p: e["precision"] for p, e in m.parts.items()} == expected
+    for part, e in m.parts.items():
+        assert e["parity"]["ok"], (part, e["parity"])
+        assert all(len(f["sha256"]) == 64 and f["size"] > 0 for f in e["files"].values())
+        assert e["inputs"] and e["outputs"]
+    model = m.model
+    assert (model["hidden"], model["num_codebooks"], model["boc"], model["eoc"], model["hop"]) == (64, 8, 1024, 1025,
+                                                                                                  960)
+    assert m.data["tokens"]["control_tags"]["<|emotion:elation|>"] > 0 and m.data["tools"]["onnxruntime"]
+    names = {p.name for p in builds[precision].iterdir()}
+    assert {"manifest.json", "genai_config.json", "tokenizer.json", "tokenizer_config.json"} <= names
+    dec_inputs = {i["name"] for i in m.parts["llm_decoder"]["inputs"]}
+    assert {"inputs_embeds", "attention_mask", "past_key_values.0.key"} <= dec_inputs
+
+
+def test_int4_graph_ops(builds):
+    m = load_manifest(builds["int4"], verify=False)
+    dec = onnx.load(str(m.part_file("llm_decoder")), load_external_data=False)
+    nbits = [n for n in dec.graph.node if n.op_type == "MatMulNBits"]
+    assert len(nbits) == 5 * 2 and not [n for n in dec.graph.node if n.op_type == "MatMul"]
+    assert all({a.name: a.i for a in n.attribute}["block_size"] == 32 for n in nbits)
+    assert "GatherBlockQuantized" in m.parts["audio_embed"]["ops"] and "MatMulNBits" in m.parts["audio_heads"]["ops"]
+
+
+@pytest.mark.parametrize("precision", ["int4", "fp32"])
+def test_every_part_against_the_reference(builds, reference, precision):
+    """Independent of the build's own check: other seeds, run from the finished folder."""
+    m = load_manifest(builds[precision], verify=False)
+    for part, e in m.parts.items():
+        fig = check_part(part, m.part_file(part), reference, e["precision"], seed=11)
+        assert fig["ok"], (part, fig)
+        if e["precision"] == "fp32" and part != "audio_encoder":
+            assert fig["max_abs"] <= 1e-4 * max(1.0, fig["ref_max_abs"])
+    dec = check_part("llm_decoder", m.part_file("llm_decoder"), reference, precision, seed=12)
+    assert dec["cosine"] > (0.99999 if precision == "fp32" else 0.98)
+
+
+def test_second_run_skips_and_force_rebuilds(builds, tiny_ckpt, out_root, capsys):
+    manifest = builds["int4"] / "manifest.json"
+    before = manifest.stat().st_mtime_ns
+    Exporter(str(tiny_ckpt), out_root, ExportOptions("cpu", "int4")).run()
+    assert "up to date" in capsys.readouterr().out and manifest.stat().st_mtime_ns == before
+    Exporter(str(tiny_ckpt), out_root, ExportOptions("cpu", "int4", components=("audio_heads",))).run()
+    out = capsys.readouterr().out
+    assert out.count("built:") == 1 and "audio_heads" in out and manifest.stat().st_mtime_ns != before
+    Exporter(str(tiny_ckpt), out_root, ExportOptions("cpu", "int4", force=True)).run()
+    assert capsys.readouterr().out.count("built:") == 6
+    load_manifest(builds["int4"], verify=True)
+
+
+def test_copied_folder_still_loads(builds, tmp_path, reference):
+    copy = shutil.copytree(builds["int4"], tmp_path / "elsewhere" / "model")
+    shutil.move(str(builds["int4"]), str(tmp_path / "moved_away"))  # nothing may point back to the build
+    try:
+        m = load_manifest(copy, verify=True)
+        for part, e in m.parts.items():
+            assert check_part(part, m.part_file(part), reference, e["precision"])["ok"]
+    finally:
+        shutil.move(str(tmp_path / "moved_away"), str(builds["int4"]))
+
+
+def test_kill_midway_keeps_the_previous_build(builds, tiny_ckpt, out_root):
+    manifest = (builds["fp32"] / "manifest.json").read_text()
+    proc = subprocess.Popen([sys.executable, str(ROOT / "optimize.py"), "--model-dir", str(tiny_ckpt), "--device",
+                             "cpu", "--precision", "fp32", "--output", str(out_root), "--force"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            env={**os.environ, "CI": "1"})
+    seen = ""
+    for line in proc.stdout:  # kill it in the middle of building part 3 (an Olive part)
+        seen += line
+        if "part 3/6" in line:
+            time.sleep(1.0)
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.wait(timeout=60)
+    assert "part 3/6" in seen and proc.returncode == -signal.SIGKILL
+    assert (builds["fp32"] / "manifest.json").read_text() == manifest
+    load_manifest(builds["fp32"], verify=True)
+    done = optimize("--model-dir", str(tiny_ckpt), "--device", "cpu", "--precision", "fp32",
+                    "--output", str(out_root), timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "up to date" in done.stdout  # parts 1-2 and the rest: finished ones are reused
+    load_manifest(builds["fp32"], verify=True)
+
+
+@pytest.mark.parametrize("device, precision", [("cuda", "fp16"), ("dml", "int4")])
+def test_gpu_graphs_build_here(builds, tiny_ckpt, out_root, device, precision):
+    folder = Exporter(str(tiny_ckpt), out_root, ExportOptions(device, precision)).run()
+    m = load_manifest(folder, verify=True)
+    assert m.data["device"] == device
+    assert m.data["execution_provider"] == {"cuda": "CUDAExecutionProvider", "dml": "DmlExecutionProvider"}[device]
+    assert m.parts["llm_decoder"]["parity"] == {"skipped": f"{device} graph"}
+    assert m.parts["audio_heads"]["precision"] == precision and m.parts["audio_heads"]["parity"]["ok"]
+
+
+def test_invalid_combination_is_refused_up_front(tmp_path):
+    r = optimize("--synthetic", "tiny", "--device", "cpu", "--precision", "fp16", "--output", str(tmp_path))
+    assert r.returncode == 2 and "cpu/int4" in r.stderr and "Traceback" not in r.stderr
+    assert r.stderr.count("\n") == 1 and not (tmp_path / "cpu_fp16").exists()
+    r = optimize("--synthetic", "tiny", "--part-precision", "audio_encoder=int4", "--output", str(tmp_path))
+    assert r.returncode == 2 and "audio_encoder cannot be built at int4" in r.stderr
+
+
+def test_streaming_quantizer_equals_the_stock_int4(tiny_ckpt, tmp_path):
+    from onnx import numpy_helper
+
+    from higgs_onnx.checkpoint import extract_qwen3
+    from higgs_onnx.parts.llm_decoder import FILE, build
+
+    qwen3 = extract_qwen3(tiny_ckpt, tmp_path / "qwen3")
+    build(qwen3, tmp_path / "stream", "int4", "cpu", tmp_path / "w1")
+    build(qwen3, tmp_path / "stock", "int4", "cpu", tmp_path / "w2", streaming=False)
+    a, b = (onnx.load(str(tmp_path / d / FILE)) for d in ("stream", "stock"))
+    ia = {t.name: numpy_helper.to_array(t) for t in a.graph.initializer}
+    ib = {t.name: numpy_helper.to_array(t) for t in b.graph.initializer}
+    assert ia.keys() == ib.keys() and sum(k.endswith("_Q4") for k in ia) == 10
+    for k in ia:
+        np.testing.assert_array_equal(ia[k], ib[k], err_msg=k)
+    assert [(n.op_type, list(n.input), list(n.attribute)) for n in a.graph.node] == \
+           [(n.op_type, list(n.input), list(n.attribute)) for n in b.graph.node]
+
+
+def test_manifest_entries_must_stay_inside_the_folder(tmp_path):
+    (tmp_path / "ok.onnx").write_bytes(b"x")
+    assert safe_member(tmp_path, "ok.onnx") == tmp_path / "ok.onnx"
+    for bad in ("../evil.onnx", "/etc/passwd", "sub/dir.onnx", ".."):
+        with pytest.raises(ManifestError, match="plain file name"):
+            safe_member(tmp_path, bad)
+    outside = tmp_path.parent / "outside.onnx"
+    outside.write_bytes(b"x")
+    (tmp_path / "link.onnx").symlink_to(outside)
+    with pytest.raises(ManifestError, match="outside"):
+        safe_member(tmp_path, "link.onnx")
+
+
+def test_tampered_files_are_caught(builds, tmp_path):
+    copy = shutil.copytree(builds["int4"], tmp_path / "m")
+    m = json.loads((copy / "manifest.json").read_text())
+    target = copy / m["parts"]["audio_heads"]["file"]
+    data = bytearray(target.read_bytes())
+    data[-1] ^= 1
+    target.write_bytes(bytes(data))
+    with pytest.raises(ManifestError, match="sha256"):
+        load_manifest(copy, verify=True)
+    load_manifest(copy, verify=False)  # --no-verify skips hashing (sizes still checked)
+    target.write_bytes(bytes(data[:-10]))
+    with pytest.raises(ManifestError, match="truncated"):
+        load_manifest(copy, verify=False)
