@@ -120,9 +120,13 @@ def build_olive_part(part: str, ckpt: Path, out: Path, precision: str, opts: Exp
         "host": "local", "target": "local", "cache_dir": str(work / "olive_cache"),
         "output_dir": str(work / "olive_out"), "log_severity_level": 3, "clean_cache": True,
     }
+    quiet = not log.isEnabledFor(logging.DEBUG)
     with warnings.catch_warnings():  # the tracer's warnings concern code paths the parity check covers
-        warnings.simplefilter("ignore")
-        logging.getLogger("olive").setLevel(logging.ERROR if not log.isEnabledFor(logging.DEBUG) else logging.DEBUG)
+        if quiet:
+            warnings.simplefilter("ignore")
+            logging.getLogger("olive").setLevel(logging.ERROR)
+            # Olive forces INFO to print its run history; drop those records unless debugging
+            logging.getLogger("olive.engine.engine").addFilter(_drop_run_history)
         result = olive_run(config)
     if result is None or not result.has_output_model():  # olive logs pass failures and returns (G5)
         raise RuntimeError(f"Olive produced no model for {part} (see the log above; rerun with --log-level DEBUG)")
@@ -134,6 +138,10 @@ def build_olive_part(part: str, ckpt: Path, out: Path, precision: str, opts: Exp
     shutil.rmtree(work / "olive_out", ignore_errors=True)
     shutil.rmtree(work / "olive_cache", ignore_errors=True)
     return dst
+
+
+def _drop_run_history(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(("run history", "Please install tabulate", "No run history"))
 
 
 EXPECTED_OPS = {("llm_decoder", "int4"): "MatMulNBits", ("audio_heads", "int4"): "MatMulNBits",

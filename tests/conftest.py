@@ -33,3 +33,16 @@ def real_tokenizer():
     from higgs_onnx.tokenizer_files import real_tokenizer_json
 
     return Tokenizer.from_str(real_tokenizer_json())
+
+
+@pytest.fixture(scope="session")
+def out_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("onnx")
+
+
+@pytest.fixture(scope="session")
+def builds(tiny_ckpt: Path, out_root: Path) -> dict[str, Path]:
+    """The tiny checkpoint exported at int4 and fp32 for cpu (built once per session)."""
+    from higgs_onnx.export import ExportOptions, Exporter
+
+    return {p: Exporter(str(tiny_ckpt), out_root, ExportOptions("cpu", p)).run() for p in ("int4", "fp32")}

@@ -21,16 +21,6 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="session")
-def out_root(tmp_path_factory):
-    return tmp_path_factory.mktemp("onnx")
-
-
-@pytest.fixture(scope="session")
-def builds(tiny_ckpt, out_root):
-    return {p: Exporter(str(tiny_ckpt), out_root, ExportOptions("cpu", p)).run() for p in ("int4", "fp32")}
-
-
 def optimize(*args, **kw):
     env = {**os.environ, "CI": "1"}
     return subprocess.run([sys.executable, str(ROOT / "optimize.py"), *args], capture_output=True, text=True,

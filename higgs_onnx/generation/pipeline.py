@@ -64,6 +64,13 @@ def synthesize(backend: Backend, codec: Codec, tokenizer: Tokenizer, tokens: Pro
     t_enc = time.perf_counter()
     n_ref = 0 if ref_rows is None else len(ref_rows)
     prompt = build_prompt(tokenizer, tokens, text, ref_rows=n_ref, ref_text=ref_text)
+    limit = facts.max_positions
+    if max_rows < 1 or max_rows >= limit:
+        raise ValueError(f"max frames must be in [1, {limit}) (the model's context), got {max_rows}")
+    if len(prompt) + facts.num_codebooks >= limit:
+        raise ValueError(f"the prompt is {len(prompt)} positions long; the model's context is {limit}: shorten the "
+                         f"text or the reference audio")
+    max_rows = min(max_rows, limit - len(prompt))  # the context bounds prompt + generated rows
     result = generate(backend, prompt, stop_rules(facts), sampling, np.random.default_rng(seed), max_rows,
                       facts.placeholder, ref_rows=ref_rows, on_row=on_row, keep_logits=keep_logits)
     codes = codes_for_codec(result.codes, facts.codebook_size)

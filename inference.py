@@ -1,0 +1,158 @@
+"""Generate speech with an exported Higgs Audio v3 model: ONNX Runtime only (no torch, no transformers).
+
+Usage:
+    python inference.py --model-path onnx/cpu_int4 --text "Hello there." --out hello.wav
+    python inference.py --model-path onnx/cpu_int4 --ref-audio me.flac --ref-text "What I said." \\
+                        --text "<|emotion:elation|>New words in my voice." --out clone.wav
+    python inference.py --model-path onnx/cpu_int4 --text-file lines.txt --out-dir out/   # one wav per line
+    python inference.py --model-path onnx/cpu_int4 --codes rows.npy --out decoded.wav     # decode given codes
+    python inference.py --model-path onnx/cpu_int4 --selftest                              # codec-only smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from higgs_onnx.cli import add_log_level, run_main
+from higgs_onnx.generation.pipeline import DEFAULT_MAX_ROWS
+from higgs_onnx.generation.sampling import SamplingOptions
+from higgs_onnx.runtime.session import PROVIDERS
+
+log = logging.getLogger("inference")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = SamplingOptions()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-path", type=Path, required=True, help="an onnx/<device>_<precision> folder")
+    what = ap.add_mutually_exclusive_group(required=True)
+    what.add_argument("--text", help="text to speak; control tags like <|emotion:elation|> are allowed")
+    what.add_argument("--text-file", type=Path, help="one utterance per line; writes one file per line to --out-dir")
+    what.add_argument("--codes", type=Path, help="decode these code rows (.npy, delayed or raw) without generation")
+    what.add_argument("--selftest", action="store_true", help="codec-only smoke test (encode + decode a tone)")
+    ap.add_argument("--out", type=Path, help="output audio file; format from the extension (.wav, .flac, .ogg)")
+    ap.add_argument("--out-dir", type=Path, help="output folder for --text-file")
+    ap.add_argument("--ref-audio", type=Path, help="reference recording of the voice to clone (any rate/channels)")
+    ap.add_argument("--ref-text", help="transcript of --ref-audio (optional, improves cloning)")
+    ap.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy (default %(default)s)")
+    ap.add_argument("--top-k", type=int, default=d.top_k, help="0 = off (default %(default)s)")
+    ap.add_argument("--top-p", type=float, default=d.top_p, help="1 = off (default %(default)s)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-frames", type=int, default=DEFAULT_MAX_ROWS,
+                    help="most code rows to generate (25 per second of audio; default %(default)s)")
+    ap.add_argument("--provider", choices=sorted(PROVIDERS), help="execution provider (default: the one the "
+                    "folder was built for)")
+    ap.add_argument("--threads", type=int, default=0, help="intra-op threads (0 = all cores)")
+    ap.add_argument("--save-codes", type=Path, help="save the delayed rows to FILE.npy and raw codes to FILE.raw.npy")
+    ap.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the model files")
+    add_log_level(ap)
+    return ap
+
+
+def check_args(args: argparse.Namespace) -> SamplingOptions:
+    sampling = SamplingOptions(args.temperature, args.top_k, args.top_p)  # raises ValueError on bad values
+    if args.ref_text is not None and args.ref_audio is None:
+        raise ValueError("--ref-text needs --ref-audio (the recording it transcribes)")
+    if args.text_file is not None and args.out_dir is None:
+        raise ValueError("--text-file needs --out-dir")
+    if (args.text is not None or args.codes is not None) and args.out is None:
+        raise ValueError("--out is required (e.g. --out hello.wav)")
+    for out in [args.out] if args.out else []:
+        from higgs_onnx.audio import WRITE_FORMATS
+
+        if out.suffix.lower() not in WRITE_FORMATS:
+            raise ValueError(f"unsupported output format {out.suffix!r}; use one of {', '.join(WRITE_FORMATS)}")
+        if not out.parent.is_dir():
+            raise FileNotFoundError(f"output folder {out.parent} does not exist")
+    if args.text is not None and not args.text.strip():
+        raise ValueError("--text is empty")
+    return sampling
+
+
+def speak(tts, text: str, out: Path, args, sampling: SamplingOptions) -> dict:
+    import numpy as np
+    from tqdm import tqdm
+
+    from higgs_onnx.audio import write_audio
+
+    bar = tqdm(total=args.max_frames, unit="row", desc=out.name, leave=False, disable=not sys.stderr.isatty())
+    speech = tts.generate(text, ref_audio=args.ref_audio, ref_text=args.ref_text, temperature=sampling.temperature,
+                          top_k=sampling.top_k, top_p=sampling.top_p, seed=args.seed, max_frames=args.max_frames,
+                          on_row=lambda n: bar.update(n - bar.n))
+    bar.close()
+    if speech.stop_reason != "eoc":
+        log.warning("%s: no end of speech within %d rows; the audio is cut at --max-frames", out.name, len(speech.rows))
+    write_audio(out, speech.waveform, speech.sample_rate)
+    if args.save_codes:
+        np.save(args.save_codes, speech.rows)
+        np.save(args.save_codes.with_suffix(".raw.npy"), speech.codes)
+    s = speech.stats
+    rtf = s["wall_s"] / max(s["audio_s"], 1e-9)
+    print(f"{out}: {s['audio_s']:.2f} s audio in {s['wall_s']:.2f} s (RTF {rtf:.2f}); first frame after "
+          f"{s['encode_s'] + s['prefill_s']:.2f} s; {s['frames']} frames; stop: {s['stop_reason']}")
+    return s
+
+
+def run(args: argparse.Namespace) -> int:
+    sampling = check_args(args)
+    from higgs_onnx.runtime.model import HiggsTTS
+
+    tts = HiggsTTS(args.model_path, provider=args.provider, threads=args.threads, verify=not args.no_verify)
+    if args.selftest:
+        return selftest(tts)
+    if args.codes is not None:
+        return decode_codes(tts, args.codes, args.out)
+    if args.text is not None:
+        speak(tts, args.text, args.out, args, sampling)
+        return 0
+    lines = [ln.strip() for ln in args.text_file.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    if not lines:
+        raise ValueError(f"{args.text_file} has no non-empty lines")
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    total = [speak(tts, line, args.out_dir / f"{i:04d}.wav", args, sampling) for i, line in enumerate(lines, 1)]
+    audio, wall = sum(s["audio_s"] for s in total), sum(s["wall_s"] for s in total)
+    print(f"{len(total)} files in {args.out_dir}: {audio:.1f} s audio in {wall:.1f} s (RTF {wall / max(audio, 1e-9):.2f})")
+    return 0
+
+
+def decode_codes(tts, path: Path, out: Path) -> int:
+    import numpy as np
+
+    from higgs_onnx.audio import write_audio
+
+    rows = np.load(path, allow_pickle=False)
+    n = tts.facts.num_codebooks
+    if rows.ndim != 2 or rows.shape[1] != n or not np.issubdtype(rows.dtype, np.integer):
+        raise ValueError(f"{path}: expected integer code rows of shape (L, {n}), got {rows.dtype} {rows.shape}")
+    if rows.min() < 0 or rows.max() >= tts.facts.codebook_vocab:
+        raise ValueError(f"{path}: codes must lie in [0, {tts.facts.codebook_vocab})")
+    delayed = len(rows) > 0 and rows[0, 1:].tolist() == [tts.facts.boc] * (n - 1)  # delayed rows start with BOC
+    wav = tts.decode_rows(rows.astype(np.int64), delayed=delayed)
+    write_audio(out, wav, tts.facts.sample_rate)
+    print(f"{out}: {wav.size / tts.facts.sample_rate:.2f} s decoded from {'delayed' if delayed else 'raw'} rows")
+    return 0
+
+
+def selftest(tts) -> int:
+    import numpy as np
+
+    f = tts.facts
+    t = np.arange(int(1.5 * f.sample_rate)) / f.sample_rate
+    wav = (0.3 * np.sin(2 * np.pi * 220 * t)).astype(np.float32)
+    codes = tts.encode_audio(wav)
+    audio = tts.decode_rows(codes, delayed=False)
+    ok = codes.shape[1] == f.num_codebooks and audio.size == codes.shape[0] * f.hop and np.isfinite(audio).all()
+    print(f"selftest {'OK' if ok else 'FAILED'}: {wav.size} samples -> codes {codes.shape} -> {audio.size} samples")
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_main(run, build_parser(), argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
