@@ -115,7 +115,8 @@ def run(args: argparse.Namespace) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     total = [speak(tts, line, args.out_dir / f"{i:04d}.wav", args, sampling) for i, line in enumerate(lines, 1)]
     audio, wall = sum(s["audio_s"] for s in total), sum(s["wall_s"] for s in total)
-    print(f"{len(total)} files in {args.out_dir}: {audio:.1f} s audio in {wall:.1f} s (RTF {wall / max(audio, 1e-9):.2f})")
+    rtf = wall / max(audio, 1e-9)
+    print(f"{len(total)} files in {args.out_dir}: {audio:.1f} s audio in {wall:.1f} s (RTF {rtf:.2f})")
     return 0
 
 

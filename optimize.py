@@ -17,7 +17,7 @@ from pathlib import Path
 
 from higgs_onnx.checkpoint import DEFAULT_REPO
 from higgs_onnx.cli import add_log_level, run_main
-from higgs_onnx.export import VALID, ExportOptions, Exporter
+from higgs_onnx.export import VALID, Exporter, ExportOptions
 from higgs_onnx.manifest import PART_NAMES
 
 

@@ -115,7 +115,7 @@ class ModelFacts:
         return self.sample_rate / self.hop
 
     @classmethod
-    def from_configs(cls, cfg: dict, ccfg: dict) -> "ModelFacts":
+    def from_configs(cls, cfg: dict, ccfg: dict) -> ModelFacts:
         try:
             tc, ac = cfg["text_config"], cfg["audio_encoder_config"]
             rope = tc.get("rope_parameters") or {}

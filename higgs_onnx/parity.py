@@ -18,8 +18,8 @@ THRESHOLDS = {
     "fp16": {"llm_decoder": 0.999, "audio_embed": 0.999, "audio_heads": 0.999, "text_embed": 0.9999,
              "audio_tokenizer": 0.999},
 }
-MIN_CODE_AGREEMENT = 0.99
-INT4_DEQUANTIZED_MIN_COSINE = 0.99  # int4 decoder vs a reference with the same (dequantized) int4 weights  # audio_encoder: share of codes equal to the reference (near-ties may flip)
+MIN_CODE_AGREEMENT = 0.99  # audio_encoder: share of codes equal to the reference (near-ties may flip)
+INT4_DEQUANTIZED_MIN_COSINE = 0.99  # int4 decoder vs a reference with the same (dequantized) int4 weights
 
 
 def cosine(a: np.ndarray, b: np.ndarray) -> float:

@@ -31,7 +31,6 @@ def _read_weight(t: TensorProto, base: Path) -> np.ndarray:
         return numpy_helper.to_array(t)
     info = _external_info(t)
     dtype = helper.tensor_dtype_to_np_dtype(t.data_type)
-    count = int(np.prod(t.dims))
     return np.memmap(base / info["location"], dtype=dtype, mode="r", offset=int(info.get("offset", 0)),
                      shape=tuple(t.dims))
 

@@ -179,9 +179,9 @@ def model_config(preset: Preset, tokenizer: dict) -> dict:
 def codec_specs(codec_cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
     """Names/shapes of transformers' HiggsAudioV2TokenizerModel state dict (built on the meta device) + extras."""
     import torch
+    from transformers import HiggsAudioV2TokenizerConfig
 
     from .reference.torchaudio_shim import load_codec_class
-    from transformers import HiggsAudioV2TokenizerConfig
 
     cls = load_codec_class()
     kwargs = {k: v for k, v in codec_cfg.items() if k not in ("model_type", "architectures", "dtype",

@@ -43,6 +43,6 @@ def out_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def builds(tiny_ckpt: Path, out_root: Path) -> dict[str, Path]:
     """The tiny checkpoint exported at int4 and fp32 for cpu (built once per session)."""
-    from higgs_onnx.export import ExportOptions, Exporter
+    from higgs_onnx.export import Exporter, ExportOptions
 
     return {p: Exporter(str(tiny_ckpt), out_root, ExportOptions("cpu", p)).run() for p in ("int4", "fp32")}

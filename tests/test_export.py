@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 import pytest
 
-from higgs_onnx.export import ExportOptions, Exporter
+from higgs_onnx.export import Exporter, ExportOptions
 from higgs_onnx.manifest import PART_NAMES, ManifestError, load_manifest, safe_member
 from higgs_onnx.parity import check_part
 

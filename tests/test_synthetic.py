@@ -7,7 +7,7 @@ import pytest
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from higgs_onnx.checkpoint import (AUDIO_EMBED, CODEC_PREFIX, TEXT_EMBED, backbone_shapes, load_facts, validate)
+from higgs_onnx.checkpoint import AUDIO_EMBED, CODEC_PREFIX, TEXT_EMBED, backbone_shapes, load_facts, validate
 from higgs_onnx.synthetic import FILE_ONLY, build
 
 TOP_KEYS = {"architectures", "model_type", "_hidden_size", "_vocab_size", "audio_token_id", "ignore_index",

@@ -17,6 +17,7 @@ from .prompt import PromptTokens, build_prompt
 from .sampling import SamplingOptions
 
 DEFAULT_MAX_ROWS = 2048  # SGO/Replicate max_new_tokens: delayed rows, ~81.6 s of audio
+DEFAULT_SAMPLING = SamplingOptions()
 
 
 class Codec(Protocol):
@@ -49,7 +50,7 @@ def reference_rows(codec: Codec, facts: ModelFacts, ref_wav: np.ndarray) -> np.n
 
 def synthesize(backend: Backend, codec: Codec, tokenizer: Tokenizer, tokens: PromptTokens, facts: ModelFacts,
                text: str, ref_wav: np.ndarray | None = None, ref_text: str | None = None,
-               sampling: SamplingOptions = SamplingOptions(), seed: int = 0, max_rows: int = DEFAULT_MAX_ROWS,
+               sampling: SamplingOptions = DEFAULT_SAMPLING, seed: int = 0, max_rows: int = DEFAULT_MAX_ROWS,
                on_row: Callable[[int], None] | None = None, ref_rows: np.ndarray | None = None,
                keep_logits: bool = False) -> tuple[Speech, GenerationResult]:
     """Generate speech for `text`; `ref_wav` (mono, codec rate) clones a voice, `ref_text` is its transcript.

@@ -33,7 +33,7 @@ class PromptTokens:
     control_tags: dict[str, int]  # "<|emotion:elation|>" -> id
 
     @classmethod
-    def from_tokenizer(cls, tok: Tokenizer, placeholder: int) -> "PromptTokens":
+    def from_tokenizer(cls, tok: Tokenizer, placeholder: int) -> PromptTokens:
         added = {t.content: i for i, t in tok.get_added_tokens_decoder().items()}
         missing = [f"<|{n}|>" for n in SPECIAL_NAMES if f"<|{n}|>" not in added]
         if missing:

@@ -2,7 +2,8 @@
 
 Usage:
     python -m higgs_onnx.reference --checkpoint models/tiny --text "Hello there." --out ref.wav
-    python -m higgs_onnx.reference --checkpoint DIR --ref-audio me.wav --ref-text "What I said." --text "..." --out clone.wav
+    python -m higgs_onnx.reference --checkpoint DIR --ref-audio me.wav --ref-text "What I said." \
+        --text "New words." --out clone.wav
 """
 
 from __future__ import annotations

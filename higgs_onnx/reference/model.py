@@ -17,11 +17,20 @@ import torch
 from safetensors import safe_open
 
 from ..audio import load_reference
-from ..generation.pipeline import DEFAULT_MAX_ROWS, Speech, synthesize
+from ..checkpoint import (
+    AUDIO_EMBED,
+    CODEC_PREFIX,
+    QWEN3_NAME_MAP,
+    TEXT_EMBED,
+    WEIGHTS,
+    codec_config,
+    load_json,
+    qwen3_config,
+    validate,
+)
+from ..generation.pipeline import DEFAULT_MAX_ROWS, DEFAULT_SAMPLING, Speech, synthesize
 from ..generation.prompt import PromptTokens
 from ..generation.sampling import SamplingOptions
-from ..checkpoint import (AUDIO_EMBED, CODEC_PREFIX, QWEN3_NAME_MAP, TEXT_EMBED, WEIGHTS, codec_config, load_json,
-                          qwen3_config, validate)
 
 log = logging.getLogger(__name__)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -96,7 +105,7 @@ class ReferenceModel:
         self.tokens = PromptTokens.from_tokenizer(self.tokenizer, f.placeholder)
 
     def generate(self, text: str, ref_audio: str | Path | np.ndarray | None = None, ref_text: str | None = None,
-                 sampling: SamplingOptions = SamplingOptions(), seed: int = 0, max_rows: int = DEFAULT_MAX_ROWS,
+                 sampling: SamplingOptions = DEFAULT_SAMPLING, seed: int = 0, max_rows: int = DEFAULT_MAX_ROWS,
                  **kwargs) -> Speech:
         """Codes and a waveform for `text`; `ref_audio` is a file or a mono waveform at the codec rate."""
         ref_wav = None
