@@ -1,5 +1,5 @@
 # Two commands do all set-up on a fresh machine:
-#   make demo   venv + install, then the whole pipeline on the embedded tiny synthetic checkpoint
+#   make demo   venv + install, then build -> generate wavs -> parity report on the tiny synthetic checkpoint
 #   make test   venv + install, then the whole test suite
 PY ?= python3
 VENV := .venv
@@ -17,14 +17,17 @@ $(STAMP): requirements.txt
 	$(BIN)/pip install -q --disable-pip-version-check -r requirements.txt
 	touch $(STAMP)
 
-models/tiny/config.json: | $(STAMP)
-	$(BIN)/python -m higgs_onnx.synthetic --preset tiny --out models/tiny
-
-demo: $(STAMP) models/tiny/config.json
-	$(BIN)/python -m higgs_onnx.reference --checkpoint models/tiny --temperature 0 \
-	    --text "Hello from the tiny synthetic Higgs model." --out demo_reference.wav
+demo: $(STAMP)
+	$(BIN)/python optimize.py --synthetic tiny --device cpu --precision int4
+	$(BIN)/python inference.py --model-path onnx/cpu_int4 --text "Hello from the tiny synthetic Higgs model." \
+	    --out demo.wav
+	$(BIN)/python inference.py --model-path onnx/cpu_int4 --ref-audio tests/data/ref_en_24k.wav \
+	    --ref-text "$$(cat tests/data/ref_en_24k.txt)" --text "<|emotion:elation|>New words in a cloned voice." \
+	    --out demo_clone.wav
+	$(BIN)/python eval.py --model-path onnx/cpu_int4 --markdown onnx/cpu_int4_report.md
 
 test: $(STAMP)
+	$(BIN)/python -m ruff check .
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
