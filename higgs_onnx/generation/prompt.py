@@ -11,11 +11,14 @@ tokens, so they tokenize to single ids as part of the text.
 
 from __future__ import annotations
 
+import logging
 import re
+import unicodedata
 from dataclasses import dataclass
 
 from tokenizers import Tokenizer
 
+log = logging.getLogger(__name__)
 SPECIAL_NAMES = ("tts", "text", "audio", "ref_audio", "ref_text")
 TAG_PATTERN = re.compile(r"<\|[^<>|]*\|>")
 
@@ -47,11 +50,32 @@ class PromptTokens:
         return [m for m in TAG_PATTERN.findall(text) if m not in added]
 
 
+def check_text(text: str, what: str = "text") -> str:
+    """Refuse text that cannot be spoken: not a string, empty, control characters, or nothing but tags."""
+    if not isinstance(text, str):
+        raise ValueError(f"{what} must be a string, got {type(text).__name__}")
+    bad = sorted({c for c in text if unicodedata.category(c) in ("Cc", "Cs") and c not in "\n\t\r"})
+    if bad:
+        raise ValueError(f"{what} contains control characters ({', '.join(f'U+{ord(c):04X}' for c in bad)}); "
+                         f"remove them")
+    if not text.strip():
+        raise ValueError(f"{what} is empty")
+    if not TAG_PATTERN.sub("", text).strip():
+        raise ValueError(f"{what} has only control tags and no words to speak")
+    return text
+
+
 def build_prompt(tok: Tokenizer, ids: PromptTokens, text: str, ref_rows: int = 0,
                  ref_text: str | None = None) -> list[int]:
     """The prompt ids; `ref_rows` placeholders are spliced with delayed reference rows by the caller."""
     if ref_text is not None and ref_rows == 0:
         raise ValueError("a reference transcript needs reference audio")
+    check_text(text)
+    if ref_text is not None:
+        check_text(ref_text, "the reference transcript")
+    unknown = ids.unknown_tags(text, tok)
+    if unknown:
+        log.warning("unknown tag(s) %s will be read as plain text", ", ".join(unknown))
     prompt = [ids.tts]
     if ref_text is not None:
         prompt += [ids.ref_text, *tok.encode(ref_text, add_special_tokens=False).ids]

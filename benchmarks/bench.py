@@ -1,0 +1,298 @@
+"""Benchmark the ONNX pipeline against this machine's memory-bandwidth floor and the PyTorch reference.
+
+Usage:
+    python benchmarks/bench.py --preset tiny                        # smoke run (seconds)
+    python benchmarks/bench.py --preset 4b --frames 64 --json bench_4b.json   # real geometry (builds ~9 GB + export)
+
+Everything is measured in one run: memory read bandwidth with the same thread count, the decoder step vs the floor
+(weight bytes / bandwidth), prefill, per-frame host overhead, codec speed, end-to-end speed and peak RSS (in a
+child process), the same rows through the PyTorch reference (bf16), and the int4 decoder export's time and RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("CI", "1")
+TEXT = "The quick brown fox jumps over the lazy dog while the speech synthesizer keeps talking."
+
+
+def bandwidth_gbs(threads: int, mb: int = 1024, repeats: int = 5) -> float:
+    """Read bandwidth: `threads` threads each summing its slice of one large array (NumPy drops the GIL)."""
+    a = np.ones(mb * 2**20 // 8)
+    chunks = np.array_split(a, threads)
+    best = 0.0
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            list(pool.map(np.sum, chunks))
+            best = max(best, a.nbytes / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def ensure_export(preset: str, precision: str, root: Path) -> tuple[Path, Path]:
+    from higgs_onnx.export import Exporter, ExportOptions
+    from higgs_onnx.synthetic import build
+
+    ckpt = root / f"synthetic_{preset}"
+    if not (ckpt / "config.json").is_file():
+        print(f"building the {preset} synthetic checkpoint ...", flush=True)
+        build(preset, ckpt, progress=sys.stderr.isatty())
+    return ckpt, Exporter(str(ckpt), root / "onnx", ExportOptions("cpu", precision)).run()
+
+
+class Timed:
+    """Wraps a backend and accumulates the time spent inside the decoder."""
+
+    def __init__(self, backend):
+        self.backend, self.decoder_s = backend, 0.0
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+    def prefill(self, embeds, max_len):
+        t0 = time.perf_counter()
+        out = self.backend.prefill(embeds, max_len)
+        self.decoder_s += time.perf_counter() - t0
+        return out
+
+    def decode(self, embed):
+        t0 = time.perf_counter()
+        out = self.backend.decode(embed)
+        self.decoder_s += time.perf_counter() - t0
+        return out
+
+
+def decoder_figures(tts, context: int, steps: int) -> dict:
+    f, rng = tts.facts, np.random.default_rng(0)
+    dec = tts.backend.decoder
+    ms = {}
+    for name, length in (("prefill_zero_shot_ms", 24), ("prefill_clone_ms", 24 + 250 + f.num_codebooks - 1)):
+        embeds = rng.standard_normal((length, f.hidden)).astype(np.float32)
+        t0 = time.perf_counter()
+        dec.prefill(embeds, length + 1)
+        ms[name] = (time.perf_counter() - t0) * 1e3
+    dec.prefill(rng.standard_normal((context, f.hidden)).astype(np.float32), context + steps + 1)
+    row = rng.standard_normal((1, f.hidden)).astype(np.float32)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        dec.step(row)
+        times.append((time.perf_counter() - t0) * 1e3)
+    ms["decoder_step_ms"] = statistics.median(times)
+    ms["context"] = context
+    return ms
+
+
+def generation_figures(model_path: Path, frames: int) -> dict:
+    """One generation in this process; returns timings (run in a child process for a clean peak RSS)."""
+    from higgs_onnx.generation.loop import generate
+    from higgs_onnx.generation.pipeline import stop_rules
+    from higgs_onnx.generation.prompt import build_prompt
+    from higgs_onnx.generation.sampling import SamplingOptions
+    from higgs_onnx.runtime.model import HiggsTTS
+
+    tts = HiggsTTS(model_path, verify=False)
+    tts.generate("Warm up.", max_frames=10)  # sessions created, buffers allocated
+    timed = Timed(tts.backend)
+    prompt = build_prompt(tts.tokenizer, tts.tokens, TEXT)
+    t0 = time.perf_counter()
+    res = generate(timed, prompt, stop_rules(tts.facts), SamplingOptions(), np.random.default_rng(0), frames,
+                   tts.facts.placeholder, teacher_rows=None)
+    t_loop = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    from higgs_onnx.generation.delay import codes_for_codec
+    wav = tts.decode_audio(codes_for_codec(res.codes, tts.facts.codebook_size))
+    t_codec = time.perf_counter() - t1
+    rows = len(res.rows)
+    decode_loop = t_loop - res.prefill_s
+    decoder_in_loop = timed.decoder_s - res.prefill_s
+    audio_s = wav.size / tts.facts.sample_rate
+    return {"rows": rows, "frames": len(res.codes), "prefill_s": res.prefill_s, "loop_s": t_loop,
+            "decoder_ms_per_row": decoder_in_loop / rows * 1e3,
+            "host_overhead_ms_per_row": (decode_loop - decoder_in_loop) / rows * 1e3,
+            "codec_decode_s": t_codec, "audio_s": audio_s, "wall_s": t_loop + t_codec,
+            "rows_per_s": rows / t_loop, "rtf": (t_loop + t_codec) / max(audio_s, 1e-9),
+            "time_to_first_frame_s": res.prefill_s, "rows_generated": res.rows.tolist(),
+            "peak_rss_mb": peak_rss_mb()}
+
+
+def peak_rss_mb() -> float:
+    """This process's peak RSS (VmHWM: unlike ru_maxrss it is not inherited from the parent across fork/exec)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def child(*args: str) -> tuple[dict, float]:
+    """Run this script in a child mode (a clean process for peak RSS); returns (its JSON, wall seconds)."""
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, str(Path(__file__).resolve()), *args], capture_output=True, text=True,
+                       cwd=ROOT)
+    if r.returncode:
+        raise RuntimeError(f"child {args[0]} failed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1]), time.perf_counter() - t0
+
+
+def codec_figures(tts) -> dict:
+    from higgs_onnx.audio import load_reference
+
+    f = tts.facts
+    codes = np.random.default_rng(1).integers(0, f.codebook_size, (1, f.num_codebooks, int(10 * f.frame_rate)))
+    tts.decode_audio(codes[..., :5])
+    t0 = time.perf_counter()
+    tts.decode_audio(codes)
+    dec = (time.perf_counter() - t0) * 1e3 / 10
+    wav = load_reference(ROOT / "tests" / "data" / "ref_en_24k.wav", f.sample_rate)
+    tts.encode_audio(wav[: f.sample_rate])
+    t0 = time.perf_counter()
+    tts.encode_audio(wav)
+    enc = (time.perf_counter() - t0) * 1e3 / (wav.size / f.sample_rate)
+    return {"codec_decode_ms_per_audio_s": dec, "codec_encode_ms_per_audio_s": enc}
+
+
+def torch_figures(ckpt: Path, rows: np.ndarray, text: str) -> dict:
+    """The PyTorch reference (bf16) fed the same rows (same number of decode steps)."""
+    import torch
+
+    from higgs_onnx.generation.loop import generate
+    from higgs_onnx.generation.pipeline import stop_rules
+    from higgs_onnx.generation.prompt import build_prompt
+    from higgs_onnx.generation.sampling import SamplingOptions
+    from higgs_onnx.reference.model import ReferenceBackend, ReferenceModel
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    ref = ReferenceModel(ckpt, dtype="bf16")
+    prompt = build_prompt(ref.tokenizer, ref.tokens, text)
+    be = ReferenceBackend(ref)
+    generate(be, prompt, stop_rules(ref.facts), SamplingOptions(), np.random.default_rng(0), 2, ref.facts.placeholder)
+    t0 = time.perf_counter()
+    res = generate(be, prompt, stop_rules(ref.facts), SamplingOptions(), np.random.default_rng(0), len(rows),
+                   ref.facts.placeholder, teacher_rows=rows)
+    loop = time.perf_counter() - t0
+    return {"rows": len(res.rows), "loop_s": loop, "rows_per_s": len(res.rows) / loop, "peak_rss_mb": peak_rss_mb()}
+
+
+def export_figures(ckpt: Path) -> dict:
+    """Extract + build the int4 decoder (fp32 ModelBuilder build, streaming quantization) in this process."""
+    import shutil
+
+    from higgs_onnx.checkpoint import extract_qwen3
+    from higgs_onnx.parts.llm_decoder import build
+
+    work = Path(tempfile.mkdtemp(dir=ckpt.parent))
+    try:
+        t0 = time.perf_counter()
+        build(extract_qwen3(ckpt, work / "qwen3"), work / "out", "int4", "cpu", work / "work")
+        return {"int4_decoder_export_s": time.perf_counter() - t0, "int4_decoder_export_peak_rss_mb": peak_rss_mb()}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", choices=["tiny", "4b"], default="tiny")
+    ap.add_argument("--device", choices=["cpu"], default="cpu")
+    ap.add_argument("--precision", choices=["int4", "fp32"], default="int4")
+    ap.add_argument("--frames", type=int, default=64, help="rows generated for the end-to-end figures")
+    ap.add_argument("--steps", type=int, default=50, help="decode steps for the decoder median")
+    ap.add_argument("--context", type=int, default=128, help="context length for the decoder step")
+    ap.add_argument("--work", type=Path, default=ROOT / "onnx" / "bench", help="where checkpoints/exports live")
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--skip-torch", action="store_true")
+    ap.add_argument("--skip-export", action="store_true", help="skip timing the int4 decoder export")
+    ap.add_argument("--_generation", type=Path, help=argparse.SUPPRESS)  # child modes
+    ap.add_argument("--_torch", nargs=2, type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--_export", type=Path, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args._generation:
+        print(json.dumps(generation_figures(args._generation, args.frames)))
+        return 0
+    if args._torch:
+        print(json.dumps(torch_figures(args._torch[0], np.load(args._torch[1]), TEXT)))
+        return 0
+    if args._export:
+        print(json.dumps(export_figures(args._export)))
+        return 0
+
+    from higgs_onnx.runtime.model import HiggsTTS
+
+    threads = os.cpu_count() or 1
+    ckpt, export = ensure_export(args.preset, args.precision, args.work / args.preset)
+    out = {"preset": args.preset, "precision": args.precision, "threads": threads}
+    out["bandwidth_gbs"] = bandwidth_gbs(threads)
+    data = sum(p.stat().st_size for p in export.glob("llm_decoder.onnx*"))
+    out["decoder_weight_mb"] = data / 2**20
+    out["floor_ms"] = data / (out["bandwidth_gbs"] * 1e9) * 1e3
+    tts = HiggsTTS(export, verify=False)
+    out.update(decoder_figures(tts, args.context, args.steps))
+    out.update(codec_figures(tts))
+    del tts
+    gen, _ = child("--_generation", str(export), "--frames", str(args.frames))
+    rows = np.asarray(gen.pop("rows_generated"), np.int64)
+    out["generation"] = gen
+    if not args.skip_torch:
+        out["torch"], _ = child("--_torch", str(ckpt), str(_save(rows)))
+        out["speedup_vs_torch"] = gen["rows_per_s"] / out["torch"]["rows_per_s"]
+    if not args.skip_export:
+        figures, _ = child("--_export", str(ckpt))
+        out.update(figures)
+    print_table(out)
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2))
+    return 0
+
+
+def _save(rows: np.ndarray) -> Path:
+    path = Path(tempfile.mkstemp(suffix=".npy")[1])
+    np.save(path, rows)
+    return path
+
+
+def print_table(o: dict) -> None:
+    g = o["generation"]
+    step = o["decoder_step_ms"]
+    lines = [
+        ("memory read bandwidth", f"{o['bandwidth_gbs']:.1f} GB/s", f"{o['threads']} threads"),
+        ("decoder weights", f"{o['decoder_weight_mb']:.1f} MB", "read once per decode step"),
+        ("bandwidth floor per step", f"{o['floor_ms']:.2f} ms", "weights / bandwidth"),
+        ("decoder step (median)", f"{step:.2f} ms", f"{step / o['floor_ms']:.2f} x floor, context {o['context']}"),
+        ("prefill, zero-shot prompt", f"{o['prefill_zero_shot_ms']:.1f} ms", "24 positions"),
+        ("prefill, clone-sized prompt", f"{o['prefill_clone_ms']:.1f} ms", "281 positions (10 s reference)"),
+        ("host overhead per frame", f"{g['host_overhead_ms_per_row']:.3f} ms",
+         f"{100 * g['host_overhead_ms_per_row'] / max(g['decoder_ms_per_row'], 1e-9):.1f} % of the decoder step"),
+        ("codec decode", f"{o['codec_decode_ms_per_audio_s']:.1f} ms / audio s",
+         f"{100 * g['codec_decode_s'] / max(g['wall_s'], 1e-9):.1f} % of generation time"),
+        ("codec encode", f"{o['codec_encode_ms_per_audio_s']:.1f} ms / audio s", "reference audio"),
+        ("end-to-end", f"{g['rows_per_s']:.1f} rows/s", f"RTF {g['rtf']:.2f}, {g['rows']} rows"),
+        ("time to first frame", f"{g['time_to_first_frame_s'] * 1e3:.1f} ms", "prompt prefill"),
+        ("generation peak RSS", f"{g['peak_rss_mb']:.0f} MB", "child process"),
+    ]
+    if "torch" in o:
+        lines.append(("PyTorch reference (bf16)", f"{o['torch']['rows_per_s']:.2f} rows/s",
+                      f"ONNX is {o['speedup_vs_torch']:.1f}x faster; RSS {o['torch']['peak_rss_mb']:.0f} MB"))
+    if "int4_decoder_export_s" in o:
+        lines.append(("int4 decoder export", f"{o['int4_decoder_export_s']:.1f} s",
+                      f"peak RSS {o['int4_decoder_export_peak_rss_mb']:.0f} MB"))
+    print(f"\nbenchmark: preset {o['preset']}, {o['precision']}, {o['threads']} threads")
+    for name, value, note in lines:
+        print(f"  {name:<30}{value:>20}   {note}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
