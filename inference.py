@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
 from higgs_onnx.cli import add_log_level, run_main
 from higgs_onnx.generation.pipeline import DEFAULT_MAX_ROWS
+from higgs_onnx.generation.prompt import check_text
 from higgs_onnx.generation.sampling import SamplingOptions
 from higgs_onnx.runtime.session import PROVIDERS
 
@@ -38,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out-dir", type=Path, help="output folder for --text-file")
     ap.add_argument("--ref-audio", type=Path, help="reference recording of the voice to clone (any rate/channels)")
     ap.add_argument("--ref-text", help="transcript of --ref-audio (optional, improves cloning)")
+    ap.add_argument("--save-voice", type=Path, help="save the encoded reference + its prefill state (.npz) to reuse")
+    ap.add_argument("--voice", type=Path, help="a voice saved with --save-voice (instead of --ref-audio)")
     ap.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy (default %(default)s)")
     ap.add_argument("--top-k", type=int, default=d.top_k, help="0 = off (default %(default)s)")
     ap.add_argument("--top-p", type=float, default=d.top_p, help="1 = off (default %(default)s)")
@@ -57,6 +61,10 @@ def check_args(args: argparse.Namespace) -> SamplingOptions:
     sampling = SamplingOptions(args.temperature, args.top_k, args.top_p)  # raises ValueError on bad values
     if args.ref_text is not None and args.ref_audio is None:
         raise ValueError("--ref-text needs --ref-audio (the recording it transcribes)")
+    if args.voice is not None and args.ref_audio is not None:
+        raise ValueError("use either --voice or --ref-audio, not both")
+    if args.save_voice is not None and args.ref_audio is None:
+        raise ValueError("--save-voice needs --ref-audio (the voice to save)")
     if args.text_file is not None and args.out_dir is None:
         raise ValueError("--text-file needs --out-dir")
     if (args.text is not None or args.codes is not None) and args.out is None:
@@ -68,20 +76,24 @@ def check_args(args: argparse.Namespace) -> SamplingOptions:
             raise ValueError(f"unsupported output format {out.suffix!r}; use one of {', '.join(WRITE_FORMATS)}")
         if not out.parent.is_dir():
             raise FileNotFoundError(f"output folder {out.parent} does not exist")
-    if args.text is not None and not args.text.strip():
-        raise ValueError("--text is empty")
+        if not os.access(out.parent, os.W_OK):
+            raise PermissionError(f"output folder {out.parent} is not writable")
+    if args.text is not None:
+        check_text(args.text)
+    if args.ref_text is not None:
+        check_text(args.ref_text, "--ref-text")
     return sampling
 
 
-def speak(tts, text: str, out: Path, args, sampling: SamplingOptions) -> dict:
+def speak(tts, text: str, out: Path, args, sampling: SamplingOptions, voice) -> dict:
     import numpy as np
     from tqdm import tqdm
 
     from higgs_onnx.audio import write_audio
 
     bar = tqdm(total=args.max_frames, unit="row", desc=out.name, leave=False, disable=not sys.stderr.isatty())
-    speech = tts.generate(text, ref_audio=args.ref_audio, ref_text=args.ref_text, temperature=sampling.temperature,
-                          top_k=sampling.top_k, top_p=sampling.top_p, seed=args.seed, max_frames=args.max_frames,
+    speech = tts.generate(text, voice=voice, temperature=sampling.temperature, top_k=sampling.top_k,
+                          top_p=sampling.top_p, seed=args.seed, max_frames=args.max_frames,
                           on_row=lambda n: bar.update(n - bar.n))
     bar.close()
     if speech.stop_reason != "eoc":
@@ -93,7 +105,7 @@ def speak(tts, text: str, out: Path, args, sampling: SamplingOptions) -> dict:
     s = speech.stats
     rtf = s["wall_s"] / max(s["audio_s"], 1e-9)
     print(f"{out}: {s['audio_s']:.2f} s audio in {s['wall_s']:.2f} s (RTF {rtf:.2f}); first frame after "
-          f"{s['encode_s'] + s['prefill_s']:.2f} s; {s['frames']} frames; stop: {s['stop_reason']}")
+          f"{s['first_frame_s']:.2f} s; {s['frames']} frames; stop: {s['stop_reason']}")
     return s
 
 
@@ -106,14 +118,24 @@ def run(args: argparse.Namespace) -> int:
         return selftest(tts)
     if args.codes is not None:
         return decode_codes(tts, args.codes, args.out)
+    voice = None
+    if args.voice is not None:
+        from higgs_onnx.runtime.model import Voice
+
+        voice = Voice.load(args.voice, tts.model_id)
+    elif args.ref_audio is not None:  # encoded and prefilled once, reused for every line
+        voice = tts.make_voice(args.ref_audio, args.ref_text)
+        if args.save_voice:
+            print(f"voice saved to {voice.save(args.save_voice)}")
     if args.text is not None:
-        speak(tts, args.text, args.out, args, sampling)
+        speak(tts, args.text, args.out, args, sampling, voice)
         return 0
     lines = [ln.strip() for ln in args.text_file.read_text(encoding="utf-8").splitlines() if ln.strip()]
     if not lines:
         raise ValueError(f"{args.text_file} has no non-empty lines")
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    total = [speak(tts, line, args.out_dir / f"{i:04d}.wav", args, sampling) for i, line in enumerate(lines, 1)]
+    total = [speak(tts, line, args.out_dir / f"{i:04d}.wav", args, sampling, voice)
+             for i, line in enumerate(lines, 1)]
     audio, wall = sum(s["audio_s"] for s in total), sum(s["wall_s"] for s in total)
     rtf = wall / max(audio, 1e-9)
     print(f"{len(total)} files in {args.out_dir}: {audio:.1f} s audio in {wall:.1f} s (RTF {rtf:.2f})")

@@ -115,6 +115,32 @@ class ModelFacts:
         return self.sample_rate / self.hop
 
     @classmethod
+    def from_dict(cls, data: dict) -> ModelFacts:
+        """Facts recorded in a manifest; raises ValueError when a field is missing, mistyped or inconsistent."""
+        import dataclasses
+
+        fields = {f.name: f.type for f in dataclasses.fields(cls)}
+        missing = sorted(set(fields) - set(data))
+        if missing:
+            raise ValueError(f"model facts lack {', '.join(missing)}")
+        values = {}
+        for name, kind in fields.items():
+            v = data[name]
+            want = float if kind in ("float", float) else int
+            if type(v) is bool or not isinstance(v, (int, float)) or (want is int and not isinstance(v, int)):
+                raise ValueError(f"model fact {name} must be a number, got {v!r}")
+            values[name] = want(v)
+        facts = cls(**values)
+        sizes = [facts.hidden, facts.layers, facts.heads, facts.kv_heads, facts.head_dim, facts.num_codebooks,
+                 facts.codebook_vocab, facts.max_positions, facts.sample_rate, facts.hop]
+        if min(sizes) <= 0:
+            raise ValueError("model facts must be positive sizes")
+        if (facts.boc, facts.eoc, facts.codebook_size) != (facts.codebook_vocab - 2, facts.codebook_vocab - 1,
+                                                           facts.codebook_vocab - 2):
+            raise ValueError("model facts: BOC/EOC/codebook size disagree with the codebook vocabulary")
+        return facts
+
+    @classmethod
     def from_configs(cls, cfg: dict, ccfg: dict) -> ModelFacts:
         try:
             tc, ac = cfg["text_config"], cfg["audio_encoder_config"]

@@ -10,6 +10,7 @@ Steps: resolve/download -> extract the Qwen3 body -> build each part -> assemble
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -103,8 +104,9 @@ def _olive_passes(precision: str, block_size: int, accuracy: int, opset: int) ->
 def build_olive_part(part: str, ckpt: Path, out: Path, precision: str, opts: ExportOptions, work: Path) -> Path:
     """Convert (and quantize) one torch part with Olive; the result is `out/<part>.onnx`."""
     os.environ.setdefault("CI", "1")  # before importing olive: no telemetry heartbeat (toolchain G3)
-    import onnx
     from olive.workflows import run as olive_run
+
+    import onnx
 
     from . import parts
 
@@ -247,6 +249,10 @@ class Exporter:
         shutil.rmtree(tmp, ignore_errors=True)
         t0 = time.perf_counter()
         if part == "llm_decoder":
+            need, free = self.disk_needed(ckpt), shutil.disk_usage(self.work.parent).free
+            if free < need:
+                raise OSError(errno.ENOSPC, f"{self.out_root} has {free / 2**30:.1f} GB free; building the decoder "
+                                            f"needs about {need / 2**30:.1f} GB (the previous build is left as it is)")
             qwen3 = extract_qwen3(ckpt, self.work / f"qwen3-{digest[:16]}")
             llm_decoder.build(qwen3, tmp, precision, o.device, self.work / "mb", o.block_size, o.accuracy)
         else:
@@ -332,10 +338,25 @@ class Exporter:
             lock.release()
 
     def _run(self) -> Path:
-        from .reference.model import ReferenceModel
-
         t0 = time.perf_counter()
         ckpt, facts = self.step_resolve()
+        need = self.disk_needed(ckpt)
+        try:
+            return self._build(ckpt, facts, t0)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            raise OSError(errno.ENOSPC, f"out of disk space while building into {self.out_root}: this build needs "
+                                        f"about {need / 2**30:.1f} GB free (the previous build is intact)") from None
+
+    def disk_needed(self, ckpt: Path) -> int:
+        """A generous estimate of the free space a decoder build needs: the extracted body (1x the weights), the
+        fp32 decoder before quantization (2x) and the finished parts (< 1x)."""
+        return int(4 * (ckpt / "model.safetensors").stat().st_size)
+
+    def _build(self, ckpt: Path, facts: ModelFacts, t0: float) -> Path:
+        from .reference.model import ReferenceModel
+
         digest = files_digest(ckpt)
         print(f"[1/4] checkpoint {ckpt} ({facts.layers} layers, hidden {facts.hidden})", flush=True)
         # the reference for the parity checks: fp32, or bf16 for full-size models (an fp32 4B body is 16 GB)

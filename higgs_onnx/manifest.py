@@ -81,11 +81,9 @@ def load_manifest(folder: str | os.PathLike, verify: bool = True) -> Manifest:
                             f"understands ({SCHEMA_VERSION}); update higgs-onnx")
     if data["schema_version"] < SCHEMA_VERSION:
         raise ManifestError(f"{mf} has old schema version {data['schema_version']}; rebuild with optimize.py --force")
-    parts = data.get("parts")
-    if not isinstance(parts, dict) or set(parts) != set(PART_NAMES):
-        raise ManifestError(f"{mf} must list the parts {', '.join(PART_NAMES)}")
-    for part, entry in parts.items():
-        for name, meta in entry.get("files", {}).items():
+    check_schema(data, mf)
+    for part, entry in data["parts"].items():
+        for name, meta in entry["files"].items():
             path = safe_member(folder, name)
             if not path.is_file():
                 raise ManifestError(f"{part}: file {name} is missing from {folder}")
@@ -95,6 +93,33 @@ def load_manifest(folder: str | os.PathLike, verify: bool = True) -> Manifest:
             if verify and sha256_file(path) != meta["sha256"]:
                 raise ManifestError(f"{part}: file {name} does not match its sha256 in the manifest (corrupt or "
                                     f"modified; rebuild, or pass --no-verify to skip this check)")
-    for name in data.get("files", {}):
-        safe_member(folder, name)
     return Manifest(folder=folder, data=data)
+
+
+def _expect(ok: bool, mf: Path, what: str) -> None:
+    if not ok:
+        raise ManifestError(f"{mf} is malformed: {what} (rebuild with optimize.py --force)")
+
+
+def check_schema(data: dict, mf: Path) -> None:
+    """Keys and types the runtime relies on; any mismatch is one ManifestError, never a KeyError deep inside."""
+    for key in ("device", "precision", "execution_provider", "tokenizer"):
+        _expect(isinstance(data.get(key), str), mf, f"'{key}' must be a string")
+    parts = data.get("parts")
+    _expect(isinstance(parts, dict) and set(parts) == set(PART_NAMES), mf, f"'parts' must list {', '.join(PART_NAMES)}")
+    for part, entry in parts.items():
+        _expect(isinstance(entry, dict) and isinstance(entry.get("file"), str) and isinstance(entry.get("precision"),
+                                                                                             str), mf,
+                f"part {part} needs 'file' and 'precision'")
+        files = entry.get("files")
+        _expect(isinstance(files, dict) and entry["file"] in files, mf, f"part {part} must list its files")
+        for name, meta in files.items():
+            _expect(isinstance(meta, dict) and type(meta.get("size")) is int and isinstance(meta.get("sha256"), str),
+                    mf, f"file {name!r} needs an integer 'size' and a 'sha256'")
+        for io in ("inputs", "outputs"):
+            _expect(isinstance(entry.get(io), list) and all(isinstance(x, dict) and isinstance(x.get("name"), str)
+                                                            for x in entry[io]), mf, f"part {part} '{io}' malformed")
+    model = data.get("model")
+    _expect(isinstance(model, dict), mf, "'model' must be an object")
+    tokens = data.get("tokens")
+    _expect(isinstance(tokens, dict) and isinstance(tokens.get("control_tags"), dict), mf, "'tokens' malformed")

@@ -87,13 +87,23 @@ def next_state(codes: np.ndarray, step: int, countdown: int, rules: StopRules) -
 def generate(backend: Backend, prompt: list[int], rules: StopRules, sampling: SamplingOptions,
              rng: np.random.Generator, max_rows: int, placeholder: int, ref_rows: np.ndarray | None = None,
              on_row: Callable[[int], None] | None = None, keep_logits: bool = False,
-             teacher_rows: np.ndarray | None = None) -> GenerationResult:
-    """Run prefill and the decode loop; `teacher_rows` (L, N) forces the fed rows (teacher forcing)."""
+             teacher_rows: np.ndarray | None = None, cached_prefix: tuple[int, dict] | None = None
+             ) -> GenerationResult:
+    """Run prefill and the decode loop; `teacher_rows` (L, N) forces the fed rows (teacher forcing).
+
+    `cached_prefix` = (n, state): the first n prompt positions are already in `state` (a backend snapshot); only
+    the rest of the prompt is prefilled.
+    """
     if max_rows < 1:
         raise ValueError(f"max_rows must be >= 1, got {max_rows}")
     t0 = time.perf_counter()
-    embeds = prompt_embeddings(backend, prompt, placeholder, ref_rows)
-    hidden = backend.prefill(embeds, max_len=len(prompt) + max_rows)
+    if cached_prefix is None:
+        embeds = prompt_embeddings(backend, prompt, placeholder, ref_rows)
+        hidden = backend.prefill(embeds, max_len=len(prompt) + max_rows)
+    else:
+        n, state = cached_prefix
+        embeds = prompt_embeddings(backend, prompt[n:], placeholder, None)
+        hidden = backend.prefill_cached(state, embeds, max_len=len(prompt) + max_rows)
     t1 = time.perf_counter()
     rows = np.empty((max_rows, rules.num_codebooks), dtype=np.int64)
     countdown, stop, n, logits_kept = -1, "max_rows", 0, []

@@ -52,10 +52,12 @@ def synthesize(backend: Backend, codec: Codec, tokenizer: Tokenizer, tokens: Pro
                text: str, ref_wav: np.ndarray | None = None, ref_text: str | None = None,
                sampling: SamplingOptions = DEFAULT_SAMPLING, seed: int = 0, max_rows: int = DEFAULT_MAX_ROWS,
                on_row: Callable[[int], None] | None = None, ref_rows: np.ndarray | None = None,
-               keep_logits: bool = False) -> tuple[Speech, GenerationResult]:
+               keep_logits: bool = False, cached_prefix: tuple[int, dict] | None = None
+               ) -> tuple[Speech, GenerationResult]:
     """Generate speech for `text`; `ref_wav` (mono, codec rate) clones a voice, `ref_text` is its transcript.
 
-    `ref_rows` may carry already-delayed reference rows (skips the codec encoder).
+    `ref_rows` may carry already-delayed reference rows (skips the codec encoder); `cached_prefix` the backend's
+    prefill state of the voice prefix (skips its prefill, see `generation.loop.generate`).
     """
     t0 = time.perf_counter()
     if ref_text is not None and ref_wav is None and ref_rows is None:
@@ -73,7 +75,8 @@ def synthesize(backend: Backend, codec: Codec, tokenizer: Tokenizer, tokens: Pro
                          f"text or the reference audio")
     max_rows = min(max_rows, limit - len(prompt))  # the context bounds prompt + generated rows
     result = generate(backend, prompt, stop_rules(facts), sampling, np.random.default_rng(seed), max_rows,
-                      facts.placeholder, ref_rows=ref_rows, on_row=on_row, keep_logits=keep_logits)
+                      facts.placeholder, ref_rows=ref_rows, on_row=on_row, keep_logits=keep_logits,
+                      cached_prefix=cached_prefix)
     codes = codes_for_codec(result.codes, facts.codebook_size)
     t_dec = time.perf_counter()
     wav = codec.decode_audio(codes) if codes.shape[-1] else np.zeros(0, np.float32)

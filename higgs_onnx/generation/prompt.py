@@ -76,10 +76,18 @@ def build_prompt(tok: Tokenizer, ids: PromptTokens, text: str, ref_rows: int = 0
     unknown = ids.unknown_tags(text, tok)
     if unknown:
         log.warning("unknown tag(s) %s will be read as plain text", ", ".join(unknown))
-    prompt = [ids.tts]
+    return build_prefix(tok, ids, ref_rows, ref_text) + build_suffix(tok, ids, text)
+
+
+def build_prefix(tok: Tokenizer, ids: PromptTokens, ref_rows: int = 0, ref_text: str | None = None) -> list[int]:
+    """The part of a prompt that depends only on the voice: everything before <|text|>."""
+    prefix = [ids.tts]
     if ref_text is not None:
-        prompt += [ids.ref_text, *tok.encode(ref_text, add_special_tokens=False).ids]
+        prefix += [ids.ref_text, *tok.encode(ref_text, add_special_tokens=False).ids]
     if ref_rows:
-        prompt += [ids.ref_audio, *([ids.placeholder] * ref_rows)]
-    prompt += [ids.text, *tok.encode(text, add_special_tokens=False).ids, ids.audio]
-    return prompt
+        prefix += [ids.ref_audio, *([ids.placeholder] * ref_rows)]
+    return prefix
+
+
+def build_suffix(tok: Tokenizer, ids: PromptTokens, text: str) -> list[int]:
+    return [ids.text, *tok.encode(text, add_special_tokens=False).ids, ids.audio]

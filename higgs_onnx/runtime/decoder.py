@@ -42,6 +42,14 @@ class SimpleDecoder:
     def step(self, embeds: np.ndarray) -> np.ndarray:
         return self._run(embeds)
 
+    def snapshot(self) -> dict[str, np.ndarray]:
+        return {n: c.copy() for n, c in self.cache.items()}
+
+    def prefill_cached(self, state: dict[str, np.ndarray], embeds: np.ndarray, max_len: int | None = None):
+        self.cache = {n: c.copy() for n, c in state.items()}
+        self.length = next(iter(state.values())).shape[2]
+        return self._run(embeds)
+
     def _run(self, embeds: np.ndarray) -> np.ndarray:
         self.length += len(embeds)
         outs = self.part(inputs_embeds=embeds[None], attention_mask=np.ones((1, self.length), np.int64), **self.cache)
@@ -64,20 +72,36 @@ class BoundDecoder:
         import onnxruntime as ort
 
         f = self.facts
-        self.buffers = {n: ort.OrtValue.ortvalue_from_shape_and_type(
-            (1, f.kv_heads, max_len, f.head_dim), self.part.input_types[n], self.device) for n in self.past}
+        # NumPy arrays wrapped without a copy: ORT writes into them, snapshot/restore read and write them
+        self.arrays = {n: np.zeros((1, f.kv_heads, max_len, f.head_dim), self.part.input_types[n]) for n in self.past}
+        self.buffers = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in self.arrays.items()}
         self.mask = np.ones((1, max_len), np.int64)
         self.capacity = max_len
 
-    def prefill(self, embeds: np.ndarray, max_len: int) -> np.ndarray:
-        """(S, D) -> (S, D); `max_len` bounds prompt + generated rows (sizes the buffers, reused when big enough)."""
+    def _bind(self, max_len: int, length: int) -> None:
         if max_len > self.capacity:
             self._allocate(max_len)
         self.io = self.session.io_binding()
         for n, buf in self.buffers.items():
             self.io.bind_ortvalue_input(n, buf)
             self.io.bind_ortvalue_output(n.replace(PAST, PRESENT), buf)
-        self.length = 0
+        self.length = length
+
+    def prefill(self, embeds: np.ndarray, max_len: int) -> np.ndarray:
+        """(S, D) -> (S, D); `max_len` bounds prompt + generated rows (sizes the buffers, reused when big enough)."""
+        self._bind(max_len, 0)
+        return self._run(embeds)
+
+    def snapshot(self) -> dict[str, np.ndarray]:
+        """A copy of the cache rows written so far: the reusable prefill state of a prompt prefix."""
+        return {n: a[:, :, :self.length].copy() for n, a in self.arrays.items()}
+
+    def prefill_cached(self, state: dict[str, np.ndarray], embeds: np.ndarray, max_len: int) -> np.ndarray:
+        """Continue from a `snapshot` (a cached prefix): (S, D) new positions -> (S, D) hidden states."""
+        length = next(iter(state.values())).shape[2]
+        self._bind(max_len, length)
+        for n, a in state.items():
+            self.arrays[n][:, :, :length] = a
         return self._run(embeds)
 
     def step(self, embeds: np.ndarray) -> np.ndarray:

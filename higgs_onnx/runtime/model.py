@@ -8,19 +8,24 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
 import os
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ..audio import load_reference, prepare_reference
 from ..checkpoint import ModelFacts
+from ..generation.loop import prompt_embeddings
 from ..generation.pipeline import DEFAULT_MAX_ROWS, Speech, reference_rows, synthesize
-from ..generation.prompt import PromptTokens
+from ..generation.prompt import PromptTokens, build_prefix, check_text
 from ..generation.sampling import SamplingOptions
-from ..manifest import load_manifest
+from ..manifest import ManifestError, load_manifest
 from .decoder import BoundDecoder, SimpleDecoder
 from .session import Part
 
@@ -28,6 +33,44 @@ log = logging.getLogger(__name__)
 
 # which runtime providers can run a folder built for each device
 COMPATIBLE = {"cpu": ("cpu", "openvino"), "cuda": ("cuda",), "dml": ("dml",)}
+
+
+@dataclass
+class Voice:
+    """A reference voice, ready to reuse: its delayed code rows and the decoder state after its prompt prefix."""
+
+    rows: np.ndarray  # (R, N) delayed reference rows
+    ref_text: str | None
+    prefix: list[int]  # prompt ids before <|text|>
+    state: dict[str, np.ndarray]  # KV cache of the prefix, per past input name
+    model_id: str  # the export it belongs to
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """An .npz (no pickle) with the rows, the prefix ids, the KV state and the owning export's id."""
+        path = Path(path)
+        meta = json.dumps({"ref_text": self.ref_text, "model_id": self.model_id})
+        tmp = path.with_name(path.name + ".partial.npz")
+        np.savez(tmp, rows=self.rows, prefix=np.asarray(self.prefix, np.int64), meta=np.asarray(meta),
+                 **{f"kv:{n}": a for n, a in self.state.items()})
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, model_id: str) -> Voice:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"voice file {path} does not exist")
+        try:
+            with np.load(path, allow_pickle=False) as f:
+                meta = json.loads(str(f["meta"]))
+                voice = cls(rows=f["rows"].astype(np.int64), ref_text=meta["ref_text"],
+                            prefix=f["prefix"].astype(np.int64).tolist(), model_id=meta["model_id"],
+                            state={k[3:]: f[k] for k in f.files if k.startswith("kv:")})
+        except (OSError, ValueError, KeyError) as e:
+            raise ValueError(f"{path} is not a voice file ({e})") from None
+        if voice.model_id != model_id:
+            raise ValueError(f"{path} was made with another export; make it again with --save-voice")
+        return voice
 
 
 class OnnxBackend:
@@ -46,6 +89,9 @@ class OnnxBackend:
 
     def prefill(self, embeds: np.ndarray, max_len: int) -> np.ndarray:
         return self.decoder.prefill(embeds, max_len)[-1]
+
+    def prefill_cached(self, state: dict, embeds: np.ndarray, max_len: int) -> np.ndarray:
+        return self.decoder.prefill_cached(state, embeds, max_len)[-1]
 
     def decode(self, embed: np.ndarray) -> np.ndarray:
         return self.decoder.step(embed)[-1]
@@ -68,18 +114,63 @@ class HiggsTTS:
             raise ValueError(f"{model_path} was built for {self.manifest.data['execution_provider']} "
                              f"(device {built_for}); run it with --provider {built_for}, or build a "
                              f"{self.provider} export: python optimize.py --device {self.provider} ...")
-        names = {f.name for f in dataclasses.fields(ModelFacts)}
-        self.facts = ModelFacts(**{k: v for k, v in self.manifest.model.items() if k in names})
-        self.tokenizer = Tokenizer.from_file(str(self.manifest.path(self.manifest.data["tokenizer"])))
-        self.tokens = PromptTokens(**self.manifest.data["tokens"])
+        folder = self.manifest.folder
+        try:
+            self.facts = ModelFacts.from_dict(self.manifest.model)
+        except ValueError as e:
+            raise ManifestError(f"{folder}/manifest.json: {e}") from None
+        tok_path = self.manifest.path(self.manifest.data["tokenizer"])
+        try:
+            self.tokenizer = Tokenizer.from_file(str(tok_path))
+        except Exception as e:  # tokenizers raises a bare Exception on unreadable files
+            raise ManifestError(f"cannot load the tokenizer {tok_path}: {e}") from None
+        self.tokens = PromptTokens.from_tokenizer(self.tokenizer, self.facts.placeholder)  # ids by string
+        if self.manifest.data["tokens"] != dataclasses.asdict(self.tokens):
+            raise ManifestError(f"{folder}: the token ids in manifest.json disagree with {tok_path.name}")
+        self._check_genai_config()
         self.threads, self.kv_cache = threads, kv_cache
         self._parts: dict[str, Part] = {}
         self._backend: OnnxBackend | None = None
+        self._voices: dict[tuple, Voice] = {}
+
+    def _check_genai_config(self) -> None:
+        import json
+
+        path = self.manifest.path(self.manifest.data.get("genai_config", "genai_config.json"))
+        try:
+            dec = json.loads(path.read_text())["model"]["decoder"]
+            ok = (dec["head_size"], dec["num_key_value_heads"]) == (self.facts.head_dim, self.facts.kv_heads)
+        except (OSError, ValueError, KeyError, TypeError):
+            raise ManifestError(f"{path} is missing or malformed (rebuild with optimize.py --force)") from None
+        if not ok:
+            raise ManifestError(f"{path}: head size / KV heads disagree with the manifest's model facts")
 
     def part(self, name: str) -> Part:
         if name not in self._parts:
-            self._parts[name] = Part(name, self.manifest.part_file(name), self.provider, self.threads)
+            part = Part(name, self.manifest.part_file(name), self.provider, self.threads)
+            self._check_io(name, part)
+            self._parts[name] = part
         return self._parts[name]
+
+    def _check_io(self, name: str, part: Part) -> None:
+        """The session's I/O must be what the manifest recorded and fit the model facts (readable diff if not)."""
+        entry = self.manifest.parts[name]
+        recorded = {x["name"] for x in entry["inputs"]}, {x["name"] for x in entry["outputs"]}
+        actual = {i.name for i in part.session.get_inputs()}, {o.name for o in part.session.get_outputs()}
+        if recorded != actual:
+            raise ManifestError(f"{name}: the graph's inputs/outputs {sorted(actual[0])} -> {sorted(actual[1])} differ "
+                                f"from the manifest's {sorted(recorded[0])} -> {sorted(recorded[1])}")
+        f = self.facts
+        want = {"llm_decoder": ("inputs_embeds", -1, f.hidden), "text_embed": ("embeddings", -1, f.hidden),
+                "audio_embed": ("audio_codes", -1, f.num_codebooks), "audio_heads": ("logits", -1, f.codebook_vocab),
+                "audio_tokenizer": ("audio_codes", 1, f.num_codebooks)}.get(name)
+        if want:
+            io, axis, size = want
+            shapes = {x.name: x.shape for x in part.session.get_inputs() + part.session.get_outputs()}
+            dim = shapes[io][axis]
+            if isinstance(dim, int) and dim != size:
+                raise ManifestError(f"{name}: {io} has size {dim} on axis {axis}; the manifest's model facts say "
+                                    f"{size}")
 
     @property
     def backend(self) -> OnnxBackend:
@@ -106,20 +197,55 @@ class HiggsTTS:
     # -- generation -------------------------------------------------------------------------------------------
     def generate(self, text: str, ref_audio=None, ref_text: str | None = None, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-                 max_frames: int = DEFAULT_MAX_ROWS, on_row: Callable[[int], None] | None = None) -> Speech:
-        """Speech for `text`; `ref_audio` (a path or (waveform, rate)) clones a voice, `ref_text` is its transcript.
+                 max_frames: int = DEFAULT_MAX_ROWS, on_row: Callable[[int], None] | None = None,
+                 voice: Voice | None = None) -> Speech:
+        """Speech for `text`; `ref_audio` (a path or (waveform, rate)) clones a voice, `ref_text` is its transcript,
+        or `voice` (from `make_voice` / `Voice.load`) reuses a voice's encoded reference and prefill state.
 
         Sampling values left None take the defaults of `SamplingOptions`. `max_frames` bounds the generated rows.
+        A voice made from `ref_audio` is kept in memory, so the next clone with the same reference skips the
+        codec encoder and the reference's prefill.
         """
         d = SamplingOptions()
         sampling = SamplingOptions(d.temperature if temperature is None else temperature,
                                    d.top_k if top_k is None else top_k, d.top_p if top_p is None else top_p)
         if ref_text is not None and ref_audio is None:
             raise ValueError("ref_text (a transcript of the reference) needs ref_audio")
-        ref_wav = None if ref_audio is None else self.reference(ref_audio)
-        speech, _ = synthesize(self.backend, self, self.tokenizer, self.tokens, self.facts, text, ref_wav=ref_wav,
-                               ref_text=ref_text, sampling=sampling, seed=seed, max_rows=max_frames, on_row=on_row)
+        t0 = time.perf_counter()
+        if voice is None and ref_audio is not None:
+            voice = self.make_voice(ref_audio, ref_text)
+        voice_s = time.perf_counter() - t0
+        kwargs = {} if voice is None else {"ref_rows": voice.rows, "ref_text": voice.ref_text,
+                                           "cached_prefix": (len(voice.prefix), voice.state)}
+        speech, _ = synthesize(self.backend, self, self.tokenizer, self.tokens, self.facts, text, sampling=sampling,
+                               seed=seed, max_rows=max_frames, on_row=on_row, **kwargs)
+        speech.stats["voice_s"] = voice_s  # encoding + prefill of the reference (0 when cached)
+        speech.stats["wall_s"] += voice_s
+        speech.stats["first_frame_s"] = voice_s + speech.stats["prefill_s"]
         return speech
+
+    @property
+    def model_id(self) -> str:
+        """Identity of the parts a voice state depends on (hashes from the manifest)."""
+        parts = self.manifest.parts
+        hashes = [parts[p]["files"][parts[p]["file"]]["sha256"] for p in
+                  ("llm_decoder", "text_embed", "audio_embed", "audio_encoder")]
+        return hashlib.sha256("".join(hashes).encode()).hexdigest()
+
+    def make_voice(self, ref_audio, ref_text: str | None = None) -> Voice:
+        """Encode a reference and prefill its prompt prefix once; kept in memory for later calls."""
+        wav = self.reference(ref_audio)
+        if ref_text is not None:
+            check_text(ref_text, "the reference transcript")
+        key = (hashlib.sha256(wav.tobytes()).hexdigest(), ref_text)
+        if key not in self._voices:
+            rows = reference_rows(self, self.facts, wav)
+            prefix = build_prefix(self.tokenizer, self.tokens, len(rows), ref_text)
+            embeds = prompt_embeddings(self.backend, prefix, self.facts.placeholder, rows)
+            self.backend.decoder.prefill(embeds, len(prefix) + 1)
+            self._voices[key] = Voice(rows=rows, ref_text=ref_text, prefix=prefix,
+                                      state=self.backend.decoder.snapshot(), model_id=self.model_id)
+        return self._voices[key]
 
     def decode_rows(self, rows: np.ndarray, delayed: bool = True) -> np.ndarray:
         """Code rows from elsewhere -> waveform; `delayed` rows are reversed first, codes >= codebook size -> 0."""
@@ -128,8 +254,6 @@ class HiggsTTS:
         raw = reverse_delay(rows) if delayed else rows
         return self.decode_audio(codes_for_codec(raw, self.facts.codebook_size))
 
-    def reference_rows(self, ref_audio) -> np.ndarray:
-        return reference_rows(self, self.facts, self.reference(ref_audio))
 
 
 def load(model_path: str | Path, **kwargs) -> HiggsTTS:

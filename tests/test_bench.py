@@ -1,0 +1,28 @@
+"""The benchmark runs end to end on the tiny preset (figures printed and written; no timing asserts)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow
+
+
+def test_bench_tiny_smoke(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--preset", "tiny", "--frames", "16",
+                        "--steps", "10", "--work", str(tmp_path), "--json", str(tmp_path / "b.json")],
+                       capture_output=True, text=True, cwd=ROOT, env={**os.environ, "CI": "1"}, timeout=900)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    b = json.loads((tmp_path / "b.json").read_text())
+    for key in ("bandwidth_gbs", "floor_ms", "decoder_step_ms", "prefill_zero_shot_ms", "prefill_clone_ms",
+                "codec_decode_ms_per_audio_s", "codec_encode_ms_per_audio_s", "int4_decoder_export_s",
+                "int4_decoder_export_peak_rss_mb", "speedup_vs_torch"):
+        assert b[key] > 0, key
+    g = b["generation"]
+    assert g["rows"] > 0 and g["peak_rss_mb"] > 0 and g["host_overhead_ms_per_row"] >= 0
+    assert g["first_frame_cached_voice_s"] > 0 and g["first_frame_new_voice_s"] > 0
+    assert "decoder step (median)" in r.stdout and "x floor" in r.stdout
