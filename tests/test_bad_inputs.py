@@ -30,6 +30,11 @@ def run_inference(capsys, model, *args, out=None):
     return code, err, out
 
 
+def raw_file(path, data):
+    path.write_bytes(data)
+    return path
+
+
 def wav_file(tmp_path, name, data, sr=24000, subtype="FLOAT"):
     path = tmp_path / name
     sf.write(path, data, sr, subtype=subtype)
@@ -65,10 +70,9 @@ def test_output_path_rows(capsys, model, tmp_path):
 
 
 AUDIO_ROWS = [
-    ("corrupt file", lambda p: (p / "bad.wav").write_bytes(b"RIFF\x00\x00garbage" * 10) or p / "bad.wav",
+    ("corrupt file", lambda p: raw_file(p / "bad.wav", b"RIFF\x00\x00garbage" * 10), "cannot read reference audio"),
+    ("unsupported container", lambda p: raw_file(p / "clip.mp4", b"\x00\x00\x00\x18ftypmp42" + b"\0" * 64),
      "cannot read reference audio"),
-    ("unsupported container", lambda p: (p / "clip.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42" + b"\0" * 64)
-     or p / "clip.mp4", "cannot read reference audio"),
     ("zero-length", lambda p: wav_file(p, "empty.wav", np.zeros(0, np.float32)), "reference audio is empty"),
     ("all silence", lambda p: wav_file(p, "silent.wav", np.zeros(48000, np.float32)), "reference audio is silent"),
     ("non-finite samples", lambda p: wav_file(p, "nan.wav", np.r_[np.ones(100), np.nan, np.ones(100)].astype(
@@ -91,6 +95,12 @@ def edit_manifest(folder, fn):
     (folder / "manifest.json").write_text(json.dumps(m))
 
 
+def escape(manifest):
+    entry = manifest["parts"]["audio_heads"]
+    entry["files"]["../audio_heads.onnx"] = entry["files"].pop(entry["file"])
+    entry["file"] = "../audio_heads.onnx"
+
+
 MODEL_ROWS = [
     ("missing folder", lambda d: shutil.rmtree(d), "does not exist; build it with"),
     ("not a model folder", lambda d: (d / "manifest.json").unlink(), "has no manifest.json"),
@@ -103,8 +113,7 @@ MODEL_ROWS = [
      "does not match its sha256"),
     ("built for another EP", lambda d: edit_manifest(d, lambda m: m.update(
         device="cuda", execution_provider="CUDAExecutionProvider")), "built for CUDAExecutionProvider"),
-    ("entry outside the folder", lambda d: edit_manifest(d, lambda m: m["parts"]["audio_heads"].update(
-        file="../audio_heads.onnx")), "not a plain file name inside the model folder"),
+    ("entry outside the folder", lambda d: edit_manifest(d, escape), "not a plain file name inside the model folder"),
 ]
 
 
@@ -112,7 +121,7 @@ MODEL_ROWS = [
 def test_model_folder_rows(capsys, model, tmp_path, case, mutate, message):
     folder = shutil.copytree(model, tmp_path / "m")
     mutate(folder)
-    code, err, out = run_inference(capsys, folder, "--text", "Hi.")
+    code, err, out = run_inference(capsys, folder, "--text", "Hi.", "--provider", "cpu")
     assert code == 2 and message in err and "Traceback" not in err, err
     assert not out.exists()
 
