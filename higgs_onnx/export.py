@@ -42,7 +42,8 @@ PART_PRECISIONS = {  # default precision of each part for a global precision (th
 ALLOWED = {"text_embed": ("int4", "fp16", "fp32"), "audio_embed": ("int4", "fp16", "fp32"),
            "audio_heads": ("int4", "fp16", "fp32"), "audio_encoder": ("fp32",), "audio_tokenizer": ("fp16", "fp32")}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-BUILD_VERSION = 2  # bump when a change of this code must invalidate existing part stamps
+# bump when a change of the build code must invalidate existing part stamps (2: Olive parts with external data)
+BUILD_VERSION = {"llm_decoder": 1, "olive": 2}
 
 
 @dataclass(frozen=True)
@@ -226,7 +227,7 @@ class Exporter:
         so their stamp leaves the device out and `cpu_int4` and `cuda_int4` share them."""
         o = self.opts
         key = {"part": part, "precision": o.precisions[part], "block": o.block_size, "accuracy": o.accuracy,
-               "checkpoint": ckpt_digest, "version": BUILD_VERSION}
+               "checkpoint": ckpt_digest, "version": BUILD_VERSION.get(part, BUILD_VERSION["olive"])}
         if part == "llm_decoder":
             key["device"] = o.device
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
