@@ -171,7 +171,7 @@ def test_cached_voice_gives_the_same_codes(builds, tmp_path):
                           ref_wav=tts.reference(REF_DE), ref_text=ref_text, sampling=SamplingOptions(), seed=2)
     np.testing.assert_array_equal(first.rows, plain.rows)  # prefix state + suffix prefill == full prefill
     np.testing.assert_array_equal(again.rows, plain.rows)
-    assert again.stats["voice_s"] < first.stats["voice_s"] and again.stats["encode_s"] == 0
+    assert again.stats["voice_s"] < first.stats["voice_s"] / 10 and again.stats["encode_s"] < 1e-3
     saved = tts.make_voice(REF_DE, ref_text).save(tmp_path / "v.npz")
     fresh = HiggsTTS(builds["int4"])
     loaded = fresh.generate("Cached voices are cheap.", voice=Voice.load(saved, fresh.model_id), seed=2)
