@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 from higgs_onnx.checkpoint import load_facts
-from higgs_onnx.export import ExportOptions, Exporter
+from higgs_onnx.export import Exporter, ExportOptions
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = [*ROOT.glob("*.py"), *(ROOT / "higgs_onnx").rglob("*.py"), *(ROOT / "benchmarks").glob("*.py")]
