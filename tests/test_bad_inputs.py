@@ -211,3 +211,28 @@ def test_eval_rejects_a_mismatched_checkpoint(capsys, builds, tmp_path):
                                                                                    '"num_hidden_layers": 1'))
     code = eval_cli.main(["--model-path", str(builds["fp32"]), "--checkpoint", str(other)])
     assert code == 2 and "does not match the export" in capsys.readouterr().err
+
+
+def test_ctrl_c_during_generation_writes_nothing_half_done(model, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    lines = "\n".join(f"Line number {i} is a fairly long sentence so that the model keeps talking." for i in range(60))
+    (tmp_path / "lines.txt").write_text(lines)
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen([sys.executable, str(root / "inference.py"), "--model-path", str(model), "--text-file",
+                             str(tmp_path / "lines.txt"), "--out-dir", str(tmp_path / "out")], cwd=root,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "CI": "1"})
+    for line in proc.stdout:
+        if "0002.wav" in line:
+            proc.send_signal(signal.SIGINT)
+            break
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err, err
+    files = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert files and all(not f.startswith(".") for f in files)  # no temp file left behind
+    for f in files:
+        wav, sr = sf.read(tmp_path / "out" / f)  # every file that exists is complete
+        assert sr == 24000 and len(wav) % 960 == 0 and len(wav) > 0
