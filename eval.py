@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from higgs_onnx.checkpoint import resolve
     from higgs_onnx.evaluate import DEFAULT_PROMPTS, GATES, Evaluator, to_json, to_markdown
-    from higgs_onnx.reference.model import ReferenceModel
+    from higgs_onnx.reference.model import ReferenceModel, parity_dtype
     from higgs_onnx.runtime.model import HiggsTTS
 
     gates = {}
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     source = args.checkpoint or tts.manifest.data["source"]["path"]
     if not args.checkpoint and not Path(source).is_dir():
         source = tts.manifest.data["source"]["repo_id"] or source
-    ref = ReferenceModel(resolve(source), dtype="fp32" if tts.facts.hidden < 1024 else "bf16")
+    ref = ReferenceModel(resolve(source), dtype=parity_dtype(tts.facts))
     if ref.facts != tts.facts:
         raise ValueError(f"checkpoint {source} does not match the export (different dims or ids)")
     report = Evaluator(tts, ref, prompts, runs=args.runs, max_frames=args.max_frames, gates=gates).run(

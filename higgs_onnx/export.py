@@ -359,12 +359,11 @@ class Exporter:
         return int(4 * (ckpt / "model.safetensors").stat().st_size)
 
     def _build(self, ckpt: Path, facts: ModelFacts, t0: float) -> Path:
-        from .reference.model import ReferenceModel
+        from .reference.model import ReferenceModel, parity_dtype
 
         digest = files_digest(ckpt)
         print(f"[1/4] checkpoint {ckpt} ({facts.layers} layers, hidden {facts.hidden})", flush=True)
-        # the reference for the parity checks: fp32, or bf16 for full-size models (an fp32 4B body is 16 GB)
-        ref = ReferenceModel(ckpt, dtype="fp32" if facts.hidden < 1024 else "bf16")
+        ref = ReferenceModel(ckpt, dtype=parity_dtype(facts))
         entries = {}
         for i, part in enumerate(PART_NAMES, 1):
             print(f"[2/4] part {i}/{len(PART_NAMES)}: {part} ({self.opts.precisions[part]}) ...", flush=True)

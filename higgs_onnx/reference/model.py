@@ -89,6 +89,11 @@ def load_body(folder: Path, dtype: torch.dtype) -> torch.nn.Module:
     return body.eval()
 
 
+def parity_dtype(facts) -> str:
+    """The reference precision for parity checks: fp32, or bf16 for full-size models (an fp32 4B body is 16 GB)."""
+    return "fp32" if facts.hidden < 1024 else "bf16"
+
+
 class ReferenceModel:
     """All PyTorch parts of one checkpoint folder."""
 
