@@ -105,9 +105,8 @@ def _olive_passes(precision: str, block_size: int, accuracy: int, opset: int) ->
 def build_olive_part(part: str, ckpt: Path, out: Path, precision: str, opts: ExportOptions, work: Path) -> Path:
     """Convert (and quantize) one torch part with Olive; the result is `out/<part>.onnx`."""
     os.environ.setdefault("CI", "1")  # before importing olive: no telemetry heartbeat (toolchain G3)
-    from olive.workflows import run as olive_run
-
     import onnx
+    from olive.workflows import run as olive_run
 
     from . import parts
 

@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 
-import onnx
 from higgs_onnx.export import Exporter, ExportOptions
 from higgs_onnx.manifest import PART_NAMES, ManifestError, load_manifest, safe_member
 from higgs_onnx.parity import check_part
@@ -146,9 +146,10 @@ def test_invalid_combination_is_refused_up_front(tmp_path):
 
 
 def test_streaming_quantizer_equals_the_stock_int4(tiny_ckpt, tmp_path):
+    from onnx import numpy_helper
+
     from higgs_onnx.checkpoint import extract_qwen3
     from higgs_onnx.parts.llm_decoder import FILE, build
-    from onnx import numpy_helper
 
     qwen3 = extract_qwen3(tiny_ckpt, tmp_path / "qwen3")
     build(qwen3, tmp_path / "stream", "int4", "cpu", tmp_path / "w1")

@@ -144,9 +144,10 @@ def test_cli_bad_input_one_line_exit_2(builds, tmp_path, args, message):
 
 def test_nan_and_zero_guards(tmp_path):
     import onnx
+    from onnx import TensorProto, helper
+
     from higgs_onnx.runtime.decoder import _check
     from higgs_onnx.runtime.session import Part
-    from onnx import TensorProto, helper
 
     graph = helper.make_graph([helper.make_node("Div", ["x", "x"], ["y"])], "g",
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
