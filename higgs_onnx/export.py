@@ -373,8 +373,11 @@ class Exporter:
                 ref.release_body()  # only the decoder check needs the body: free it
         manifest_path = self.final / MANIFEST
         if manifest_path.is_file() and all(e["skipped"] for e in entries.values()):
-            old = json.loads(manifest_path.read_text())
-            if all(old["parts"].get(p, {}).get("stamp") == e["stamp"] for p, e in entries.items()):
+            try:
+                old = json.loads(manifest_path.read_text()).get("parts", {})
+            except (ValueError, AttributeError):  # a damaged manifest: assemble the folder again
+                old = {}
+            if all(isinstance(old.get(p), dict) and old[p].get("stamp") == e["stamp"] for p, e in entries.items()):
                 print(f"[3/4] {self.final} is up to date: nothing to do", flush=True)
                 self.print_summary(entries, time.perf_counter() - t0)
                 return self.final
