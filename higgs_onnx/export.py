@@ -206,7 +206,6 @@ class Exporter:
         self.model_arg, self.revision, self.token, self.synthetic = model, revision, token, synthetic
         self.final = out_root / opts.name
         self.work = out_root / ".build"  # shared by every <device>_<precision>: identical parts are built once
-        self.rows: list[dict] = []
 
     # -- steps --------------------------------------------------------------------------------------------------
     def step_resolve(self) -> tuple[Path, ModelFacts]:

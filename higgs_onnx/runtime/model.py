@@ -253,8 +253,3 @@ class HiggsTTS:
 
         raw = reverse_delay(rows) if delayed else rows
         return self.decode_audio(codes_for_codec(raw, self.facts.codebook_size))
-
-
-
-def load(model_path: str | Path, **kwargs) -> HiggsTTS:
-    return HiggsTTS(model_path, **kwargs)
