@@ -22,7 +22,7 @@ from higgs_onnx.cli import add_log_level, run_main
 from higgs_onnx.generation.pipeline import DEFAULT_MAX_ROWS
 from higgs_onnx.generation.prompt import check_text
 from higgs_onnx.generation.sampling import SamplingOptions
-from higgs_onnx.runtime.session import PROVIDERS
+from higgs_onnx.runtime.session import PROVIDERS, check_threads
 
 log = logging.getLogger("inference")
 
@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="most code rows to generate (25 per second of audio; default %(default)s)")
     ap.add_argument("--provider", choices=sorted(PROVIDERS), help="execution provider (default: the one the "
                     "folder was built for)")
-    ap.add_argument("--threads", type=int, default=0, help="intra-op threads (0 = all cores)")
+    ap.add_argument("--threads", type=int, default=0, help="intra-op threads (0 = ONNX Runtime's default: one "
+                    "per core)")
     ap.add_argument("--save-codes", type=Path, help="save the delayed rows to FILE.npy and raw codes to FILE.raw.npy")
     ap.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the model files")
     add_log_level(ap)
@@ -60,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(args: argparse.Namespace) -> SamplingOptions:
     sampling = SamplingOptions(args.temperature, args.top_k, args.top_p)  # raises ValueError on bad values
+    check_threads(args.threads)
     if args.ref_text is not None and args.ref_audio is None:
         raise ValueError("--ref-text needs --ref-audio (the recording it transcribes)")
     if args.voice is not None and args.ref_audio is not None:
@@ -73,6 +75,9 @@ def check_args(args: argparse.Namespace) -> SamplingOptions:
     for out in [args.out] if args.out else []:
         from higgs_onnx.audio import WRITE_FORMATS
 
+        if out.is_dir():
+            raise IsADirectoryError(f"--out {out} is a folder, not an audio file: name a file in it (e.g. "
+                                    f"{out / 'hello.wav'}), or use --text-file with --out-dir for one file per line")
         if out.suffix.lower() not in WRITE_FORMATS:
             raise ValueError(f"unsupported output format {out.suffix!r}; use one of {', '.join(WRITE_FORMATS)}")
         if not out.parent.is_dir():

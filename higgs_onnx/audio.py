@@ -22,6 +22,8 @@ def read_audio(path: str | os.PathLike) -> tuple[np.ndarray, int]:
     import soundfile as sf
 
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"reference audio {path} is a folder, not an audio file")
     if not path.is_file():
         raise FileNotFoundError(f"reference audio {path} does not exist")
     try:
@@ -73,6 +75,8 @@ def write_audio(path: str | os.PathLike, wav: np.ndarray, sr: int) -> Path:
     import soundfile as sf
 
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"output {path} is a folder, not an audio file; name a file in it")
     fmt = WRITE_FORMATS.get(path.suffix.lower())
     if fmt is None:
         raise ValueError(f"unsupported output format {path.suffix!r}; use one of {', '.join(WRITE_FORMATS)}")

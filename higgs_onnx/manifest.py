@@ -10,12 +10,42 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
 PART_NAMES = ("llm_decoder", "text_embed", "audio_embed", "audio_heads", "audio_encoder", "audio_tokenizer")
+
+
+def new_manifest(*, device: str, precision: str, execution_provider: str, model: dict, tokens: dict, parts: dict,
+                 source: dict) -> dict:
+    """The manifest of a finished export: what `load_manifest` checks and the runtime reads."""
+    return {"schema_version": SCHEMA_VERSION, "format": "higgs-onnx",
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": device, "precision": precision,
+            "execution_provider": execution_provider, "model": model, "tokens": tokens, "tokenizer": "tokenizer.json",
+            "genai_config": "genai_config.json", "parts": parts, "source": source, "tools": tool_versions()}
+
+
+def write_manifest(folder: Path, data: dict) -> Path:
+    """Write `folder/manifest.json`; the exporter calls this last, so its presence marks a complete folder."""
+    check_schema(data, folder / MANIFEST)
+    path = folder / MANIFEST
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    return path
+
+
+def tool_versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for pkg in ("onnxruntime", "onnxruntime-genai", "olive-ai", "onnx", "torch", "transformers", "numpy"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = None
+    return out
 
 
 class ManifestError(ValueError):

@@ -15,10 +15,15 @@ import numpy as np
 FP32_REL_ATOL = 1e-4
 THRESHOLDS = {
     "int4": {"llm_decoder": 0.5, "audio_embed": 0.99, "audio_heads": 0.99, "text_embed": 0.99},
+    "int8": {"audio_embed": 0.999, "audio_heads": 0.999, "text_embed": 0.999},
     "fp16": {"llm_decoder": 0.999, "audio_embed": 0.999, "audio_heads": 0.999, "text_embed": 0.9999,
              "audio_tokenizer": 0.999},
 }
 MIN_CODE_AGREEMENT = 0.99  # audio_encoder: share of codes equal to the reference (near-ties may flip)
+# audio_heads above int4: share of (position, codebook) argmaxes equal to the reference's. The head picks the codes,
+# so this is the figure that matters; int4 (an explicit opt-in) reached only 0.875 and is reported, not gated.
+MIN_HEAD_ARGMAX = 0.99
+HEAD_CHECK_POSITIONS = (4, 32)  # 128 hidden states x N codebooks argmaxes: one flip moves the figure by < 0.1 %
 INT4_DEQUANTIZED_MIN_COSINE = 0.99  # int4 decoder vs a reference with the same (dequantized) int4 weights
 
 
@@ -55,6 +60,9 @@ def summary(fig: dict) -> str:
         return f"not checked ({fig['skipped']})"
     if "agreement" in fig:
         return f"codes {fig['agreement'] * 100:.2f}%"
+    if "argmax_agreement" in fig:
+        first = f"maxabs {fig['max_abs']:.1e}" if "limit_max_abs" in fig else f"cos {fig['cosine']:.5f}"
+        return f"{first}, argmax {fig['argmax_agreement'] * 100:.2f}%"
     if "limit_max_abs" in fig:
         return f"maxabs {fig['max_abs']:.1e}"
     if "cosine_vs_dequantized" in fig:
@@ -85,11 +93,39 @@ def check_audio_embed(part, ref, precision: str, rng: np.random.Generator) -> di
 
 
 def check_audio_heads(part, ref, precision: str, rng: np.random.Generator) -> dict:
-    hidden = rng.standard_normal((2, 3, ref.facts.hidden)).astype(np.float32)  # post-norm scale: RMS ~1
+    hidden = rng.standard_normal((*HEAD_CHECK_POSITIONS, ref.facts.hidden)).astype(np.float32)  # post-norm: RMS ~1
     want = ref.audio_head(_torch(hidden)).numpy()
     out = part(hidden_states=hidden)["logits"].astype(np.float32)
     fig = compare("audio_heads", precision, want, out)
     fig["argmax_agreement"] = float((want.argmax(-1) == out.argmax(-1)).mean())
+    if precision != "int4":
+        fig["min_argmax_agreement"] = MIN_HEAD_ARGMAX
+        fig["ok"] = fig["ok"] and fig["argmax_agreement"] >= MIN_HEAD_ARGMAX
+    return fig
+
+
+def decoder_trace(part, facts, embeds: np.ndarray, prefill: int) -> np.ndarray:
+    """The ONNX decoder's hidden states (S, D): a prefill of `embeds[:prefill]`, then one single-row decode step per
+    remaining row, through the plain (NumPy cache) decoder."""
+    from .runtime.decoder import SimpleDecoder
+
+    dec = SimpleDecoder(part, facts)
+    got = [dec.prefill(embeds[:prefill])]
+    got += [dec.step(embeds[i:i + 1]) for i in range(prefill, len(embeds))]
+    return np.concatenate(got)
+
+
+def compare_decoder(part, ref, embeds: np.ndarray, prefill: int, precision: str) -> dict:
+    """ONNX decoder (prefill + steps) vs one full reference forward over the same embeddings (S, D).
+
+    Figures over all positions plus `per_step`: the last prefill position and every decode step, each with its
+    cosine and max abs error."""
+    want = ref.hidden_states(embeds)
+    out = decoder_trace(part, ref.facts, embeds, prefill)
+    fig = compare("llm_decoder", precision, want, out)
+    fig["per_step"] = [{"step": k, "position": i, "cosine": cosine(want[i], out[i]),
+                        "max_abs": max_abs(want[i], out[i])} for k, i in enumerate(range(prefill - 1, len(embeds)))]
+    fig["_onnx"] = out  # kept for the int4 check below; dropped before the figures are stored
     return fig
 
 
@@ -97,21 +133,13 @@ def check_llm_decoder(part, ref, precision: str, rng: np.random.Generator) -> di
     """Prefill of 7 text positions, then 2 single-row decode steps, against one full reference forward."""
     import torch
 
-    from .runtime.decoder import SimpleDecoder
-
     f = ref.facts
     ids = rng.integers(0, ref.tokenizer.get_vocab_size(), 7)
     codes = rng.integers(0, f.codebook_size, (2, f.num_codebooks))
     embeds = np.concatenate([ref.text_embed(_torch(ids)).float().numpy(),
                              ref.fused_embed(_torch(codes)).float().numpy()])
-    with torch.no_grad():
-        want = ref.body(inputs_embeds=_torch(embeds)[None].to(ref.dtype)).last_hidden_state[0].float().numpy()
-    dec = SimpleDecoder(part, f)
-    got = [dec.prefill(embeds[:7])]
-    got += [dec.step(embeds[i:i + 1]) for i in (7, 8)]
-    out = np.concatenate(got)
-    fig = compare("llm_decoder", precision, want, out)
-    fig["per_step_cosine"] = [cosine(want[i], out[i]) for i in (6, 7, 8)]
+    fig = compare_decoder(part, ref, embeds, 7, precision)
+    out = fig.pop("_onnx")
     if precision == "int4":
         # int4 weight error compounds with depth on random weights (36 random layers: cos ~0.65 although every
         # layer is right), so the gate is the comparison with a reference that uses the export's own dequantized
@@ -128,26 +156,30 @@ def check_llm_decoder(part, ref, precision: str, rng: np.random.Generator) -> di
 
 
 def dequantized_body(ref, onnx_path):
-    """A fresh reference body whose projection weights are the export's int4 weights, dequantized."""
+    """A fresh reference body whose projection weights are the export's int4 weights, dequantized (streamed layer
+    by layer like the reference's own body when that is large)."""
     import torch
 
-    from .quantize import dequantized_weights
-    from .reference.model import load_body
+    from .quantize import DequantizedWeights
+    from .reference.body import load_body
 
-    body = load_body(ref.folder, ref.dtype)
-    f = ref.facts
+    weights, f = DequantizedWeights(onnx_path), ref.facts
     q, kv = f.heads * f.head_dim, f.kv_heads * f.head_dim
-    for name, w in dequantized_weights(onnx_path):  # e.g. model.layers.3.attn.qkv_proj.MatMul.weight
-        parts = name.split(".")
-        layer, proj = body.layers[int(parts[2])], parts[4]
-        wt = torch.from_numpy(np.ascontiguousarray(w.T)).to(ref.dtype)  # (N, K) like nn.Linear
-        if proj == "qkv_proj":
-            layer.self_attn.q_proj.weight.data, layer.self_attn.k_proj.weight.data, \
-                layer.self_attn.v_proj.weight.data = wt[:q].clone(), wt[q:q + kv].clone(), wt[q + kv:].clone()
-        else:
-            owner = layer.self_attn if parts[3] == "attn" else layer.mlp
-            getattr(owner, proj).weight.data = wt
-    return body
+    by_layer: dict[int, list[str]] = {}
+    for name in weights.names():  # e.g. model.layers.3.attn.qkv_proj.MatMul.weight
+        by_layer.setdefault(int(name.split(".")[2]), []).append(name)
+
+    def patch(i: int, state: dict) -> None:
+        for name in by_layer.get(i, []):
+            block, proj = name.split(".")[3:5]
+            wt = torch.from_numpy(np.ascontiguousarray(weights.get(name).T)).to(ref.dtype)  # (N, K) like nn.Linear
+            if proj == "qkv_proj":
+                state["self_attn.q_proj.weight"], state["self_attn.k_proj.weight"], \
+                    state["self_attn.v_proj.weight"] = wt[:q].clone(), wt[q:q + kv].clone(), wt[q + kv:].clone()
+            else:
+                state[f"{'self_attn' if block == 'attn' else 'mlp'}.{proj}.weight"] = wt
+
+    return load_body(ref.folder, ref.dtype, ref.stream, patch=patch)
 
 
 def check_audio_encoder(part, ref, precision: str, rng: np.random.Generator) -> dict:

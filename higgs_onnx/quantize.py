@@ -138,14 +138,24 @@ def dequantize_block(packed: np.ndarray, scales: np.ndarray, k: int) -> np.ndarr
     return w.reshape(n, k_blocks * half * 2)[:, :k].T
 
 
-def dequantized_weights(path: Path):
-    """Yield (MatMul weight name, (K, N) float32) for every MatMulNBits of a model, one at a time."""
-    model = onnx.load(str(path), load_external_data=False)
-    inits = {t.name: t for t in model.graph.initializer}
-    for node in model.graph.node:
-        if node.op_type != "MatMulNBits":
-            continue
+class DequantizedWeights:
+    """The MatMulNBits weights of an int4 model, dequantized on request: `get(name)` -> (K, N) float32 for the
+    original MatMul weight name (e.g. `model.layers.3.attn.qkv_proj.MatMul.weight`). Only the graph is loaded;
+    each weight is read from the external data when asked for, so RAM holds one at a time."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        model = onnx.load(str(path), load_external_data=False)
+        inits = {t.name: t for t in model.graph.initializer}
+        self.nodes = {n.input[1].removesuffix("_Q4"): (n, inits[n.input[1]], inits[n.input[2]])
+                      for n in model.graph.node if n.op_type == "MatMulNBits"}
+
+    def names(self) -> list[str]:
+        return list(self.nodes)
+
+    def get(self, name: str) -> np.ndarray:
+        node, q, s = self.nodes[name]
         attrs = {a.name: a.i for a in node.attribute}
-        packed = np.asarray(_read_weight(inits[node.input[1]], path.parent))
-        scales = np.asarray(_read_weight(inits[node.input[2]], path.parent), np.float32)
-        yield node.input[1].removesuffix("_Q4"), dequantize_block(packed, scales, attrs["K"])
+        packed = np.asarray(_read_weight(q, self.path.parent))
+        scales = np.asarray(_read_weight(s, self.path.parent), np.float32)
+        return dequantize_block(packed, scales, attrs["K"])

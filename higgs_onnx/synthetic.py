@@ -314,11 +314,12 @@ class Weights:
 # writer
 
 
-def build(preset_name: str, out: Path, seed: int = 0, plant: Plant | None = None, progress: bool = True) -> Path:
-    """Write a synthetic checkpoint folder; returns `out`."""
+def build(preset: str | Preset, out: Path, seed: int = 0, plant: Plant | None = None, progress: bool = True) -> Path:
+    """Write a synthetic checkpoint folder; returns `out`. `preset`: a name of `PRESETS` or a custom `Preset`."""
     from tqdm import tqdm
 
-    preset = PRESETS[preset_name]
+    preset_name = preset if isinstance(preset, str) else "custom"
+    preset = PRESETS[preset] if isinstance(preset, str) else preset
     plant = plant or Plant()
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = write_tokenizer_files(out, preset.base_vocab)
@@ -340,8 +341,10 @@ def build(preset_name: str, out: Path, seed: int = 0, plant: Plant | None = None
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     (out / CODEC_CONFIG_FILE).write_text(json.dumps(ccfg, indent=2) + "\n")
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")  # last: marks the folder complete
-    (out / "synthetic.json").write_text(json.dumps({"preset": preset_name, "seed": seed, "plant": asdict(plant)},
-                                                   indent=2) + "\n")
+    meta = {"preset": preset_name, "seed": seed, "plant": asdict(plant)}
+    if preset_name == "custom":
+        meta["dims"] = asdict(preset)
+    (out / "synthetic.json").write_text(json.dumps(meta, indent=2) + "\n")
     return out
 
 

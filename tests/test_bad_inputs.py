@@ -52,6 +52,8 @@ TEXT_ROWS = [
     ("top-k < 0", ["--text", "Hi.", "--top-k", "-1"], "top_k must be >= 0"),
     ("max-frames beyond the context", ["--text", "Hi.", "--max-frames", "5000"], "max frames must be in [1, 4096)"),
     ("missing reference audio", ["--text", "Hi.", "--ref-audio", "/no/such.wav"], "does not exist"),
+    ("reference audio is a folder", ["--text", "Hi.", "--ref-audio", DATA], "is a folder, not an audio file"),
+    ("negative threads", ["--text", "Hi.", "--threads", "-1"], "threads must be >= 0 (0 = ONNX Runtime's default"),
 ]
 
 
@@ -67,6 +69,15 @@ def test_output_path_rows(capsys, model, tmp_path):
     assert code == 2 and "output folder" in err and "does not exist" in err
     code, err, _ = run_inference(capsys, model, "--text", "Hi.", out=tmp_path / "x.mp3")
     assert code == 2 and "unsupported output format '.mp3'" in err
+
+
+def test_output_is_a_folder_row(capsys, model, tmp_path):
+    folder = tmp_path / "out.d"  # a suffix that would read as an output format
+    folder.mkdir()
+    code = inference.main(["--model-path", str(model), "--text", "Hi.", "--out", str(folder)])
+    err = capsys.readouterr().err
+    assert code == 2 and f"--out {folder} is a folder, not an audio file" in err and "--out-dir" in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err and not any(folder.iterdir())
 
 
 AUDIO_ROWS = [
@@ -86,6 +97,71 @@ AUDIO_ROWS = [
 def test_reference_audio_rows(capsys, model, tmp_path, case, make, message):
     code, err, out = run_inference(capsys, model, "--text", "Hi.", "--ref-audio", make(tmp_path))
     assert code == 2 and message in err and "Traceback" not in err, err
+    assert not out.exists()
+
+
+@pytest.fixture(scope="module")
+def voice(model, tmp_path_factory):
+    """A real voice file of the int4 build (the one the damaged copies below start from)."""
+    from higgs_onnx.runtime.model import HiggsTTS, Voice
+
+    tts = HiggsTTS(model)
+    path = tts.make_voice(DATA / "ref_en_24k.wav", "A reference.").save(tmp_path_factory.mktemp("voice") / "v.npz")
+    Voice.load(path, tts.model_id)  # the intact file passes every check
+    return path
+
+
+def rewrite(voice, path, drop=(), **arrays):
+    """A copy of `voice` without the arrays whose names start with one of `drop`, and with `arrays` replaced."""
+    with np.load(voice) as f:
+        kept = {k: f[k] for k in f.files if not k.startswith(tuple(drop))}
+    np.savez(path, **{**kept, **arrays})
+    return path
+
+
+def first_kv(voice):
+    with np.load(voice) as f:
+        return next(k for k in f.files if k.startswith("kv:"))
+
+
+def npy_as_npz(path):
+    np.save(path.with_suffix(".npy"), np.zeros(3))
+    return path.with_suffix(".npy").rename(path)
+
+
+VOICE_ROWS = [
+    ("text file named .npz", lambda v, p: raw_file(p / "x.npz", b"not a voice\n"), "not an .npz archive"),
+    ("random bytes", lambda v, p: raw_file(p / "r.npz", np.random.default_rng(0).bytes(4096)), "not an .npz archive"),
+    ("empty file", lambda v, p: raw_file(p / "e.npz", b""), "not an .npz archive"),
+    ("zip header, then garbage", lambda v, p: raw_file(p / "z.npz", b"PK\x03\x04" + b"\x01" * 200),
+     "not an .npz archive"),
+    ("truncated voice", lambda v, p: raw_file(p / "t.npz", v.read_bytes()[: v.stat().st_size // 2]),
+     "not an .npz archive"),
+    ("a single .npy array", lambda v, p: npy_as_npz(p / "a.npz"), "a single .npy array"),
+    ("missing keys", lambda v, p: rewrite(v, p / "m.npz", drop=("prefix", "meta")), "missing prefix, meta"),
+    ("no prefill state", lambda v, p: rewrite(v, p / "k.npz", drop=("kv:",)), "missing kv:* (the prefill state)"),
+    ("float rows", lambda v, p: rewrite(v, p / "f.npz", rows=np.zeros((4, 8), np.float32)),
+     "rows must be integer codes"),
+    ("pickled array", lambda v, p: rewrite(v, p / "o.npz", rows=np.array([{}, None], dtype=object)),
+     "a damaged or non-numeric array inside"),
+    ("meta not JSON", lambda v, p: rewrite(v, p / "j.npz", meta=np.asarray("{oops")), "meta is not the JSON"),
+    ("state of another length", lambda v, p: rewrite(v, p / "s.npz", **{first_kv(v): np.zeros((1, 1, 3, 4))}),
+     "must be a float (1, H,"),
+]
+
+
+@pytest.mark.parametrize("case, make, message", VOICE_ROWS, ids=[r[0] for r in VOICE_ROWS])
+def test_voice_file_rows(capsys, model, voice, tmp_path, case, make, message):
+    path = make(voice, tmp_path)
+    code, err, out = run_inference(capsys, model, "--text", "Hi.", "--voice", path)
+    assert code == 2 and f"{path} is not a voice file (" in err and message in err, err
+    assert "the .npz written by inference.py --save-voice" in err and err.count("\n") == 1 and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_voice_folder_row(capsys, model, tmp_path):
+    code, err, out = run_inference(capsys, model, "--text", "Hi.", "--voice", tmp_path)
+    assert code == 2 and f"voice file {tmp_path} is a folder" in err and "--save-voice" in err, err
     assert not out.exists()
 
 
@@ -131,7 +207,8 @@ def test_no_verify_skips_hashing(capsys, model, tmp_path):
     MODEL_ROWS[6][1](folder)  # flip a byte inside audio_heads.onnx: sizes agree, hash does not
     code, err, _ = run_inference(capsys, folder, "--text", "Hi.", "--no-verify", out=tmp_path / "ok.wav")
     assert code in (0, 1)  # hashing skipped: the corrupt graph may still load (0) or fail to parse (1)
-    assert "sha256" not in err
+    assert "does not match its sha256" not in err
+    assert code == 0 or "ONNX Runtime cannot load audio_heads.onnx" in err, err
 
 
 def test_unknown_tag_warns_and_speaks(capsys, model, tmp_path, caplog):

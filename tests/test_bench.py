@@ -12,17 +12,28 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
 
 
+def bench(*args, **kw):
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench.py"), *map(str, args)], capture_output=True,
+                          text=True, cwd=ROOT, env={**os.environ, "CI": "1"}, **kw)
+
+
 def test_bench_tiny_smoke(tmp_path):
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--preset", "tiny", "--frames", "16",
-                        "--steps", "10", "--work", str(tmp_path), "--json", str(tmp_path / "b.json")],
-                       capture_output=True, text=True, cwd=ROOT, env={**os.environ, "CI": "1"}, timeout=900)
+    r = bench("--preset", "tiny", "--frames", 16, "--steps", 10, "--work", tmp_path, "--json", tmp_path / "b.json",
+              timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     b = json.loads((tmp_path / "b.json").read_text())
     for key in ("bandwidth_gbs", "floor_ms", "decoder_step_ms", "prefill_zero_shot_ms", "prefill_clone_ms",
                 "codec_decode_ms_per_audio_s", "codec_encode_ms_per_audio_s", "int4_decoder_export_s",
-                "int4_decoder_export_peak_rss_mb", "speedup_vs_torch"):
+                "int4_decoder_export_peak_rss_mb", "speedup_vs_torch", "step_x_floor"):
         assert b[key] > 0, key
+    assert b["bandwidth_probe"].startswith("NumPy float32 max") and b["bandwidth_probe"] in r.stdout
     g = b["generation"]
     assert g["rows"] > 0 and g["peak_rss_mb"] > 0 and g["host_overhead_ms_per_row"] >= 0
     assert g["first_frame_cached_voice_s"] > 0 and g["first_frame_new_voice_s"] > 0
     assert "decoder step (median)" in r.stdout and "x floor" in r.stdout
+
+
+def test_bench_refuses_negative_threads(tmp_path):
+    r = bench("--preset", "tiny", "--threads", -1, "--work", tmp_path, timeout=120)
+    assert r.returncode == 2 and "threads must be >= 0" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not any(tmp_path.iterdir())  # refused before anything was built

@@ -32,10 +32,11 @@ def test_six_parts_and_manifest(builds, precision):
     m = load_manifest(builds[precision], verify=True)
     assert m.data["schema_version"] == 1 and m.data["execution_provider"] == "CPUExecutionProvider"
     assert set(m.parts) == set(PART_NAMES)
-    expected = {"int4": {"llm_decoder": "int4", "text_embed": "fp16", "audio_embed": "int4", "audio_heads": "int4",
+    expected = {"int4": {"llm_decoder": "int4", "text_embed": "fp16", "audio_embed": "fp16", "audio_heads": "fp16",
                          "audio_encoder": "fp32", "audio_tokenizer": "fp32"},
                 "fp32": dict.fromkeys(PART_NAMES, "fp32")}[precision]
     assert {p: e["precision"] for p, e in m.parts.items()} == expected
+    assert m.parts["audio_heads"]["parity"]["argmax_agreement"] >= 0.99  # voice-critical: above int4 by default
     for part, e in m.parts.items():
         assert e["parity"]["ok"], (part, e["parity"])
         assert all(len(f["sha256"]) == 64 and f["size"] > 0 for f in e["files"].values())
@@ -56,7 +57,19 @@ def test_int4_graph_ops(builds):
     nbits = [n for n in dec.graph.node if n.op_type == "MatMulNBits"]
     assert len(nbits) == 5 * 2 and not [n for n in dec.graph.node if n.op_type == "MatMul"]
     assert all({a.name: a.i for a in n.attribute}["block_size"] == 32 for n in nbits)
-    assert "GatherBlockQuantized" in m.parts["audio_embed"]["ops"] and "MatMulNBits" in m.parts["audio_heads"]["ops"]
+    assert "MatMulNBits" not in m.parts["audio_heads"]["ops"] and "MatMul" in m.parts["audio_heads"]["ops"]
+
+
+def test_audio_parts_at_int4_and_int8_on_request(tiny_ckpt, tmp_path):
+    """`--part-precision` still gives the old int4 head, or 8-bit weights."""
+    opts = ExportOptions("cpu", "int4", part_precision={"audio_heads": "int4", "audio_embed": "int8"})
+    m = load_manifest(Exporter(str(tiny_ckpt), tmp_path, opts).run(), verify=False)
+    heads, embed = m.parts["audio_heads"], m.parts["audio_embed"]
+    assert heads["precision"] == "int4" and "MatMulNBits" in heads["ops"]
+    assert heads["parity"]["ok"] and "min_argmax_agreement" not in heads["parity"]  # int4 is reported, not gated
+    assert embed["precision"] == "int8" and "GatherBlockQuantized" in embed["ops"] and embed["parity"]["ok"]
+    graph = onnx.load(str(m.part_file("audio_embed")), load_external_data=False).graph
+    assert {a.name: a.i for n in graph.node if n.op_type == "GatherBlockQuantized" for a in n.attribute}["bits"] == 8
 
 
 @pytest.mark.parametrize("precision", ["int4", "fp32"])
@@ -79,9 +92,11 @@ def test_second_run_skips_and_force_rebuilds(builds, tiny_ckpt, out_root, capsys
     assert "up to date" in capsys.readouterr().out and manifest.stat().st_mtime_ns == before
     Exporter(str(tiny_ckpt), out_root, ExportOptions("cpu", "int4", components=("audio_heads",))).run()
     out = capsys.readouterr().out
-    assert out.count("built:") == 1 and "audio_heads" in out and manifest.stat().st_mtime_ns != before
+    assert out.count("built and checked:") == 1 and "audio_heads" in out and manifest.stat().st_mtime_ns != before
     Exporter(str(tiny_ckpt), out_root, ExportOptions("cpu", "int4", force=True)).run()
-    assert capsys.readouterr().out.count("built:") == 6
+    out = capsys.readouterr().out
+    assert out.count("built and checked:") == 6 and out.count("[RSS ") >= 12  # every step says what it holds
+    assert "peak RSS" in out
     load_manifest(builds["int4"], verify=True)
 
 
@@ -134,7 +149,8 @@ def test_gpu_graphs_build_here(builds, tiny_ckpt, out_root, device, precision):
     assert m.data["device"] == device
     assert m.data["execution_provider"] == {"cuda": "CUDAExecutionProvider", "dml": "DmlExecutionProvider"}[device]
     assert m.parts["llm_decoder"]["parity"] == {"skipped": f"{device} graph"}
-    assert m.parts["audio_heads"]["precision"] == precision and m.parts["audio_heads"]["parity"]["ok"]
+    assert m.parts["llm_decoder"]["precision"] == precision
+    assert m.parts["audio_heads"]["precision"] == "fp16" and m.parts["audio_heads"]["parity"]["ok"]
 
 
 def test_invalid_combination_is_refused_up_front(tmp_path):
@@ -149,7 +165,8 @@ def test_streaming_quantizer_equals_the_stock_int4(tiny_ckpt, tmp_path):
     from onnx import numpy_helper
 
     from higgs_onnx.checkpoint import extract_qwen3
-    from higgs_onnx.parts.llm_decoder import FILE, build
+    from higgs_onnx.parts.llm_decoder import FILE
+    from higgs_onnx.parts.llm_decoder import build_from_qwen3 as build
 
     qwen3 = extract_qwen3(tiny_ckpt, tmp_path / "qwen3")
     build(qwen3, tmp_path / "stream", "int4", "cpu", tmp_path / "w1")

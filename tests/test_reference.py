@@ -4,6 +4,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from higgs_onnx.audio import load_reference
 from higgs_onnx.generation.sampling import GREEDY, SamplingOptions
@@ -56,3 +57,35 @@ def test_clone_runs_with_and_without_transcript(reference, with_text):
                             ref_text=ref_text, sampling=GREEDY, max_rows=1000)
     n_ref = len(reference.encode_audio(ref)) + 7
     assert sp.stats["reference_rows"] == n_ref and sp.stop_reason == "eoc" and len(sp.codes) > 0
+
+
+def test_streamed_body_equals_the_resident_one(tiny_ckpt):
+    """Layer streaming (how a 4B reference fits in 8 GB) changes where weights live, not a single bit of output."""
+    from higgs_onnx.reference.model import ReferenceModel
+
+    resident, streamed = ReferenceModel(tiny_ckpt, stream=False), ReferenceModel(tiny_ckpt, stream=True)
+    x = np.random.default_rng(3).standard_normal((9, resident.facts.hidden)).astype(np.float32)
+    want = resident.hidden_states(x)
+    assert np.array_equal(streamed.hidden_states(x), want)
+    assert streamed.body.streamed and not resident.body.streamed
+    assert all(p.device.type == "meta" for p in streamed.body.layers.parameters())  # dropped after the forward
+    assert np.array_equal(streamed.hidden_states(x), want)  # and read again for the next one
+    a = resident.generate("Hello there.", sampling=GREEDY, max_rows=40)
+    b = streamed.generate("Hello there.", sampling=GREEDY, max_rows=40)  # step by step through the KV cache
+    assert np.array_equal(a.codes, b.codes)
+
+
+def test_dequantized_body_streams_too(builds, tiny_ckpt):
+    from higgs_onnx.manifest import load_manifest
+    from higgs_onnx.parity import dequantized_body
+    from higgs_onnx.reference.model import ReferenceModel
+
+    path = load_manifest(builds["int4"], verify=False).part_file("llm_decoder")
+    x = torch.from_numpy(np.random.default_rng(4).standard_normal((1, 6, 64)).astype(np.float32))
+    outs = []
+    for stream in (False, True):
+        body = dequantized_body(ReferenceModel(tiny_ckpt, stream=stream), path)
+        with torch.no_grad():
+            outs.append(body(inputs_embeds=x).last_hidden_state)
+    plain = ReferenceModel(tiny_ckpt).hidden_states(x[0].numpy())
+    assert torch.equal(outs[0], outs[1]) and not np.allclose(outs[0][0].numpy(), plain, atol=1e-3)

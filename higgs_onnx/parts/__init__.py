@@ -1,16 +1,46 @@
-"""One module per exported part, all of the same shape: `NAME`, `INPUTS`, `OUTPUTS`, `load(model_path)`,
-`io_config(model_path)`, `dummy_inputs(model_path)` (Olive-built parts) or `build(...)` (the ModelBuilder decoder).
+"""One module per exported part, all of the same shape: `NAME`, `INPUTS`, `OUTPUTS`, `BUILD_VERSION` and
+`build(job)`, which writes `job.out/<NAME>.onnx` (+ external data). Olive-built parts also have the Olive hooks
+`load(model_path)`, `io_config(model_path)`, `dummy_inputs(model_path)`; the decoder is built by ModelBuilder and
+adds `DEVICE_SPECIFIC` (its graph depends on the target EP) and `EXTRA_FILES` (files besides the graph).
+The exporter reaches every part through `module(name)`: no part is special-cased outside its own module.
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 from types import ModuleType
 
 from ..manifest import PART_NAMES
+
+
+@dataclass(frozen=True)
+class BuildJob:
+    """What a part build needs: the checkpoint, the output folder, a scratch folder and the export options."""
+
+    ckpt: Path
+    out: Path  # the part's files go here (a fresh folder)
+    work: Path  # scratch space shared by builds (Olive cache, ModelBuilder cache, extracted body)
+    precision: str
+    device: str
+    block_size: int
+    accuracy_level: int
+    digest: str  # cheap identity of the checkpoint files (checkpoint.files_digest)
+    say: Callable[[str], None] = field(default=print, compare=False)  # progress lines of long sub-steps
 
 
 def module(name: str) -> ModuleType:
     if name not in PART_NAMES:
         raise ValueError(f"unknown part {name!r}; parts: {', '.join(PART_NAMES)}")
     return importlib.import_module(f"{__name__}.{name}")
+
+
+def device_specific(name: str) -> bool:
+    """Whether the part's graph depends on the target device (else one build serves every device)."""
+    return getattr(module(name), "DEVICE_SPECIFIC", False)
+
+
+def extra_files(name: str) -> tuple[str, ...]:
+    return getattr(module(name), "EXTRA_FILES", ())

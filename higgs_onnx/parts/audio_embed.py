@@ -6,9 +6,12 @@ The per-codebook row offset (c * V) is a constant inside the graph.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from ..checkpoint import AUDIO_EMBED
+from . import BuildJob, olive
 from .common import facts, tensor
 
 NAME = "audio_embed"
@@ -39,3 +42,12 @@ def io_config(model_path: str) -> dict:
 def dummy_inputs(model_path: str) -> tuple:
     f = facts(model_path)
     return (torch.arange(3 * f.num_codebooks, dtype=torch.int64).view(1, 3, f.num_codebooks) * 37 % f.codebook_vocab,)
+
+
+BUILD_VERSION = olive.BUILD_VERSION
+
+
+def build(job: BuildJob) -> Path:
+    """Olive: conversion from the hooks above, then the precision's pass (see `parts.olive`). At fp16 the weights
+    are loaded and exported in fp16 directly: the same rounding as a float16 pass, without an fp32 copy."""
+    return olive.build(NAME, job, fp16_in_torch=True)

@@ -41,8 +41,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..checkpoint import load_facts
 from ..reference.resample import _sinc_kernel
+from . import BuildJob, olive
+from .common import checkpoint_dir, facts
 
 NAME = "audio_encoder"
 INPUTS = ["waveform"]
@@ -118,7 +119,7 @@ def load(model_path: str) -> torch.nn.Module:
     """The encoder of checkpoint folder ``model_path``, fp32, eval."""
     from ..reference.model import load_codec
 
-    return AudioCodecEncoder(load_codec(Path(model_path))).eval()
+    return AudioCodecEncoder(load_codec(checkpoint_dir(model_path))).eval()
 
 
 def io_config(model_path: str) -> dict:
@@ -134,6 +135,14 @@ def io_config(model_path: str) -> dict:
 
 def dummy_inputs(model_path: str) -> tuple:
     """Positional tracing inputs: ``[1, round(DUMMY_SECONDS * sample_rate)]`` of quiet noise (an odd length)."""
-    f = load_facts(Path(model_path))
+    f = facts(model_path)
     gen = torch.Generator().manual_seed(0)
     return (0.1 * torch.randn(1, round(DUMMY_SECONDS * f.sample_rate), generator=gen),)
+
+
+BUILD_VERSION = olive.BUILD_VERSION
+
+
+def build(job: BuildJob) -> Path:
+    """Olive: conversion from the hooks above, then the precision's pass (see `parts.olive`)."""
+    return olive.build(NAME, job)

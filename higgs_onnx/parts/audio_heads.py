@@ -5,9 +5,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from ..checkpoint import AUDIO_EMBED
+from . import BuildJob, olive
 from .common import facts, tensor
 
 NAME = "audio_heads"
@@ -17,7 +20,7 @@ INPUTS, OUTPUTS = ["hidden_states"], ["logits"]
 class AudioHeads(torch.nn.Module):
     def __init__(self, weight: torch.Tensor, num_codebooks: int, codebook_vocab: int):
         super().__init__()
-        self.proj = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        self.proj = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype)
         self.proj.weight.data.copy_(weight)
         self.shape = (num_codebooks, codebook_vocab)
 
@@ -37,3 +40,12 @@ def io_config(model_path: str) -> dict:
 
 def dummy_inputs(model_path: str) -> tuple:
     return (torch.randn(1, 3, facts(model_path).hidden, generator=torch.Generator().manual_seed(0)),)
+
+
+BUILD_VERSION = olive.BUILD_VERSION
+
+
+def build(job: BuildJob) -> Path:
+    """Olive: conversion from the hooks above, then the precision's pass (see `parts.olive`). At fp16 the weights
+    are loaded and exported in fp16 directly: the same rounding as a float16 pass, without an fp32 copy."""
+    return olive.build(NAME, job, fp16_in_torch=True)

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import load_facts
+from . import BuildJob, olive
+from .common import checkpoint_dir, facts
 
 NAME = "audio_tokenizer"
 INPUTS = ["audio_codes"]
@@ -43,12 +44,12 @@ def load(model_path: str) -> torch.nn.Module:
     """The decoder of checkpoint folder ``model_path``, fp32, eval."""
     from ..reference.model import load_codec
 
-    return AudioTokenizerDecoder(load_codec(Path(model_path))).eval()
+    return AudioTokenizerDecoder(load_codec(checkpoint_dir(model_path))).eval()
 
 
 def io_config(model_path: str) -> dict:
     """Olive ``PyTorchModel`` io_config: names, dummy shape/type, dynamic batch and frame axes."""
-    f = load_facts(Path(model_path))
+    f = facts(model_path)
     return {
         "input_names": list(INPUTS),
         "input_shapes": [[1, f.num_codebooks, DUMMY_FRAMES]],
@@ -60,6 +61,14 @@ def io_config(model_path: str) -> dict:
 
 def dummy_inputs(model_path: str) -> tuple:
     """Positional tracing inputs: random valid codes ``[1, N, DUMMY_FRAMES]``."""
-    f = load_facts(Path(model_path))
+    f = facts(model_path)
     gen = torch.Generator().manual_seed(0)
     return (torch.randint(0, f.codebook_size, (1, f.num_codebooks, DUMMY_FRAMES), generator=gen, dtype=torch.int64),)
+
+
+BUILD_VERSION = olive.BUILD_VERSION
+
+
+def build(job: BuildJob) -> Path:
+    """Olive: conversion from the hooks above, then the precision's pass (see `parts.olive`)."""
+    return olive.build(NAME, job)

@@ -20,17 +20,15 @@ from ..audio import load_reference
 from ..checkpoint import (
     AUDIO_EMBED,
     CODEC_PREFIX,
-    QWEN3_NAME_MAP,
     TEXT_EMBED,
     WEIGHTS,
     codec_config,
-    load_json,
-    qwen3_config,
     validate,
 )
 from ..generation.pipeline import DEFAULT_MAX_ROWS, DEFAULT_SAMPLING, Speech, synthesize
 from ..generation.prompt import PromptTokens
 from ..generation.sampling import SamplingOptions
+from .body import load_body
 
 log = logging.getLogger(__name__)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -68,27 +66,6 @@ def load_tensor(folder: Path, name: str, dtype: torch.dtype) -> torch.Tensor:
         return f.get_tensor(name).to(dtype)
 
 
-def load_body(folder: Path, dtype: torch.dtype) -> torch.nn.Module:
-    """`Qwen3Model` in `dtype`, loaded tensor by tensor. Its `embed_tokens` stays unloaded (on the meta device):
-    the reference always feeds `inputs_embeds`, and the text table is loaded once, on its own (`text_table`)."""
-    from transformers import Qwen3Config, Qwen3Model
-
-    tc = qwen3_config(load_json(folder / "config.json"))
-    with torch.device("meta"):
-        body = Qwen3Model(Qwen3Config(**{k: v for k, v in tc.items() if k != "dtype"}))
-    state = {}
-    with safe_open(folder / WEIGHTS, "pt") as f:
-        for name in f.keys():
-            for old, new in QWEN3_NAME_MAP:
-                if name.startswith(old) and name != TEXT_EMBED:
-                    state[new.removeprefix("model.") + name[len(old):]] = f.get_tensor(name).to(dtype)
-    missing, unexpected = body.load_state_dict(state, strict=False, assign=True)
-    if [m for m in missing if not m.startswith("embed_tokens.")] or unexpected:
-        raise ValueError(f"body tensors do not match config.json: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    body.rotary_emb = type(body.rotary_emb)(config=body.config)  # meta-built buffers (inv_freq) made real
-    return body.eval()
-
-
 def parity_dtype(facts) -> str:
     """The reference precision for parity checks: fp32, or bf16 for full-size models (an fp32 4B body is 16 GB)."""
     return "fp32" if facts.hidden < 1024 else "bf16"
@@ -97,10 +74,11 @@ def parity_dtype(facts) -> str:
 class ReferenceModel:
     """All PyTorch parts of one checkpoint folder."""
 
-    def __init__(self, folder: str | Path, dtype: str = "fp32"):
+    def __init__(self, folder: str | Path, dtype: str = "fp32", stream: bool | None = None):
+        """`stream`: hold the body one layer at a time (None: when it is larger than 1 GiB, see `body.py`)."""
         from tokenizers import Tokenizer
 
-        self.folder = Path(folder)
+        self.folder, self.stream = Path(folder), stream
         self.facts = validate(self.folder)
         self.dtype = DTYPES[dtype]
         self._body = self._codec = self._audio = self._text = None  # loaded on first use
@@ -126,11 +104,17 @@ class ReferenceModel:
     @property
     def body(self) -> torch.nn.Module:
         if self._body is None:
-            self._body = load_body(self.folder, self.dtype)
+            self._body = load_body(self.folder, self.dtype, self.stream)
         return self._body
 
     def release_body(self) -> None:
         self._body = None
+
+    @torch.no_grad()
+    def hidden_states(self, embeds: np.ndarray) -> np.ndarray:
+        """(S, D) input embeddings -> (S, D) float32 last hidden states (after the final norm), one full forward."""
+        x = torch.from_numpy(np.ascontiguousarray(embeds, np.float32))[None].to(self.dtype)
+        return self.body(inputs_embeds=x).last_hidden_state[0].float().numpy()
 
     @property
     def codec(self) -> torch.nn.Module:

@@ -13,6 +13,8 @@ import json
 import logging
 import os
 import time
+import zipfile
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,12 +29,59 @@ from ..generation.prompt import PromptTokens, build_prefix, check_text
 from ..generation.sampling import SamplingOptions
 from ..manifest import ManifestError, load_manifest
 from .decoder import BoundDecoder, SimpleDecoder
-from .session import Part
+from .session import Part, check_threads
 
 log = logging.getLogger(__name__)
 
 # which runtime providers can run a folder built for each device
 COMPATIBLE = {"cpu": ("cpu", "openvino"), "cuda": ("cuda",), "dml": ("dml",)}
+
+
+VOICE_FILE = "a voice file is the .npz written by inference.py --save-voice (or HiggsTTS.make_voice(...).save(path))"
+# what np.load / reading an archive member raises on a file that is not an intact .npz
+_NPZ_ERRORS = (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error)
+
+
+class VoiceFileError(ValueError):
+    """A file given as a voice that `Voice.save` did not write (or that was damaged since)."""
+
+
+def _read_voice(path: Path) -> dict:
+    """The fields of a `Voice` from an .npz written by `Voice.save`, checked; VoiceFileError says what is wrong."""
+    try:
+        npz = np.load(path, allow_pickle=False)
+    except _NPZ_ERRORS:
+        raise VoiceFileError("not an .npz archive") from None
+    if not isinstance(npz, np.lib.npyio.NpzFile):
+        raise VoiceFileError("a single .npy array, not an .npz archive")
+    with npz:
+        missing = [k for k in ("rows", "prefix", "meta") if k not in npz.files]
+        if not any(k.startswith("kv:") for k in npz.files):
+            missing.append("kv:* (the prefill state)")
+        if missing:
+            raise VoiceFileError(f"missing {', '.join(missing)}")
+        try:
+            a = {k: npz[k] for k in npz.files}
+        except _NPZ_ERRORS:
+            raise VoiceFileError("a damaged or non-numeric array inside") from None
+    try:
+        meta = json.loads(str(a["meta"]))
+        ref_text, model_id = meta["ref_text"], meta["model_id"]
+        if not isinstance(model_id, str) or not isinstance(ref_text, (str, type(None))):
+            raise TypeError(meta)
+    except (ValueError, KeyError, TypeError):
+        raise VoiceFileError("meta is not the JSON Voice.save writes") from None
+    rows, prefix, state = a["rows"], a["prefix"], {k[3:]: v for k, v in a.items() if k.startswith("kv:")}
+    if rows.ndim != 2 or rows.dtype.kind not in "iu":
+        raise VoiceFileError(f"rows must be integer codes (R, N), got {rows.dtype} {rows.shape}")
+    if prefix.ndim != 1 or prefix.dtype.kind not in "iu":
+        raise VoiceFileError(f"prefix must be integer token ids (P,), got {prefix.dtype} {prefix.shape}")
+    for name, kv in state.items():  # (1, kv_heads, P, head_dim): the cache after the P prefix positions
+        if kv.dtype.kind != "f" or kv.ndim != 4 or kv.shape[2] != len(prefix):
+            raise VoiceFileError(f"kv:{name} must be a float (1, H, {len(prefix)}, D) cache, got {kv.dtype} "
+                                 f"{kv.shape}")
+    return {"rows": rows.astype(np.int64), "ref_text": ref_text, "prefix": prefix.astype(np.int64).tolist(),
+            "state": state, "model_id": model_id}
 
 
 @dataclass
@@ -57,17 +106,16 @@ class Voice:
 
     @classmethod
     def load(cls, path: str | os.PathLike, model_id: str) -> Voice:
+        """A voice saved by `save`; anything else is refused with what makes a voice file."""
         path = Path(path)
+        if path.is_dir():
+            raise IsADirectoryError(f"voice file {path} is a folder; {VOICE_FILE}")
         if not path.is_file():
             raise FileNotFoundError(f"voice file {path} does not exist")
         try:
-            with np.load(path, allow_pickle=False) as f:
-                meta = json.loads(str(f["meta"]))
-                voice = cls(rows=f["rows"].astype(np.int64), ref_text=meta["ref_text"],
-                            prefix=f["prefix"].astype(np.int64).tolist(), model_id=meta["model_id"],
-                            state={k[3:]: f[k] for k in f.files if k.startswith("kv:")})
-        except (OSError, ValueError, KeyError) as e:
-            raise ValueError(f"{path} is not a voice file ({e})") from None
+            voice = cls(**_read_voice(path))
+        except VoiceFileError as e:
+            raise VoiceFileError(f"{path} is not a voice file ({e}); {VOICE_FILE}") from None
         if voice.model_id != model_id:
             raise ValueError(f"{path} was made with another export; make it again with --save-voice")
         return voice
@@ -107,6 +155,7 @@ class HiggsTTS:
                  verify: bool = True, kv_cache: str = "bound"):
         from tokenizers import Tokenizer
 
+        check_threads(threads)  # before the (slow) hashing of the model files
         self.manifest = load_manifest(model_path, verify=verify)
         built_for = self.manifest.data["device"]
         self.provider = provider or built_for

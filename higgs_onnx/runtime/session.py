@@ -19,11 +19,19 @@ class ProviderError(RuntimeError):
     """A requested execution provider is not available or was not used."""
 
 
+def check_threads(threads: int) -> int:
+    """An intra-op thread count: 0 lets ONNX Runtime choose (one per physical core); negative counts are refused
+    (ORT would take them without complaint)."""
+    if threads < 0:
+        raise ValueError(f"threads must be >= 0 (0 = ONNX Runtime's default, one per core); got {threads}")
+    return threads
+
+
 def session_options(threads: int = 0, spin: bool = False):
     import onnxruntime as ort
 
     so = ort.SessionOptions()
-    so.intra_op_num_threads = threads  # 0 = one per core
+    so.intra_op_num_threads = check_threads(threads)
     so.log_severity_level = 3
     # Five sessions take turns every frame; on a 2-core machine a small part's spinning pool steals the decoder's
     # cores. Measured on the 4b geometry, per frame: all spinning 192 ms, none 131-144 ms, decoder only 111 ms.
@@ -41,7 +49,12 @@ def create_session(path: Path, provider: str = "cpu", threads: int = 0, spin: bo
                             f"(available: {', '.join(ort.get_available_providers())}); install the matching "
                             f"onnxruntime package (e.g. onnxruntime-gpu, onnxruntime-directml)")
     providers = [wanted] if wanted == "CPUExecutionProvider" else [wanted, "CPUExecutionProvider"]
-    sess = ort.InferenceSession(str(path), session_options(threads, spin), providers=providers)
+    options = session_options(threads, spin)
+    try:
+        sess = ort.InferenceSession(str(path), options, providers=providers)
+    except Exception as e:  # noqa: BLE001 - a damaged graph raises ORT's Fail/InvalidProtobuf or even UnicodeDecodeError
+        raise RuntimeError(f"ONNX Runtime cannot load {path.name}: {e} (a damaged file? the sha256 check at load, "
+                           f"skipped with --no-verify, finds those)") from None
     if sess.get_providers()[0] != wanted:
         raise ProviderError(f"{path.name}: asked for {wanted} but the session runs on {sess.get_providers()[0]}")
     return sess

@@ -1,0 +1,184 @@
+"""The report: figures per section + the gate checks, written as JSON and as Markdown (plots in `plots.py`)."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from .gates import NEAR_TIE_REL, Check, judge_divergence
+
+
+@dataclass
+class Report:
+    meta: dict
+    sections: dict[str, dict] = field(default_factory=dict)  # figures, or {"skipped": why} / {"error": what}
+    checks: list[Check] = field(default_factory=list)
+    arrays: dict[str, dict[str, np.ndarray]] = field(default_factory=dict, repr=False)  # for plots, not the JSON
+
+    def add(self, name: str, figures: dict) -> None:
+        """Store a section's figures; keys starting with "_" (waveforms ...) go to `arrays`."""
+        self.sections[name] = {k: v for k, v in figures.items() if not k.startswith("_")}
+        self.arrays[name] = {k[1:]: v for k, v in figures.items() if k.startswith("_")}
+
+    @property
+    def failures(self) -> list[str]:
+        return [c.detail for c in self.checks if not c.ok]
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+
+def _plain(x):
+    """JSON-safe: non-finite floats become "inf" / "-inf" / "nan" (strict JSON has no Infinity)."""
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    if isinstance(x, (float, np.floating)):
+        return float(x) if math.isfinite(x) else str(float(x))
+    if isinstance(x, np.integer):
+        return int(x)
+    return x
+
+
+def to_json(report: Report) -> str:
+    return json.dumps(_plain({"meta": report.meta, "passed": report.passed, "failures": report.failures,
+                              "checks": [asdict(c) for c in report.checks], "sections": report.sections}), indent=2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Markdown: one renderer per section (figures, report meta) -> lines
+
+
+def _parts(s: dict, meta: dict) -> list[str]:
+    from ..parity import summary
+
+    lines = ["| part | precision | figure | ok |", "|---|---|---|---|"]
+    for part, fig in s.items():
+        figure = f"error: {fig['error']}" if "error" in fig else summary(fig)
+        lines.append(f"| {part} | {fig['precision']} | {_cell(figure)} | {'yes' if fig.get('ok', True) else 'NO'} |")
+    return lines
+
+
+def _decoder_steps(s: dict, meta: dict) -> list[str]:
+    steps = s["per_step"]
+    lines = [f"Hidden states of the first prompt's prefill (step 0 = its last position) and {len(steps) - 1} "
+             f"single-row decode steps vs one full reference forward: cosine min "
+             f"{min(x['cosine'] for x in steps):.6f}, max abs {s['max_abs']:.3g}.", "",
+             "| step | position | cosine | max abs |", "|---|---|---|---|"]
+    return lines + [f"| {x['step']} | {x['position']} | {x['cosine']:.6f} | {x['max_abs']:.3g} |" for x in steps]
+
+
+def _encoder(s: dict, meta: dict) -> list[str]:
+    return [f"- `{name}` ({r['samples']} samples, {r['frames']} frames): {r['agreement'] * 100:.2f}% of codes equal"
+            for name, r in s["recordings"].items()]
+
+
+def _greedy(s: dict, meta: dict) -> list[str]:
+    rel = meta["gates"]["greedy_near_tie"]
+    lines = [f"Near-tie rule: a divergence whose reference top-1/top-2 margin is <= "
+             f"{NEAR_TIE_REL if rel is None else rel:g} x "
+             f"max|logit| (that row and codebook) is numerics; a wider one is a bug"
+             + (" (reported, not gated at this precision)." if rel is None else "."), "",
+             "| prompt | first divergence | margin | tolerance | verdict | rows ONNX / PyTorch | duration ratio |",
+             "|---|---|---|---|---|---|---|"]
+    for p in s["prompts"]:
+        tolerance, verdict = judge_divergence(p, rel)
+        where = ("none" if p["first_divergence"] is None else f"row {p['first_divergence']}"
+                 + ("" if p["codebook"] is None else f", codebook {p['codebook']}"))
+        lines.append(f"| {_cell(p['prompt'][:40])} | {where} | {_g(p.get('margin'))} | {_g(tolerance)} | {verdict} | "
+                     f"{p['onnx_rows']} / {p['torch_rows']} | {p['duration_ratio']:.2f} |")
+    return lines
+
+
+def _teacher_forced(s: dict, meta: dict) -> list[str]:
+    lines = ["| prompt | rows | top-1 | logit cos | logit max abs / scale | KL (T = 0.8) |",
+             "|---|---|---|---|---|---|"]
+    for p in s["prompts"]:
+        lines.append(f"| {_cell(p['prompt'][:40])} | {p['rows']} | {p['top1']:.4f} | {p['logit_cosine']:.6f} | "
+                     f"{p['logit_max_abs']:.3g} / {p['logit_scale']:.3g} | {p['kl']:.2e} |")
+    return lines
+
+
+def _speed(s: dict, meta: dict) -> list[str]:
+    return [f"Greedy runs: ONNX {s['onnx']['rows_per_s']:.1f} rows/s (RTF {s['onnx']['rtf']:.2f}), PyTorch "
+            f"{s['torch']['rows_per_s']:.1f} rows/s (RTF {s['torch']['rtf']:.2f})."]
+
+
+def _audio(s: dict, meta: dict) -> list[str]:
+    return [f"`{s['prompt'][:40]}`: ONNX {s['onnx_seconds']:.2f} s, PyTorch {s['torch_seconds']:.2f} s, log-spectral "
+            f"distance {s['log_spectral_distance_db']:.3g} dB (each backend's codes through its own codec)."]
+
+
+def _sampled(s: dict, meta: dict) -> list[str]:
+    return [f"{len(s['runs'])} runs: clean EOC stops {s['eoc_rate'] * 100:.0f}% (PyTorch "
+            f"{s['torch_eoc_rate'] * 100:.0f}%), mean duration ratio {s['mean_duration_ratio']:.2f}."]
+
+
+def _text_lm(s: dict, meta: dict) -> list[str]:
+    first = "never" if s["first_difference"] is None else f"token {s['first_difference']}"
+    return [f"Next-token agreement {s['next_token_agreement'] * 100:.1f}% over {s['prompt_tokens']} prompt tokens; "
+            f"greedy continuation of {s['continuation_tokens']} tokens first differs at {first}."]
+
+
+def _teacher_codes(s: dict, meta: dict) -> list[str]:
+    return [f"`{s['file']}`: {s['within_tolerance'] * 100:.1f}% of codes within {s['tolerance']} of the export's top "
+            f"logit over {s['rows']} rows; rows outside: {s['rows_outside'][:10] or 'none'}."]
+
+
+def _intelligibility(s: dict, meta: dict) -> list[str]:
+    return [f"WER with faster-whisper `{s['asr_model']}`: ONNX {s['onnx_wer'] * 100:.1f}%, PyTorch "
+            f"{s['torch_wer'] * 100:.1f}%."]
+
+
+def _g(x) -> str:
+    return "" if x is None else f"{x:.3g}"
+
+
+def _cell(text: str) -> str:
+    """Text for a Markdown table cell: a `|` (as in `<|emotion:...|>` tags) would end the cell."""
+    return text.replace("|", "\\|")
+
+
+RENDER: dict[str, tuple[str, Callable[[dict, dict], list[str]]]] = {
+    "parts": ("Parts", _parts), "decoder_steps": ("Decoder steps", _decoder_steps),
+    "encoder": ("Encoder on recordings", _encoder), "greedy": ("Greedy free-running", _greedy),
+    "teacher_forced": ("Teacher-forced", _teacher_forced), "speed": ("Speed", _speed),
+    "audio": ("Audio", _audio), "sampled": ("Sampled runs", _sampled),
+    "text_lm": ("Text LM (tied text head)", _text_lm),
+    "teacher_codes": ("Teacher codes", _teacher_codes), "intelligibility": ("Intelligibility", _intelligibility),
+}
+
+
+def _section(name: str, figures: dict, meta: dict, plot: str | None) -> list[str]:
+    title, render = RENDER.get(name, (name, lambda s, m: [f"`{json.dumps(_plain(s))[:500]}`"]))
+    lines = ["", f"## {title}", ""]
+    if "skipped" in figures:
+        return lines + [f"Skipped: {figures['skipped']}."]
+    if isinstance(figures.get("error"), str):
+        return lines + [f"**Broke**: {figures['error']}"]
+    lines += render(figures, meta)
+    return lines + (["", f"![{title}]({plot})"] if plot else [])
+
+
+def to_markdown(report: Report, plots: dict[str, str] | None = None) -> str:
+    """`plots`: section name -> link to its PNG (relative to where the Markdown is read)."""
+    m, plots = report.meta, plots or {}
+    failed = len(report.failures)
+    lines = [f"# Parity report: `{m['model_path']}` ({m['precision']})", "",
+             f"Reference: `{m['checkpoint']}` (PyTorch). Result: **{'PASS' if report.passed else 'FAIL'}** "
+             f"({len(report.checks) - failed} of {len(report.checks)} checks passed).", "",
+             "| section | check | ok |", "|---|---|---|"]
+    lines += [f"| {c.section} | {_cell(c.detail)} | {'yes' if c.ok else 'NO'} |" for c in report.checks]
+    for name, figures in report.sections.items():
+        lines += _section(name, figures, m, plots.get(name))
+    if report.failures:
+        lines += ["", "## Failures", ""] + [f"- {f}" for f in report.failures]
+    if m.get("seconds"):
+        lines += ["", "Seconds per section: " + ", ".join(f"{k} {v:.1f}" for k, v in m["seconds"].items()) + "."]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,184 @@
+"""The evaluation run: each section of `SECTIONS` measures, `apply_gates` judges, the writers write.
+
+A section that raises is reported as broken and the others still run; a section that needs a part which failed its
+parity check is skipped with that part's name (generation through a broken part only repeats its error). Gate
+failures never skip anything. The reports are written whatever failed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..generation.loop import GenerationResult, generate
+from ..generation.pipeline import stop_rules
+from ..generation.prompt import build_prompt
+from ..generation.sampling import GREEDY, SamplingOptions
+from . import generation, sections
+from .gates import apply_gates, gates_for
+from .options import EvalOptions, Outputs
+from .report import Report, to_json, to_markdown
+
+log = logging.getLogger(__name__)
+
+
+class Evaluator:
+    """The export, the reference and the options every section reads, plus the greedy runs several sections share."""
+
+    def __init__(self, tts, ref, options: EvalOptions | None = None):
+        from ..reference.model import ReferenceBackend
+
+        self.tts, self.ref, self.options = tts, ref, options or EvalOptions()
+        self.precision = tts.manifest.data["precision"]
+        self.gates = gates_for(self.precision, self.options.gates)
+        self.ref_backend = ReferenceBackend(ref)
+        self.rules = stop_rules(tts.facts)
+        self._greedy: dict[str, dict[str, GenerationResult]] = {}
+
+    def prompt(self, text: str) -> list[int]:
+        return build_prompt(self.tts.tokenizer, self.tts.tokens, text)
+
+    def generate(self, backend: str, text: str, sampling: SamplingOptions, seed: int, keep_logits: bool = False,
+                 teacher: np.ndarray | None = None) -> GenerationResult:
+        """One run of the shared loop on "onnx" or "torch"; `teacher` (L, N) rows are fed instead of the picks."""
+        be = self.tts.backend if backend == "onnx" else self.ref_backend
+        return generate(be, self.prompt(text), self.rules, sampling, np.random.default_rng(seed),
+                        self.options.max_frames, self.tts.facts.placeholder, keep_logits=keep_logits,
+                        teacher_rows=teacher)
+
+    def run_both(self, text: str, sampling: SamplingOptions, seed: int, keep_logits: bool = False) -> dict:
+        return {b: self.generate(b, text, sampling, seed, keep_logits) for b in ("onnx", "torch")}
+
+    def greedy_runs(self, text: str) -> dict[str, GenerationResult]:
+        """Greedy runs of both backends with their logits, made once per prompt (greedy, teacher-forced, speed, audio
+        read them)."""
+        if text not in self._greedy:
+            self._greedy[text] = self.run_both(text, GREEDY, 0, keep_logits=True)
+        return self._greedy[text]
+
+    def meta(self) -> dict:
+        o, m = self.options, self.tts.manifest.data
+        return {"model_path": str(self.tts.manifest.folder), "precision": self.precision, "device": m["device"],
+                "checkpoint": str(self.ref.folder), "gates": self.gates, "prompts": list(o.prompts), "runs": o.runs,
+                "max_frames": o.max_frames, "recordings": [Path(p).name for p in o.recordings], "seconds": {}}
+
+    def skip_reason(self, name: str, report: Report) -> str | None:
+        section = SECTIONS[name]
+        unasked = section.unasked(self.options)
+        if unasked:
+            return f"not asked ({unasked})"
+        parts = report.sections.get("parts", {})
+        broken = [p for p in section.needs if isinstance(parts.get(p), dict) and not parts[p].get("ok", True)]
+        if broken:
+            return (f"part {', '.join(broken)} failed its parity check; running through it would only repeat "
+                    f"that error")
+        return None
+
+    def run(self, progress: Callable[[str], None] | None = None) -> Report:
+        say = progress or (lambda line: print(line, file=sys.stderr, flush=True))
+        report = Report(meta=self.meta())
+        for name, section in SECTIONS.items():
+            reason = self.skip_reason(name, report)
+            if reason:
+                say(f"skipping {name}: {reason}")
+                report.add(name, {"skipped": reason})
+                continue
+            say(f"evaluating {name} ...")
+            t0 = time.perf_counter()
+            try:
+                figures = section.run(self)
+            except Exception as e:  # a section that breaks is reported as such; the others still run
+                log.debug("section %s failed", name, exc_info=True)
+                figures = {"error": f"{type(e).__name__}: {e}"}
+            report.add(name, figures)
+            report.meta["seconds"][name] = round(time.perf_counter() - t0, 2)
+        report.checks = apply_gates(report.sections, self.gates)
+        return report
+
+
+def _not_asked_sampled(o: EvalOptions) -> str | None:
+    return None if o.runs else "--runs 0"
+
+
+def _not_asked_teacher_codes(o: EvalOptions) -> str | None:
+    return None if o.teacher_codes else "no --teacher-codes file"
+
+
+@dataclass(frozen=True)
+class Section:
+    run: Callable[[Evaluator], dict]  # -> figures (keys starting with "_" hold arrays kept out of the JSON)
+    needs: tuple[str, ...] = ()  # exported parts it runs through
+    unasked: Callable[[EvalOptions], str | None] = lambda options: None  # why the options leave it out
+
+
+GENERATION = ("llm_decoder", "text_embed", "audio_embed", "audio_heads")
+SECTIONS: dict[str, Section] = {
+    "parts": Section(sections.parts),
+    "decoder_steps": Section(sections.decoder_steps, ("llm_decoder",)),
+    "encoder": Section(sections.encoder, ("audio_encoder",)),
+    "greedy": Section(generation.greedy, GENERATION),
+    "teacher_forced": Section(generation.teacher_forced, GENERATION),
+    "speed": Section(generation.speed, GENERATION),
+    "audio": Section(generation.audio, (*GENERATION, "audio_tokenizer")),
+    "sampled": Section(generation.sampled, GENERATION, _not_asked_sampled),
+    "text_lm": Section(sections.text_lm, ("llm_decoder", "text_embed")),
+    "teacher_codes": Section(sections.teacher_codes, GENERATION, _not_asked_teacher_codes),
+    "intelligibility": Section(sections.intelligibility, (*GENERATION, "audio_tokenizer")),
+}
+
+
+def load_models(model_path: Path, checkpoint: str | None, verify: bool = True):
+    """(HiggsTTS, ReferenceModel): the export and its reference (default: the checkpoint its manifest names)."""
+    from ..checkpoint import resolve
+    from ..reference.model import ReferenceModel, parity_dtype
+    from ..runtime.model import HiggsTTS
+
+    tts = HiggsTTS(model_path, verify=verify)
+    source = checkpoint or tts.manifest.data["source"]["path"]
+    if not checkpoint and not Path(source).is_dir():
+        source = tts.manifest.data["source"]["repo_id"] or source
+    ref = ReferenceModel(resolve(source), dtype=parity_dtype(tts.facts))
+    if ref.facts != tts.facts:
+        raise ValueError(f"checkpoint {source} does not match the export (different dims or ids)")
+    return tts, ref
+
+
+def _write(path: Path, text: str) -> None:
+    """Whole file or nothing: a temporary file renamed over the target."""
+    tmp = path.with_name(path.name + ".partial")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def write_reports(report: Report, outputs: Outputs) -> str:
+    """JSON, then the plots, then the Markdown that embeds them (links relative to the Markdown file); returns the
+    Markdown."""
+    if outputs.json:
+        _write(outputs.json, to_json(report))
+    links = {}
+    if outputs.plots:
+        from .plots import write_plots
+
+        base = outputs.markdown.parent if outputs.markdown else Path.cwd()
+        links = {k: Path(os.path.relpath(v, base)).as_posix() for k, v in write_plots(report, outputs.plots).items()}
+    md = to_markdown(report, links)
+    if outputs.markdown:
+        _write(outputs.markdown, md)
+    return md
+
+
+def evaluate(model_path: Path, checkpoint: str | None = None, options: EvalOptions | None = None,
+             outputs: Outputs | None = None, verify: bool = True) -> tuple[Report, str]:
+    """Load, run every section, write the reports; (report, Markdown text)."""
+    outputs = outputs or Outputs()
+    outputs.check()
+    tts, ref = load_models(model_path, checkpoint, verify)
+    report = Evaluator(tts, ref, options).run()
+    return report, write_reports(report, outputs)

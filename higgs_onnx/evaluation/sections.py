@@ -1,0 +1,168 @@
+"""Sections that measure one part or the decoder on fixed inputs; each returns its figures (a dict), none judges.
+
+`ev` is the `runner.Evaluator`: the export (`ev.tts`), the PyTorch reference (`ev.ref`) and the options.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..generation.loop import generate
+from ..generation.sampling import GREEDY
+from ..parity import check_part, compare_decoder
+
+if TYPE_CHECKING:
+    from .runner import Evaluator
+
+PARTS_SEED = 101  # fixed inputs of the per-part checks (optimize.py uses its own seed: two draws, not one)
+DECODER_SEED = 7  # random audio rows fed after the first prompt in the decoder-steps section
+# Text-table rows upcast at once for the tied text head: 8192 x 2560 x 4 B = 84 MB on the 4B geometry, where a full
+# fp32 copy of the table (151936 x 2560) would be 1.5 GB of the 8 GB budget.
+TEXT_HEAD_ROWS = 8192
+
+
+def parts(ev: Evaluator) -> dict:
+    """Every exported part on fixed inputs vs the reference: {part: figures with `ok` and `precision`}."""
+    rows = {}
+    for part, entry in ev.tts.manifest.parts.items():
+        try:
+            fig = check_part(part, ev.tts.manifest.part_file(part), ev.ref, entry["precision"], ev.tts.provider,
+                             seed=PARTS_SEED)
+        except Exception as e:  # a wrecked part (ORT refuses it, NaNs ...) is a failed row; the others still run
+            fig = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        rows[part] = {"precision": entry["precision"], **fig}
+    return rows
+
+
+def decoder_steps(ev: Evaluator) -> dict:
+    """The decoder on the first prompt, then `decode_steps` single-row decode steps of random audio rows, vs one
+    full reference forward over the same (reference) embeddings: figures with `per_step` cosine / max abs."""
+    f, rng = ev.tts.facts, np.random.default_rng(DECODER_SEED)
+    prompt = ev.prompt(ev.options.prompts[0])
+    rows = rng.integers(0, f.codebook_size, (ev.options.decode_steps, f.num_codebooks))
+    be = ev.ref_backend
+    embeds = np.concatenate([be.embed_text(np.asarray(prompt)), be.embed_audio(rows)])  # (P + steps, D)
+    precision = ev.tts.manifest.parts["llm_decoder"]["precision"]
+    fig = compare_decoder(ev.tts.part("llm_decoder"), ev.ref, embeds, len(prompt), precision)
+    fig.pop("_onnx")
+    return fig
+
+
+def encoder(ev: Evaluator) -> dict:
+    """The export's codec encoder vs the reference's on real recordings: share of equal codes, per codebook."""
+    from ..audio import load_reference
+
+    out = {}
+    for path in ev.options.recordings:
+        wav = load_reference(path, ev.tts.facts.sample_rate)
+        a, b = ev.tts.encode_audio(wav), ev.ref.encode_audio(wav)  # (T, N) each
+        same = a.shape == b.shape
+        out[Path(path).name] = {"samples": int(wav.size), "frames": int(b.shape[0]),
+                                "agreement": float((a == b).mean()) if same else 0.0,
+                                "per_codebook": (a == b).mean(0).tolist() if same else []}
+    return {"recordings": out, "agreement": min(r["agreement"] for r in out.values())}
+
+
+def text_argmax(table, hidden: np.ndarray) -> np.ndarray:
+    """(S, D) hidden -> (S,) argmax of the tied text head `hidden @ table^T`, upcasting `TEXT_HEAD_ROWS` rows of the
+    (vocab, D) table at a time (first index on ties, like argmax)."""
+    import torch
+
+    h = torch.from_numpy(np.ascontiguousarray(hidden, np.float32))
+    best = torch.full((len(h),), -torch.inf)
+    arg = torch.zeros(len(h), dtype=torch.long)
+    with torch.no_grad():
+        for start in range(0, table.shape[0], TEXT_HEAD_ROWS):
+            value, index = (h @ table[start:start + TEXT_HEAD_ROWS].float().T).max(-1)
+            better = value > best
+            best, arg = torch.where(better, value, best), torch.where(better, index + start, arg)
+    return arg.numpy()
+
+
+def text_lm(ev: Evaluator) -> dict:
+    """The decoder as a plain text LM with the tied text head applied outside the graph: next-token agreement over
+    the last prompt and a greedy continuation of `text_tokens` tokens on both."""
+    from ..runtime.decoder import SimpleDecoder
+
+    table, n = ev.ref.text_table, ev.options.text_tokens
+    ids = ev.tts.tokenizer.encode(ev.options.prompts[-1], add_special_tokens=False).ids
+    dec = SimpleDecoder(ev.tts.part("llm_decoder"), ev.tts.facts)
+    be, rb = ev.tts.backend, ev.ref_backend
+    o_seq, t_seq = list(ids), list(ids)
+    o_next = text_argmax(table, dec.prefill(be.embed_text(np.asarray(o_seq))))  # (S,)
+    t_next = text_argmax(table, ev.ref.hidden_states(rb.embed_text(np.asarray(t_seq))))
+    agreement = float((o_next == t_next).mean())
+    o_seq.append(int(o_next[-1]))
+    t_seq.append(int(t_next[-1]))
+    for _ in range(n - 1):
+        o_seq.append(int(text_argmax(table, dec.step(be.embed_text(np.asarray(o_seq[-1:])))[-1:])[0]))
+        t_seq.append(int(text_argmax(table, ev.ref.hidden_states(rb.embed_text(np.asarray(t_seq)))[-1:])[0]))
+    gen_o, gen_t = o_seq[len(ids):], t_seq[len(ids):]
+    first = next((i for i, (a, b) in enumerate(zip(gen_o, gen_t, strict=True)) if a != b), None)
+    return {"next_token_agreement": agreement, "prompt_tokens": len(ids), "continuation_tokens": n,
+            "first_difference": first, "onnx": gen_o, "torch": gen_t}
+
+
+def teacher_codes(ev: Evaluator) -> dict:
+    """Delayed rows from another implementation teacher-forced through the export: share of codes within
+    `tolerance` of the export's top logit (ramp-in BOCs are forced, not sampled, and not judged)."""
+    o = ev.options
+    rows = np.load(o.teacher_codes, allow_pickle=False).astype(np.int64)  # (L, N)
+    f = ev.tts.facts
+    if rows.ndim != 2 or rows.shape[1] != f.num_codebooks or not len(rows):
+        raise ValueError(f"{o.teacher_codes} holds {rows.shape}; expected (rows, {f.num_codebooks}) delayed codes")
+    res = generate(ev.tts.backend, ev.prompt(o.prompts[0]), ev.rules, GREEDY, np.random.default_rng(0), len(rows),
+                   f.placeholder, keep_logits=True, teacher_rows=rows)
+    logits = np.stack(res.logits)  # (L, N, V)
+    picked = np.take_along_axis(logits, rows[:len(logits), :, None], axis=-1)[..., 0]
+    forced = np.triu(np.ones((len(logits), f.num_codebooks), bool), k=1)
+    within = (picked >= logits.max(-1) - o.tolerance) | forced
+    return {"file": str(o.teacher_codes), "prompt": o.prompts[0], "tolerance": o.tolerance, "rows": len(logits),
+            "within_tolerance": float(within.mean()), "per_codebook": within.mean(0).tolist(),
+            "rows_outside": np.flatnonzero(~within.all(-1)).tolist()[:50]}
+
+
+def intelligibility(ev: Evaluator) -> dict:
+    """WER of greedy ONNX and PyTorch audio against the prompt text, with faster-whisper + jiwer if installed.
+
+    The ASR model is `$HIGGS_ASR_MODEL` (default `base`), fetched by faster-whisper on first use.
+    """
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("faster_whisper") is None or importlib.util.find_spec("jiwer") is None:
+        return {"skipped": "faster-whisper/jiwer are not installed (pip install faster-whisper jiwer); WER is "
+                           "meaningful only on real weights"}
+    from faster_whisper import WhisperModel
+
+    name = os.environ.get("HIGGS_ASR_MODEL", "base")
+    try:
+        asr = WhisperModel(name, device="cpu", compute_type="int8")
+    except Exception as e:  # no network, unknown model name ...: say so instead of failing the report
+        return {"skipped": f"could not load ASR model {name!r}: {e}"}
+    rows = [_wer_row(ev, asr, text) for text in ev.options.prompts]
+    return {"asr_model": name, "rows": rows, "onnx_wer": float(np.mean([r["onnx_wer"] for r in rows])),
+            "torch_wer": float(np.mean([r["torch_wer"] for r in rows]))}
+
+
+def _wer_row(ev: Evaluator, asr, text: str) -> dict:
+    import jiwer
+
+    from ..audio import resample
+    from ..generation.prompt import TAG_PATTERN
+
+    norm = jiwer.Compose([jiwer.ToLowerCase(), jiwer.RemovePunctuation(), jiwer.RemoveMultipleSpaces(),
+                          jiwer.Strip(), jiwer.ReduceToListOfListOfWords()])
+    truth = TAG_PATTERN.sub(" ", text)
+    wavs = {"onnx": ev.tts.generate(text, temperature=0, max_frames=ev.options.max_frames).waveform,
+            "torch": ev.ref.generate(text, sampling=GREEDY, max_rows=ev.options.max_frames).waveform}
+    row = {"prompt": text}
+    for k, wav in wavs.items():
+        segments, _ = asr.transcribe(resample(wav, ev.tts.facts.sample_rate, 16000), beam_size=1)
+        heard = " ".join(s.text for s in segments)
+        row[f"{k}_text"] = heard
+        row[f"{k}_wer"] = jiwer.wer(truth, heard or "-", reference_transform=norm, hypothesis_transform=norm)
+    return row
