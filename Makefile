@@ -1,6 +1,6 @@
 # Two commands do all set-up on a fresh machine:
 #   make demo   venv + install, then build -> generate wavs -> parity report on the tiny synthetic checkpoint
-#   make test   venv + install, then the whole test suite
+#   make test   venv + install, then the whole test suite (make test-fast: without the export tests)
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 export CI := 1
 # Olive reads CI to switch its telemetry off before it starts (it hangs ~10 s at exit otherwise).
 
-.PHONY: demo test venv lint clean
+.PHONY: demo test test-fast venv lint clean
 
 venv: $(STAMP)
 
@@ -29,6 +29,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m ruff check .
 	$(BIN)/python -m pytest -q
+
+test-fast: $(STAMP)  # no ONNX exports: unit tests only (about a minute)
+	$(BIN)/python -m ruff check .
+	$(BIN)/python -m pytest -q -m "not slow"
 
 lint: $(STAMP)
 	$(BIN)/python -m ruff check .

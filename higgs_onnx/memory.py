@@ -37,14 +37,19 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
-def release_memory() -> None:
-    """Collect reference cycles and hand freed heap pages back to the OS (glibc keeps them otherwise), so one
-    step's garbage does not add to the next step's peak."""
-    gc.collect()
+def trim_heap() -> None:
+    """Hand freed heap pages back to the OS: glibc keeps them for reuse otherwise, so a process that frees a few
+    hundred MB at a time (a streamed layer) would keep its high-water mark."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc (macOS, Windows, musl): nothing to trim
         pass
+
+
+def release_memory() -> None:
+    """Collect reference cycles and trim the heap, so one step's garbage does not add to the next step's peak."""
+    gc.collect()
+    trim_heap()
 
 
 class DropMappedPages:

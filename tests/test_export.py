@@ -32,7 +32,7 @@ def test_six_parts_and_manifest(builds, precision):
     m = load_manifest(builds[precision], verify=True)
     assert m.data["schema_version"] == 1 and m.data["execution_provider"] == "CPUExecutionProvider"
     assert set(m.parts) == set(PART_NAMES)
-    expected = {"int4": {"llm_decoder": "int4", "text_embed": "fp16", "audio_embed": "fp16", "audio_heads": "fp16",
+    expected = {"int4": {"llm_decoder": "int4", "text_embed": "fp16", "audio_embed": "fp16", "audio_heads": "fp32",
                          "audio_encoder": "fp32", "audio_tokenizer": "fp32"},
                 "fp32": dict.fromkeys(PART_NAMES, "fp32")}[precision]
     assert {p: e["precision"] for p, e in m.parts.items()} == expected
@@ -150,7 +150,7 @@ def test_gpu_graphs_build_here(builds, tiny_ckpt, out_root, device, precision):
     assert m.data["execution_provider"] == {"cuda": "CUDAExecutionProvider", "dml": "DmlExecutionProvider"}[device]
     assert m.parts["llm_decoder"]["parity"] == {"skipped": f"{device} graph"}
     assert m.parts["llm_decoder"]["precision"] == precision
-    assert m.parts["audio_heads"]["precision"] == "fp16" and m.parts["audio_heads"]["parity"]["ok"]
+    assert m.parts["audio_heads"]["precision"] == "fp32" and m.parts["audio_heads"]["parity"]["ok"]
 
 
 def test_invalid_combination_is_refused_up_front(tmp_path):

@@ -104,6 +104,7 @@ def audio(ev: Evaluator) -> dict:
     for name, decode in (("onnx", ev.tts.decode_audio), ("torch", ev.ref.decode_audio)):
         raw = reverse_delay(runs[name].rows)  # (T, N)
         wavs[name] = decode(codes_for_codec(raw, f.codebook_size)) if len(raw) else np.zeros(0, np.float32)
+    ev.ref.release_codec()  # see `sections.encoder`
     spec = {k: log_spectrogram(w) for k, w in wavs.items()}
     frames = min(s.shape[1] for s in spec.values())
     diff = spec["onnx"][:, :frames] - spec["torch"][:, :frames]

@@ -63,6 +63,7 @@ def encoder(ev: Evaluator) -> dict:
         out[Path(path).name] = {"samples": int(wav.size), "frames": int(b.shape[0]),
                                 "agreement": float((a == b).mean()) if same else 0.0,
                                 "per_codebook": (a == b).mean(0).tolist() if same else []}
+    ev.ref.release_codec()  # 0.8 GB on the real geometry: eval must fit in 8 GB beside the decoder session
     return {"recordings": out, "agreement": min(r["agreement"] for r in out.values())}
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import QWEN3_NAME_MAP, TEXT_EMBED, WEIGHTS, TensorFile, load_json, qwen3_config
+from ..memory import trim_heap
 
 ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 # A body larger than this (in the reference dtype) is streamed layer by layer: the 4B body is 7.3 GB in bf16,
@@ -85,6 +86,7 @@ class _Layers:
 
 def _drop(layer: torch.nn.Module, args, out) -> None:
     layer.to_empty(device="meta")  # frees the layer's tensors; returns None so the output is kept
+    trim_heap()  # and gives their pages back now, not at the next layer's allocation
 
 
 def load_body(folder: Path, dtype: torch.dtype, stream: bool | None = None, patch: Patch | None = None):

@@ -116,6 +116,10 @@ class ReferenceModel:
         x = torch.from_numpy(np.ascontiguousarray(embeds, np.float32))[None].to(self.dtype)
         return self.body(inputs_embeds=x).last_hidden_state[0].float().numpy()
 
+    def release_codec(self) -> None:
+        """Drop the fp32 codec (0.8 GB on the real geometry); the next use loads it again."""
+        self._codec = None
+
     @property
     def codec(self) -> torch.nn.Module:
         if self._codec is None:
@@ -143,10 +147,15 @@ class ReferenceModel:
         return self.audio_matrix[codes + self.offsets].sum(dim=-2)
 
     @torch.no_grad()
-    def audio_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(..., D) -> (..., N, V) float32 logits (upcast after the matmul, as SGO does)."""
-        logits = hidden.to(self.dtype) @ self.audio_matrix.T
-        return logits.float().unflatten(-1, (self.facts.num_codebooks, self.facts.codebook_vocab))
+    def audio_head(self, hidden: torch.Tensor, exact: bool = False) -> torch.Tensor:
+        """(..., D) -> (..., N, V) float32 logits, in the reference dtype and upcast after the matmul as SGO does;
+        `exact`: in fp32 from the same weights (a bf16 matmul rounds logits of ~400 to steps of 2, so its argmax
+        is a coin toss between close codes: export checks compare against the exact head instead)."""
+        if exact:
+            logits = hidden.float() @ self.audio_matrix.float().T
+        else:
+            logits = (hidden.to(self.dtype) @ self.audio_matrix.T).float()
+        return logits.unflatten(-1, (self.facts.num_codebooks, self.facts.codebook_vocab))
 
     @torch.no_grad()
     def text_embed(self, ids: torch.Tensor) -> torch.Tensor:
