@@ -26,6 +26,7 @@ from .checkpoint import ModelFacts, files_digest, resolve, validate
 from .manifest import MANIFEST, PART_NAMES, new_manifest, sha256_file, write_manifest
 from .memory import peak_rss, release_memory, rss
 from .parity import summary
+from .parts.olive import BITS
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +98,6 @@ class ExportOptions:
 # building one part
 
 
-BITS = {"int4": 4, "int8": 8}
 EXPECTED_OPS = {("llm_decoder", "int4"): "MatMulNBits", ("audio_heads", "int4"): "MatMulNBits",
                 ("audio_embed", "int4"): "GatherBlockQuantized", ("text_embed", "int4"): "GatherBlockQuantized",
                 ("audio_heads", "int8"): "MatMulNBits", ("audio_embed", "int8"): "GatherBlockQuantized",
