@@ -21,7 +21,8 @@ THRESHOLDS = {
 }
 MIN_CODE_AGREEMENT = 0.99  # audio_encoder: share of codes equal to the reference (near-ties may flip)
 # audio_heads above int4: share of (position, codebook) argmaxes equal to the reference's. The head picks the codes,
-# so this is the figure that matters; int4 (an explicit opt-in) reached only 0.875 and is reported, not gated.
+# so this is the figure that matters; int4 (an explicit opt-in) reaches only 0.875 on tiny and 0.849 on the 4b preset
+# and is reported, not gated.
 MIN_HEAD_ARGMAX = 0.99
 HEAD_CHECK_POSITIONS = (4, 32)  # 128 hidden states x N codebooks argmaxes: one flip moves the figure by < 0.1 %
 INT4_DEQUANTIZED_MIN_COSINE = 0.99  # int4 decoder vs a reference with the same (dequantized) int4 weights
@@ -115,18 +116,17 @@ def decoder_trace(part, facts, embeds: np.ndarray, prefill: int) -> np.ndarray:
     return np.concatenate(got)
 
 
-def compare_decoder(part, ref, embeds: np.ndarray, prefill: int, precision: str) -> dict:
+def compare_decoder(part, ref, embeds: np.ndarray, prefill: int, precision: str) -> tuple[dict, np.ndarray]:
     """ONNX decoder (prefill + steps) vs one full reference forward over the same embeddings (S, D).
 
-    Figures over all positions plus `per_step`: the last prefill position and every decode step, each with its
-    cosine and max abs error."""
+    Returns the figures over all positions plus `per_step` (the last prefill position and every decode step, each
+    with its cosine and max abs error), and the ONNX hidden states (S, D)."""
     want = ref.hidden_states(embeds)
     out = decoder_trace(part, ref.facts, embeds, prefill)
     fig = compare("llm_decoder", precision, want, out)
     fig["per_step"] = [{"step": k, "position": i, "cosine": cosine(want[i], out[i]),
                         "max_abs": max_abs(want[i], out[i])} for k, i in enumerate(range(prefill - 1, len(embeds)))]
-    fig["_onnx"] = out  # kept for the int4 check below; dropped before the figures are stored
-    return fig
+    return fig, out
 
 
 def check_llm_decoder(part, ref, precision: str, rng: np.random.Generator) -> dict:
@@ -138,8 +138,7 @@ def check_llm_decoder(part, ref, precision: str, rng: np.random.Generator) -> di
     codes = rng.integers(0, f.codebook_size, (2, f.num_codebooks))
     embeds = np.concatenate([ref.text_embed(_torch(ids)).float().numpy(),
                              ref.fused_embed(_torch(codes)).float().numpy()])
-    fig = compare_decoder(part, ref, embeds, 7, precision)
-    out = fig.pop("_onnx")
+    fig, out = compare_decoder(part, ref, embeds, 7, precision)
     if precision == "int4":
         # int4 weight error compounds with depth on random weights (36 random layers: cos ~0.65 although every
         # layer is right), so the gate is the comparison with a reference that uses the export's own dequantized

@@ -46,8 +46,7 @@ def decoder_steps(ev: Evaluator) -> dict:
     be = ev.ref_backend
     embeds = np.concatenate([be.embed_text(np.asarray(prompt)), be.embed_audio(rows)])  # (P + steps, D)
     precision = ev.tts.manifest.parts["llm_decoder"]["precision"]
-    fig = compare_decoder(ev.tts.part("llm_decoder"), ev.ref, embeds, len(prompt), precision)
-    fig.pop("_onnx")
+    fig, _ = compare_decoder(ev.tts.part("llm_decoder"), ev.ref, embeds, len(prompt), precision)
     return fig
 
 
