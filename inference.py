@@ -84,11 +84,24 @@ def check_args(args: argparse.Namespace) -> SamplingOptions:
             raise FileNotFoundError(f"output folder {out.parent} does not exist")
         if not os.access(out.parent, os.W_OK):
             raise PermissionError(f"output folder {out.parent} is not writable")
+    for flag, path, example in (("--save-voice", args.save_voice, "voice.npz"), ("--save-codes", args.save_codes,
+                                                                                  "rows.npy")):
+        check_save_target(flag, path, example)
     if args.text is not None:
         check_text(args.text)
     if args.ref_text is not None:
         check_text(args.ref_text, "--ref-text")
     return sampling
+
+
+def check_save_target(flag: str, path: Path | None, example: str) -> None:
+    """A file the run will write at its end: refused before anything is generated if it cannot be written."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise IsADirectoryError(f"{flag} {path} is a folder: name a file in it (e.g. {path / example})")
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"{flag}: folder {path.parent} does not exist")
 
 
 def speak(tts, text: str, out: Path, args, sampling: SamplingOptions, voice, voice_s: float = 0.0) -> dict:

@@ -54,6 +54,12 @@ TEXT_ROWS = [
     ("missing reference audio", ["--text", "Hi.", "--ref-audio", "/no/such.wav"], "does not exist"),
     ("reference audio is a folder", ["--text", "Hi.", "--ref-audio", DATA], "is a folder, not an audio file"),
     ("negative threads", ["--text", "Hi.", "--threads", "-1"], "threads must be >= 0 (0 = ONNX Runtime's default"),
+    ("save-codes is a folder", ["--text", "Hi.", "--save-codes", DATA],
+     f"--save-codes {DATA} is a folder: name a file"),
+    ("save-codes in a missing folder", ["--text", "Hi.", "--save-codes", "/no/such/rows.npy"],
+     "--save-codes: folder /no/such does not exist"),
+    ("save-voice is a folder", ["--text", "Hi.", "--ref-audio", str(Path(DATA) / "ref_en_24k.wav"), "--save-voice",
+                                DATA], f"--save-voice {DATA} is a folder: name a file"),
 ]
 
 
