@@ -45,10 +45,11 @@ def build(part: str, prec: str, ckpt: Path, work: Path) -> Path:
     the argmax gate must still be measured."""
     from higgs_onnx import parts
     from higgs_onnx.checkpoint import files_digest
+    from higgs_onnx.export import ExportOptions
 
-    out = work / f"{part}-{prec}"
-    job = parts.BuildJob(ckpt=ckpt, out=out, work=work, precision=prec, device="cpu", block_size=32,
-                         accuracy_level=4, digest=files_digest(ckpt), say=lambda _: None)
+    out, d = work / f"{part}-{prec}", ExportOptions()
+    job = parts.BuildJob(ckpt=ckpt, out=out, work=work, precision=prec, device=d.device, block_size=d.block_size,
+                         accuracy_level=d.accuracy, digest=files_digest(ckpt), say=lambda _: None)
     return parts.module(part).build(job)
 
 

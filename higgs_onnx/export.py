@@ -195,7 +195,7 @@ class Exporter:
             return None
         return {**entry, "skipped": True}
 
-    def build_part(self, part: str, ckpt: Path, digest: str) -> dict:
+    def build_part(self, part: str, ckpt: Path, facts: ModelFacts, digest: str) -> dict:
         """Build (or reuse) one part in its work folder, verify it and check it against a fresh PyTorch reference
         that is released afterwards; returns its manifest entry (without file hashes)."""
         from .parity import check_part
@@ -221,7 +221,7 @@ class Exporter:
         if parts.device_specific(part) and o.device != "cpu":  # e.g. a cuda decoder graph does not run on the cpu EP
             parity = {"skipped": f"{o.device} graph"}
         else:
-            ref = ReferenceModel(ckpt, dtype=parity_dtype(validate(ckpt)))
+            ref = ReferenceModel(ckpt, dtype=parity_dtype(facts))
             say(f"built in {seconds:.0f} s; checking against the PyTorch reference ({_holds(part, ref)})")
             parity = check_part(part, path, ref, precision)
             del ref
@@ -315,7 +315,7 @@ class Exporter:
         entries = {}
         for i, part in enumerate(PART_NAMES, 1):
             print(f"[2/4] part {i}/{len(PART_NAMES)}: {part} ({self.opts.precisions[part]}) ...", flush=True)
-            entries[part] = self.build_part(part, ckpt, digest)
+            entries[part] = self.build_part(part, ckpt, facts, digest)
             e = entries[part]
             say(f"{'up to date' if e['skipped'] else 'built and checked'}: {summary(e['parity'])}")
         manifest_path = self.final / MANIFEST

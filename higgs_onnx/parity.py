@@ -131,7 +131,7 @@ def compare_decoder(part, ref, embeds: np.ndarray, prefill: int, precision: str)
 
 def check_llm_decoder(part, ref, precision: str, rng: np.random.Generator) -> dict:
     """Prefill of 7 text positions, then 2 single-row decode steps, against one full reference forward."""
-    import torch
+    from .reference.body import forward
 
     f = ref.facts
     ids = rng.integers(0, ref.tokenizer.get_vocab_size(), 7)
@@ -145,8 +145,7 @@ def check_llm_decoder(part, ref, precision: str, rng: np.random.Generator) -> di
         # int4 weights: it isolates graph faults from quantization loss. The plain cosine stays in the report.
         ref.release_body()
         body = dequantized_body(ref, part.path)
-        with torch.no_grad():
-            deq = body(inputs_embeds=_torch(embeds)[None].to(ref.dtype)).last_hidden_state[0].float().numpy()
+        deq = forward(body, embeds, ref.dtype)
         del body
         fig["cosine_vs_dequantized"] = cosine(deq, out)
         fig["min_cosine_vs_dequantized"] = INT4_DEQUANTIZED_MIN_COSINE

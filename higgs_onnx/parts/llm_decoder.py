@@ -38,7 +38,9 @@ def _model_builder(qwen3_dir: Path, out: Path, precision: str, ep: str, cache: P
     out.mkdir(parents=True, exist_ok=True)
     cache.mkdir(parents=True, exist_ok=True)
     sink = io.StringIO()  # ModelBuilder prints a lot; keep it for DEBUG logging only
-    weights = qwen3_dir / "model.safetensors"
+    from ..checkpoint import WEIGHTS
+
+    weights = qwen3_dir / WEIGHTS
     with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink), DropMappedPages(weights):
         opts = parse_extra_options(None, str(qwen3_dir), str(out), precision, EP_NAMES[ep], str(cache), kv)
         create_model(None, str(qwen3_dir), str(out), precision, EP_NAMES[ep], str(cache), **opts)

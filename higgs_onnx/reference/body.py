@@ -84,6 +84,15 @@ class _Layers:
                              f"unexpected {unexpected[:5]}")
 
 
+@torch.no_grad()
+def forward(body: torch.nn.Module, embeds, dtype: torch.dtype):
+    """(S, D) float32 input embeddings (NumPy) -> (S, D) float32 last hidden states (after the final norm)."""
+    import numpy as np
+
+    x = torch.from_numpy(np.ascontiguousarray(embeds, np.float32))[None].to(dtype)
+    return body(inputs_embeds=x).last_hidden_state[0].float().numpy()
+
+
 def _drop(layer: torch.nn.Module, args, out) -> None:
     layer.to_empty(device="meta")  # frees the layer's tensors; returns None so the output is kept
     trim_heap()  # and gives their pages back now, not at the next layer's allocation

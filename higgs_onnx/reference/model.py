@@ -28,7 +28,7 @@ from ..checkpoint import (
 from ..generation.pipeline import DEFAULT_MAX_ROWS, DEFAULT_SAMPLING, Speech, synthesize
 from ..generation.prompt import PromptTokens
 from ..generation.sampling import SamplingOptions
-from .body import load_body
+from .body import forward, load_body
 
 log = logging.getLogger(__name__)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -110,11 +110,9 @@ class ReferenceModel:
     def release_body(self) -> None:
         self._body = None
 
-    @torch.no_grad()
     def hidden_states(self, embeds: np.ndarray) -> np.ndarray:
         """(S, D) input embeddings -> (S, D) float32 last hidden states (after the final norm), one full forward."""
-        x = torch.from_numpy(np.ascontiguousarray(embeds, np.float32))[None].to(self.dtype)
-        return self.body(inputs_embeds=x).last_hidden_state[0].float().numpy()
+        return forward(self.body, embeds, self.dtype)
 
     def release_codec(self) -> None:
         """Drop the fp32 codec (0.8 GB on the real geometry); the next use loads it again."""
