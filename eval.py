@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--checkpoint", help="reference checkpoint folder or repo id (default: the manifest's source)")
     ap.add_argument("--prompts", type=Path, help="text file, one prompt per line (default: 3 built-in prompts)")
     ap.add_argument("--runs", type=int, default=EvalOptions.runs, help="sampled runs per prompt (default %(default)s)")
-    ap.add_argument("--max-frames", type=int, default=EvalOptions.max_frames,
+    ap.add_argument("--max-rows", "--max-frames", dest="max_rows", type=int, default=EvalOptions.max_rows,
                     help="row limit per run (default %(default)s)")
     ap.add_argument("--recordings", type=Path, nargs="+", metavar="FILE",
                     help="audio files for the encoder section (default: the two shipped with the package)")
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     from higgs_onnx.evaluation import Outputs, evaluate, parse_thresholds, read_prompts
 
     options = EvalOptions(prompts=read_prompts(args.prompts) if args.prompts else EvalOptions.prompts,
-                          runs=args.runs, max_frames=args.max_frames,
+                          runs=args.runs, max_rows=args.max_rows,
                           recordings=tuple(args.recordings) if args.recordings else EvalOptions.recordings,
                           teacher_codes=args.teacher_codes, tolerance=args.tolerance,
                           gates=parse_thresholds(args.threshold))

@@ -4,6 +4,7 @@ Usage:
     python inference.py --model-path onnx/cpu_int4 --text "Hello there." --out hello.wav
     python inference.py --model-path onnx/cpu_int4 --ref-audio me.flac --ref-text "What I said." \\
                         --text "<|emotion:elation|>New words in my voice." --out clone.wav
+    python inference.py --model-path onnx/cpu_int4 --text "Hello." --stream --out - | aplay -f S16_LE -r 24000 -c 1
     python inference.py --model-path onnx/cpu_int4 --text-file lines.txt --out-dir out/   # one wav per line
     python inference.py --model-path onnx/cpu_int4 --codes rows.npy --out decoded.wav     # decode given codes
     python inference.py --model-path onnx/cpu_int4 --selftest                              # codec-only smoke test
@@ -19,16 +20,16 @@ import time
 from pathlib import Path
 
 from higgs_onnx.cli import add_log_level, run_main
-from higgs_onnx.generation.pipeline import DEFAULT_MAX_ROWS
+from higgs_onnx.generation.options import DEFAULT_MAX_ROWS, GenerationOptions
 from higgs_onnx.generation.prompt import check_text
-from higgs_onnx.generation.sampling import SamplingOptions
 from higgs_onnx.runtime.session import PROVIDERS, check_threads
+from higgs_onnx.runtime.stream import StreamOptions
 
 log = logging.getLogger("inference")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    d = SamplingOptions()
+    d, so = GenerationOptions(), StreamOptions()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", type=Path, required=True, help="an onnx/<device>_<precision> folder")
@@ -37,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--text-file", type=Path, help="one utterance per line; writes one file per line to --out-dir")
     what.add_argument("--codes", type=Path, help="decode these code rows (.npy, delayed or raw) without generation")
     what.add_argument("--selftest", action="store_true", help="codec-only smoke test (encode + decode a tone)")
-    ap.add_argument("--out", type=Path, help="output audio file; format from the extension (.wav, .flac, .ogg)")
+    ap.add_argument("--out", type=Path, help="output audio file; format from the extension (.wav, .flac, .ogg); "
+                    "'-' streams raw 16-bit little-endian PCM, mono, at the codec rate (24 kHz) to stdout")
     ap.add_argument("--out-dir", type=Path, help="output folder for --text-file")
     ap.add_argument("--ref-audio", type=Path, help="reference recording of the voice to clone (any rate/channels)")
     ap.add_argument("--ref-text", help="transcript of --ref-audio (optional, improves cloning)")
@@ -47,8 +49,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--top-k", type=int, default=d.top_k, help="0 = off (default %(default)s)")
     ap.add_argument("--top-p", type=float, default=d.top_p, help="1 = off (default %(default)s)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-frames", type=int, default=DEFAULT_MAX_ROWS,
-                    help="most code rows to generate (25 per second of audio; default %(default)s)")
+    ap.add_argument("--max-rows", "--max-frames", dest="max_rows", type=int, default=DEFAULT_MAX_ROWS,
+                    help="most code rows to generate: one per decoder step, 25 per second of audio, plus "
+                    "codebooks - 1 at the start (default %(default)s; --max-frames is its old name)")
+    ap.add_argument("--stream", action="store_true", help="write audio while it is generated: the file grows "
+                    "under NAME.partial and is renamed at the end; with --out - raw PCM goes to stdout as it is made")
+    ap.add_argument("--first-frames", type=int, default=so.first_frames, help="--stream: frames in the first "
+                    "chunk (25 per second; default %(default)s)")
+    ap.add_argument("--chunk-frames", type=int, default=so.chunk_frames, help="--stream: frames in every later "
+                    "chunk (default %(default)s)")
     ap.add_argument("--provider", choices=sorted(PROVIDERS), help="execution provider (default: the one the "
                     "folder was built for)")
     ap.add_argument("--threads", type=int, default=0, help="intra-op threads (0 = ONNX Runtime's default: one "
@@ -59,8 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def check_args(args: argparse.Namespace) -> SamplingOptions:
-    sampling = SamplingOptions(args.temperature, args.top_k, args.top_p)  # raises ValueError on bad values
+def check_args(args: argparse.Namespace) -> tuple[GenerationOptions, StreamOptions]:
+    # both raise ValueError on bad values
+    options = GenerationOptions(args.temperature, args.top_k, args.top_p, args.seed, args.max_rows)
+    stream = StreamOptions(first_frames=args.first_frames, chunk_frames=args.chunk_frames)
+    if args.out is not None and str(args.out) == "-":
+        if args.codes is not None or args.selftest:
+            raise ValueError("--out - (raw PCM on stdout) is for generated speech; name a file for --codes")
+        args.stream = True  # stdout only ever gets audio as it is made
     check_threads(args.threads)
     if args.ref_text is not None and args.ref_audio is None:
         raise ValueError("--ref-text needs --ref-audio (the recording it transcribes)")
@@ -72,7 +87,7 @@ def check_args(args: argparse.Namespace) -> SamplingOptions:
         raise ValueError("--text-file needs --out-dir")
     if (args.text is not None or args.codes is not None) and args.out is None:
         raise ValueError("--out is required (e.g. --out hello.wav)")
-    for out in [args.out] if args.out else []:
+    for out in [args.out] if args.out and str(args.out) != "-" else []:
         from higgs_onnx.audio import WRITE_FORMATS
 
         if out.is_dir():
@@ -91,7 +106,7 @@ def check_args(args: argparse.Namespace) -> SamplingOptions:
         check_text(args.text)
     if args.ref_text is not None:
         check_text(args.ref_text, "--ref-text")
-    return sampling
+    return options, stream
 
 
 def check_save_target(flag: str, path: Path | None, example: str) -> None:
@@ -104,35 +119,75 @@ def check_save_target(flag: str, path: Path | None, example: str) -> None:
         raise FileNotFoundError(f"{flag}: folder {path.parent} does not exist")
 
 
-def speak(tts, text: str, out: Path, args, sampling: SamplingOptions, voice, voice_s: float = 0.0) -> dict:
-    """One utterance to `out`; `voice_s` (making the voice, done once before) counts toward its first frame."""
-    import numpy as np
+def speak(tts, text: str, out: Path, args, voice) -> object:
+    """One utterance to `out` (a file, or '-' for PCM on stdout); returns its `GenerationStats`."""
     from tqdm import tqdm
+
+    bar = tqdm(total=args.options.max_rows, unit="row", desc=out.name or "stdout", leave=False,
+               disable=not sys.stderr.isatty())
+    progress = lambda n: bar.update(n - bar.n)  # noqa: E731
+    try:
+        if args.stream:
+            stats = speak_streaming(tts, text, out, args, voice, progress)
+        else:
+            stats = speak_once(tts, text, out, args, voice, progress)
+    finally:
+        bar.close()
+    if stats.stop_reason != "eoc":
+        log.warning("%s: no end of speech within %d rows; the audio is cut at --max-rows", out, stats.rows)
+    first = f"first audio after {stats.first_audio_s:.2f} s ({stats.chunks} chunks)" if args.stream else \
+        f"first row after {stats.first_row_s:.2f} s"
+    print(f"{out}: {stats.audio_s:.2f} s audio in {stats.wall_s:.2f} s (RTF {stats.rtf:.2f}); {first}; "
+          f"{stats.rows} rows; stop: {stats.stop_reason}", file=sys.stderr if args.stream else sys.stdout)
+    return stats
+
+
+def speak_once(tts, text: str, out: Path, args, voice, progress):
+    import numpy as np
 
     from higgs_onnx.audio import write_audio
 
-    bar = tqdm(total=args.max_frames, unit="row", desc=out.name, leave=False, disable=not sys.stderr.isatty())
-    speech = tts.generate(text, voice=voice, temperature=sampling.temperature, top_k=sampling.top_k,
-                          top_p=sampling.top_p, seed=args.seed, max_frames=args.max_frames,
-                          on_row=lambda n: bar.update(n - bar.n))
-    bar.close()
-    if speech.stop_reason != "eoc":
-        log.warning("%s: no end of speech within %d rows; the audio is cut at --max-frames", out.name, len(speech.rows))
+    speech = tts.generate(text, voice=voice, options=args.options, on_row=progress)
     write_audio(out, speech.waveform, speech.sample_rate)
     if args.save_codes:
         np.save(args.save_codes, speech.rows)
         np.save(args.save_codes.with_suffix(".raw.npy"), speech.codes)
-    s = speech.stats
-    s["wall_s"] += voice_s
-    s["first_frame_s"] += voice_s
-    rtf = s["wall_s"] / max(s["audio_s"], 1e-9)
-    print(f"{out}: {s['audio_s']:.2f} s audio in {s['wall_s']:.2f} s (RTF {rtf:.2f}); first frame after "
-          f"{s['first_frame_s']:.2f} s; {s['frames']} frames; stop: {s['stop_reason']}")
-    return s
+    return speech.stats
+
+
+def speak_streaming(tts, text: str, out: Path, args, voice, progress):
+    """Audio written as each chunk is final: PCM to stdout, or a file growing under a partial name."""
+    from higgs_onnx.audio import GrowingAudioFile, pcm16
+
+    to_stdout = str(out) == "-"
+    sink = None if to_stdout else GrowingAudioFile(out, tts.facts.sample_rate)
+    chunks = tts.stream(text, voice=voice, options=args.options, stream_options=args.stream_options,
+                        on_row=progress)
+    stats = None
+    try:
+        for chunk in chunks:
+            if to_stdout:
+                sys.stdout.buffer.write(pcm16(chunk.samples))
+                sys.stdout.buffer.flush()
+            else:
+                sink.write(chunk.samples)
+            stats = chunk.stats
+    except BrokenPipeError:  # the player went away: stop generating, say so once
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        raise RuntimeError("stdout was closed by the reader; generation stopped") from None
+    except BaseException:
+        if sink is not None:
+            print(f"{sink.abandon()} holds the audio made before the stop", file=sys.stderr)
+        raise
+    finally:
+        chunks.close()
+    if sink is not None:
+        sink.commit()
+    return stats
 
 
 def run(args: argparse.Namespace) -> int:
-    sampling = check_args(args)
+    args.options, args.stream_options = check_args(args)
     from higgs_onnx.runtime.model import HiggsTTS
 
     tts = HiggsTTS(args.model_path, provider=args.provider, threads=args.threads, verify=not args.no_verify)
@@ -140,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
         return selftest(tts)
     if args.codes is not None:
         return decode_codes(tts, args.codes, args.out)
-    voice, voice_s = None, 0.0
+    voice = None
     t0 = time.perf_counter()
     if args.voice is not None:
         from higgs_onnx.runtime.model import Voice
@@ -148,21 +203,22 @@ def run(args: argparse.Namespace) -> int:
         voice = Voice.load(args.voice, tts.model_id)
     elif args.ref_audio is not None:  # encoded and prefilled once, reused for every line
         voice = tts.make_voice(args.ref_audio, args.ref_text)
+        say = print if not args.stream else lambda *a: print(*a, file=sys.stderr)
+        say(f"voice: reference encoded and prefilled in {time.perf_counter() - t0:.2f} s (reused for every line)")
         if args.save_voice:
-            print(f"voice saved to {voice.save(args.save_voice)}")
-    voice_s = time.perf_counter() - t0
+            say(f"voice saved to {voice.save(args.save_voice)}")
     if args.text is not None:
-        speak(tts, args.text, args.out, args, sampling, voice, voice_s)
+        speak(tts, args.text, args.out, args, voice)
         return 0
     lines = [ln.strip() for ln in args.text_file.read_text(encoding="utf-8").splitlines() if ln.strip()]
     if not lines:
         raise ValueError(f"{args.text_file} has no non-empty lines")
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    total = [speak(tts, line, args.out_dir / f"{i:04d}.wav", args, sampling, voice, voice_s if i == 1 else 0.0)
-             for i, line in enumerate(lines, 1)]
-    audio, wall = sum(s["audio_s"] for s in total), sum(s["wall_s"] for s in total)
+    total = [speak(tts, line, args.out_dir / f"{i:04d}.wav", args, voice) for i, line in enumerate(lines, 1)]
+    audio, wall = sum(s.audio_s for s in total), sum(s.wall_s for s in total)
     rtf = wall / max(audio, 1e-9)
-    print(f"{len(total)} files in {args.out_dir}: {audio:.1f} s audio in {wall:.1f} s (RTF {rtf:.2f})")
+    print(f"{len(total)} files in {args.out_dir}: {audio:.1f} s audio in {wall:.1f} s (RTF {rtf:.2f})",
+          file=sys.stderr if args.stream else sys.stdout)
     return 0
 
 

@@ -75,9 +75,10 @@ def decoder_step_ms(folder: Path, steps: int = 30, context: int = 128) -> float:
 
     tts = HiggsTTS(folder, verify=False)
     dec, rng = tts.backend.decoder, np.random.default_rng(0)
-    dec.prefill(rng.standard_normal((context, tts.facts.hidden)).astype(np.float32), context + steps + 2)
+    cache = dec.new_cache(context + steps + 2)
+    dec.run(cache, rng.standard_normal((context, tts.facts.hidden)).astype(np.float32))
     row = rng.standard_normal((1, tts.facts.hidden)).astype(np.float32)
-    return median_ms(lambda: dec.step(row), steps)
+    return median_ms(lambda: dec.run(cache, row), steps)
 
 
 def main(argv: list[str] | None = None) -> int:

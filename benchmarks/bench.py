@@ -77,15 +77,15 @@ class Timed:
     def __getattr__(self, name):
         return getattr(self.backend, name)
 
-    def prefill(self, embeds, max_len):
+    def prefill(self, cache, embeds):
         t0 = time.perf_counter()
-        out = self.backend.prefill(embeds, max_len)
+        out = self.backend.prefill(cache, embeds)
         self.decoder_s += time.perf_counter() - t0
         return out
 
-    def decode(self, embed):
+    def decode(self, cache, embed):
         t0 = time.perf_counter()
-        out = self.backend.decode(embed)
+        out = self.backend.decode(cache, embed)
         self.decoder_s += time.perf_counter() - t0
         return out
 
@@ -97,14 +97,15 @@ def decoder_figures(tts, context: int, steps: int) -> dict:
     for name, length in (("prefill_zero_shot_ms", 24), ("prefill_clone_ms", 24 + 250 + f.num_codebooks - 1)):
         embeds = rng.standard_normal((length, f.hidden)).astype(np.float32)
         t0 = time.perf_counter()
-        dec.prefill(embeds, length + 1)
+        dec.run(dec.new_cache(length + 1), embeds)
         ms[name] = (time.perf_counter() - t0) * 1e3
-    dec.prefill(rng.standard_normal((context, f.hidden)).astype(np.float32), context + steps + 1)
+    cache = dec.new_cache(context + steps + 1)
+    dec.run(cache, rng.standard_normal((context, f.hidden)).astype(np.float32))
     row = rng.standard_normal((1, f.hidden)).astype(np.float32)
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        dec.step(row)
+        dec.run(cache, row)
         times.append((time.perf_counter() - t0) * 1e3)
     ms["decoder_step_ms"] = statistics.median(times)
     ms["context"] = context
@@ -113,19 +114,18 @@ def decoder_figures(tts, context: int, steps: int) -> dict:
 
 def generation_figures(model_path: Path, frames: int, threads: int = 0) -> dict:
     """One generation in this process; returns timings (run in a child process for a clean peak RSS)."""
-    from higgs_onnx.generation.loop import generate
+    from higgs_onnx.generation.engine import generate
+    from higgs_onnx.generation.options import GenerationOptions
     from higgs_onnx.generation.pipeline import stop_rules
     from higgs_onnx.generation.prompt import build_prompt
-    from higgs_onnx.generation.sampling import SamplingOptions
     from higgs_onnx.runtime.model import HiggsTTS
 
     tts = HiggsTTS(model_path, threads=threads, verify=False)
-    tts.generate("Warm up.", max_frames=10)  # sessions created, buffers allocated
+    tts.generate("Warm up.", max_rows=10)  # sessions created, buffers allocated
     timed = Timed(tts.backend)
     prompt = build_prompt(tts.tokenizer, tts.tokens, TEXT)
     t0 = time.perf_counter()
-    res = generate(timed, prompt, stop_rules(tts.facts), SamplingOptions(), np.random.default_rng(0), frames,
-                   tts.facts.placeholder, teacher_rows=None)
+    res = generate(timed, prompt, stop_rules(tts.facts), GenerationOptions(max_rows=frames), tts.facts.placeholder)
     t_loop = time.perf_counter() - t0
     t1 = time.perf_counter()
     from higgs_onnx.generation.delay import codes_for_codec
@@ -134,8 +134,8 @@ def generation_figures(model_path: Path, frames: int, threads: int = 0) -> dict:
     rows = len(res.rows)
     zero_shot_rss = peak_rss_mb()  # before the clone below loads the codec encoder
     ref = ROOT / "tests" / "data" / "ref_en_24k.wav"  # time to first frame of a clone: new voice, then cached
-    new_voice = tts.generate("A cloned line.", ref_audio=ref, max_frames=2).stats["first_frame_s"]
-    cached_voice = tts.generate("A cloned line.", ref_audio=ref, max_frames=2).stats["first_frame_s"]
+    new_voice = tts.generate("A cloned line.", ref_audio=ref, max_rows=2).stats.first_row_s
+    cached_voice = tts.generate("A cloned line.", ref_audio=ref, max_rows=2).stats.first_row_s
     decode_loop = t_loop - res.prefill_s
     decoder_in_loop = timed.decoder_s - res.prefill_s
     audio_s = wav.size / tts.facts.sample_rate
@@ -189,20 +189,20 @@ def torch_figures(ckpt: Path, rows: np.ndarray, text: str) -> dict:
     """The PyTorch reference (bf16) fed the same rows (same number of decode steps)."""
     import torch
 
-    from higgs_onnx.generation.loop import generate
+    from higgs_onnx.generation.engine import generate
+    from higgs_onnx.generation.options import GenerationOptions
     from higgs_onnx.generation.pipeline import stop_rules
     from higgs_onnx.generation.prompt import build_prompt
-    from higgs_onnx.generation.sampling import SamplingOptions
     from higgs_onnx.reference.model import ReferenceBackend, ReferenceModel
 
     torch.set_num_threads(os.cpu_count() or 1)
     ref = ReferenceModel(ckpt, dtype="bf16", stream=False)  # resident: what a PyTorch user would run
     prompt = build_prompt(ref.tokenizer, ref.tokens, text)
     be = ReferenceBackend(ref)
-    generate(be, prompt, stop_rules(ref.facts), SamplingOptions(), np.random.default_rng(0), 2, ref.facts.placeholder)
+    generate(be, prompt, stop_rules(ref.facts), GenerationOptions(max_rows=2), ref.facts.placeholder)
     t0 = time.perf_counter()
-    res = generate(be, prompt, stop_rules(ref.facts), SamplingOptions(), np.random.default_rng(0), len(rows),
-                   ref.facts.placeholder, teacher_rows=rows)
+    res = generate(be, prompt, stop_rules(ref.facts), GenerationOptions(max_rows=len(rows)), ref.facts.placeholder,
+                   teacher_rows=rows)
     loop = time.perf_counter() - t0
     return {"rows": len(res.rows), "loop_s": loop, "rows_per_s": len(res.rows) / loop, "peak_rss_mb": peak_rss_mb()}
 

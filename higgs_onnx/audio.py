@@ -91,3 +91,40 @@ def write_audio(path: str | os.PathLike, wav: np.ndarray, sr: int) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return path
+
+
+class GrowingAudioFile:
+    """Audio written as it is made, under `<name>.partial` until `commit` renames it to `<name>`: a file that is
+    still growing (or was cut off) never looks complete. Each `write` flushes, so the partial file plays as far as
+    it goes."""
+
+    def __init__(self, path: str | os.PathLike, sr: int):
+        import soundfile as sf
+
+        self.path = Path(path)
+        fmt = WRITE_FORMATS.get(self.path.suffix.lower())
+        if fmt is None:
+            raise ValueError(f"unsupported output format {self.path.suffix!r}; use one of {', '.join(WRITE_FORMATS)}")
+        self.partial = self.path.with_name(self.path.name + ".partial")
+        self.file = sf.SoundFile(self.partial, "w", samplerate=sr, channels=1, format=fmt[0], subtype=fmt[1])
+        self.samples = 0
+
+    def write(self, samples: np.ndarray) -> None:
+        self.file.write(np.clip(samples, -1.0, 1.0))
+        self.file.flush()
+        self.samples += samples.size
+
+    def commit(self) -> Path:
+        self.file.close()
+        os.replace(self.partial, self.path)
+        return self.path
+
+    def abandon(self) -> Path:
+        """Close what was written so far; it stays under the partial name."""
+        self.file.close()
+        return self.partial
+
+
+def pcm16(samples: np.ndarray) -> bytes:
+    """Float samples -> raw 16-bit little-endian PCM (what `aplay -f S16_LE` and `ffplay -f s16le` read)."""
+    return (np.clip(samples, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()

@@ -50,7 +50,7 @@ TEXT_ROWS = [
     ("negative temperature", ["--text", "Hi.", "--temperature", "-0.5"], "temperature must be"),
     ("top-p outside (0, 1]", ["--text", "Hi.", "--top-p", "0"], "top_p must be in (0, 1]"),
     ("top-k < 0", ["--text", "Hi.", "--top-k", "-1"], "top_k must be >= 0"),
-    ("max-frames beyond the context", ["--text", "Hi.", "--max-frames", "5000"], "max frames must be in [1, 4096)"),
+    ("max-rows beyond the context", ["--text", "Hi.", "--max-rows", "5000"], "max_rows must be in [1, 4096)"),
     ("missing reference audio", ["--text", "Hi.", "--ref-audio", "/no/such.wav"], "does not exist"),
     ("reference audio is a folder", ["--text", "Hi.", "--ref-audio", DATA], "is a folder, not an audio file"),
     ("negative threads", ["--text", "Hi.", "--threads", "-1"], "threads must be >= 0 (0 = ONNX Runtime's default"),

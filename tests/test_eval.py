@@ -86,11 +86,11 @@ def test_int4_shows_small_losses_and_a_failing_gate_still_writes_both_reports(bu
 
 
 def test_failing_gates_in_two_sections_still_write_both_reports(builds, tiny_ckpt, tmp_path, capsys):
-    """--max-frames 24 is too short for the tiny model's EOC (sampled gate) and a teacher-forced cosine above 1 can
+    """--max-rows 24 is too short for the tiny model's EOC (sampled gate) and a teacher-forced cosine above 1 can
     never pass: exit 1, every section still ran and is in both reports."""
     (tmp_path / "p.txt").write_text("Hello there.\n<|emotion:elation|>A second line.\n")
     rc = eval_script.main(["--model-path", str(builds["fp32"]), "--checkpoint", str(tiny_ckpt), "--runs", "1",
-                           "--max-frames", "24", "--prompts", str(tmp_path / "p.txt"), "--threshold",
+                           "--max-rows", "24", "--prompts", str(tmp_path / "p.txt"), "--threshold",
                            "teacher_cosine=1.5", "--json", str(tmp_path / "r.json"), "--markdown",
                            str(tmp_path / "r.md"), "--no-plots"])
     err = capsys.readouterr().err
@@ -168,11 +168,11 @@ def test_a_checkpoint_with_other_dimensions(tmp_path, capsys):
 
     dims = replace(PRESETS["tiny"], hidden=96, intermediate=160, layers=3, heads=6, kv_heads=3, head_dim=16,
                    max_positions=2048, base_vocab=768, vocab_size=896)
-    # EOC after ~2 audio rows per text token (tiny: 6), so that --max-frames 120 sees clean stops
+    # EOC after ~2 audio rows per text token (tiny: 6), so that --max-rows 120 sees clean stops
     ckpt = build(dims, tmp_path / "ckpt", seed=3, plant=Plant(eoc_ratio=2.0), progress=False)
     export = Exporter(str(ckpt), tmp_path / "onnx", ExportOptions("cpu", "fp32")).run()
     (tmp_path / "p.txt").write_text("Hello there.\n<|emotion:elation|>Speech from other dimensions.\n")
-    rc = eval_script.main(["--model-path", str(export), "--checkpoint", str(ckpt), "--runs", "1", "--max-frames",
+    rc = eval_script.main(["--model-path", str(export), "--checkpoint", str(ckpt), "--runs", "1", "--max-rows",
                            "120", "--prompts", str(tmp_path / "p.txt"), "--json", str(tmp_path / "r.json"),
                            "--markdown", str(tmp_path / "r.md")])
     out = capsys.readouterr()

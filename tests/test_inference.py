@@ -68,7 +68,7 @@ def test_int4_cloning_with_real_recordings(tts4, ref):
     text = (ref.with_suffix(".txt")).read_text().strip()
     sp = tts4.generate("<|emotion:elation|>New words in my voice, spoken slowly.", ref_audio=ref, ref_text=text)
     ref_frames = len(tts4.encode_audio(tts4.reference(ref)))
-    assert sp.stats["reference_rows"] == ref_frames + 7 and sp.waveform.size == expected_length(sp) > 0
+    assert sp.stats.reference_rows == ref_frames + 7 and sp.waveform.size == expected_length(sp) > 0
     assert np.isfinite(sp.waveform).all() and sp.sample_rate == 24000
 
 
@@ -83,7 +83,7 @@ def test_control_tags_are_single_tokens_and_change_the_prompt(tts4):
     plain_text, tagged_text = "Hello there friend.", "<|emotion:elation|>Hello there<|prosody:pause|> friend."
     plain = tts4.generate(plain_text, temperature=0)
     tagged = tts4.generate(tagged_text, temperature=0)
-    assert tagged.stats["prompt_tokens"] == plain.stats["prompt_tokens"] + 2  # each tag is exactly one token
+    assert tagged.stats.prompt_tokens == plain.stats.prompt_tokens + 2  # each tag is exactly one token
     ids = tts4.tokenizer.encode(tagged_text, add_special_tokens=False).ids
     tags = tts4.tokens.control_tags
     assert ids[0] == tags["<|emotion:elation|>"] and tags["<|prosody:pause|>"] in ids
@@ -133,7 +133,7 @@ def test_cli_zero_shot_clone_text_file_codes(builds, tmp_path):
     (["--text", "hi", "--ref-audio", "/no/such.wav"], "does not exist"),
     (["--text", "   "], "empty"),
     (["--text", "hi", "--provider", "cuda"], "built for CPUExecutionProvider"),
-    (["--text", "hi", "--max-frames", "999999"], "context"),
+    (["--text", "hi", "--max-rows", "999999"], "context"),
 ])
 def test_cli_bad_input_one_line_exit_2(builds, tmp_path, args, message):
     out = tmp_path / "x.wav"
@@ -160,19 +160,20 @@ def test_nan_and_zero_guards(tmp_path):
 
 
 def test_cached_voice_gives_the_same_codes(builds, tmp_path):
-    from higgs_onnx.generation.pipeline import synthesize
-    from higgs_onnx.generation.sampling import SamplingOptions
+    from higgs_onnx.generation.options import GenerationOptions
+    from higgs_onnx.generation.pipeline import reference_rows
     from higgs_onnx.runtime.model import Voice
 
     tts = HiggsTTS(builds["int4"])
     ref_text = (DATA / "ref_de_22k_stereo.txt").read_text().strip()
     first = tts.generate("Cached voices are cheap.", ref_audio=REF_DE, ref_text=ref_text, seed=2)
     again = tts.generate("Cached voices are cheap.", ref_audio=REF_DE, ref_text=ref_text, seed=2)
-    plain, _ = synthesize(tts.backend, tts, tts.tokenizer, tts.tokens, tts.facts, "Cached voices are cheap.",
-                          ref_wav=tts.reference(REF_DE), ref_text=ref_text, sampling=SamplingOptions(), seed=2)
+    synth = tts.synthesizer  # the whole prompt prefilled at once, reference included
+    plain = synth.speak(synth.request("Cached voices are cheap.", GenerationOptions(seed=2), ref_text=ref_text,
+                                      ref_rows=reference_rows(tts, tts.facts, tts.reference(REF_DE))))
     np.testing.assert_array_equal(first.rows, plain.rows)  # prefix state + suffix prefill == full prefill
     np.testing.assert_array_equal(again.rows, plain.rows)
-    assert again.stats["voice_s"] < first.stats["voice_s"] / 10 and again.stats["encode_s"] < 1e-3
+    assert again.stats.voice_s < first.stats.voice_s / 10 and again.stats.voice_s < 0.05
     saved = tts.make_voice(REF_DE, ref_text).save(tmp_path / "v.npz")
     fresh = HiggsTTS(builds["int4"])
     loaded = fresh.generate("Cached voices are cheap.", voice=Voice.load(saved, fresh.model_id), seed=2)

@@ -1,11 +1,13 @@
 """The generation state machine driven by a scripted fake backend (no model)."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from higgs_onnx.generation.delay import apply_delay
-from higgs_onnx.generation.loop import StopRules, generate, prompt_embeddings
-from higgs_onnx.generation.sampling import GREEDY
+from higgs_onnx.generation.engine import StopRules, generate, prompt_embeddings
+from higgs_onnx.generation.options import GREEDY_OPTIONS
 
 N, V, D = 8, 1026, 4
 BOC, EOC = 1024, 1025
@@ -25,11 +27,14 @@ class Scripted:
     def embed_audio(self, rows):
         return np.repeat(rows[:, :1].astype(np.float32), D, axis=1) + 0.5
 
-    def prefill(self, embeds, max_len):
+    def new_cache(self, max_len, state=None):
+        return {"max_len": max_len}
+
+    def prefill(self, cache, embeds):
         self.prefilled = embeds
         return np.zeros(D, np.float32)
 
-    def decode(self, embed):
+    def decode(self, cache, embed):
         self.fed.append(embed)
         self.step += 1
         return np.zeros(D, np.float32)
@@ -42,7 +47,8 @@ class Scripted:
 
 def run(script, max_rows=100):
     backend = Scripted(script)
-    return generate(backend, [1, 2, 3], RULES, GREEDY, np.random.default_rng(0), max_rows, PLACEHOLDER), backend
+    options = dataclasses.replace(GREEDY_OPTIONS, max_rows=max_rows)
+    return generate(backend, [1, 2, 3], RULES, options, PLACEHOLDER), backend
 
 
 def normal(step):
@@ -105,7 +111,7 @@ def test_reference_rows_fill_placeholders():
 def test_teacher_forcing_feeds_given_rows():
     teacher = np.full((12, N), 33)
     backend = Scripted(normal)
-    res = generate(backend, [1], RULES, GREEDY, np.random.default_rng(0), 100, PLACEHOLDER,
+    res = generate(backend, [1], RULES, dataclasses.replace(GREEDY_OPTIONS, max_rows=100), PLACEHOLDER,
                    teacher_rows=teacher, keep_logits=True)
     assert res.stop_reason == "teacher" and len(res.rows) == 12 and len(res.logits) == 12
     assert all(f[0, 0] == 33.5 for f in backend.fed)

@@ -32,7 +32,7 @@ def check_speech(speech):
 @given(text=st.text(max_size=60))
 def test_random_unicode_text(tts, text):
     try:
-        check_speech(tts.generate(text, max_frames=24, temperature=0))
+        check_speech(tts.generate(text, max_rows=24, temperature=0))
     except CLEAR:
         pass
 
@@ -45,7 +45,7 @@ def test_random_sampling_options(tts, temperature, top_k, top_p, seed):
     valid = math.isfinite(temperature) and temperature >= 0 and top_k >= 0 and 0 < top_p <= 1
     try:
         speech = tts.generate("Random options.", temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                              max_frames=24)
+                              max_rows=24)
     except ValueError:
         assert not valid
         return
@@ -92,7 +92,7 @@ def test_mutated_manifests(manifest_copy, builds, data):
     (manifest_copy / "manifest.json").write_text(json.dumps(mutated))
     try:
         tts = HiggsTTS(manifest_copy, verify=False)
-        check_speech(tts.generate("Still fine?", max_frames=16, temperature=0))
+        check_speech(tts.generate("Still fine?", max_rows=16, temperature=0))
     except CLEAR:
         pass
     finally:

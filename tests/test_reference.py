@@ -56,7 +56,7 @@ def test_clone_runs_with_and_without_transcript(reference, with_text):
     sp = reference.generate("A new sentence in the same voice, spoken slowly and clearly.", ref_audio=ref,
                             ref_text=ref_text, sampling=GREEDY, max_rows=1000)
     n_ref = len(reference.encode_audio(ref)) + 7
-    assert sp.stats["reference_rows"] == n_ref and sp.stop_reason == "eoc" and len(sp.codes) > 0
+    assert sp.stats.reference_rows == n_ref and sp.stop_reason == "eoc" and len(sp.codes) > 0
 
 
 def test_streamed_body_equals_the_resident_one(tiny_ckpt):

@@ -14,7 +14,7 @@ from ..generation.sampling import GREEDY, SamplingOptions, softmax
 from ..parity import cosine, max_abs
 
 if TYPE_CHECKING:
-    from ..generation.loop import GenerationResult
+    from ..generation.engine import GenerationResult
     from .runner import Evaluator
 
 # Spectrogram frames: 1024-sample Hann windows (43 ms at 24 kHz), hop 256; magnitudes floored at -140 dB.

@@ -21,7 +21,7 @@ RECORDINGS = tuple(sorted(RECORDINGS_DIR.glob("*.flac")))
 class EvalOptions:
     prompts: tuple[str, ...] = DEFAULT_PROMPTS
     runs: int = 2  # sampled runs per prompt (seeds 0..runs-1)
-    max_frames: int = 600  # row limit of every generation run (24 s of audio)
+    max_rows: int = 600  # row limit of every generation run (24 s of audio)
     decode_steps: int = 8  # single-row decode steps after the prefill in the decoder-steps section
     text_tokens: int = 16  # greedy text continuation of the text-LM section
     recordings: tuple[Path, ...] = RECORDINGS  # audio files for the encoder section
@@ -33,7 +33,7 @@ class EvalOptions:
     def __post_init__(self) -> None:
         if not self.prompts or not all(p.strip() for p in self.prompts):
             raise ValueError("eval needs at least one non-empty prompt")
-        for name in ("max_frames", "decode_steps", "text_tokens", "window"):
+        for name in ("max_rows", "decode_steps", "text_tokens", "window"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.runs < 0:

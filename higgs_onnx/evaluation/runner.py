@@ -17,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..generation.loop import GenerationResult, generate
+from ..generation.engine import GenerationResult, generate
+from ..generation.options import GenerationOptions
 from ..generation.pipeline import stop_rules
 from ..generation.prompt import build_prompt
 from ..generation.sampling import GREEDY, SamplingOptions
@@ -49,9 +50,9 @@ class Evaluator:
                  teacher: np.ndarray | None = None) -> GenerationResult:
         """One run of the shared loop on "onnx" or "torch"; `teacher` (L, N) rows are fed instead of the picks."""
         be = self.tts.backend if backend == "onnx" else self.ref_backend
-        return generate(be, self.prompt(text), self.rules, sampling, np.random.default_rng(seed),
-                        self.options.max_frames, self.tts.facts.placeholder, keep_logits=keep_logits,
-                        teacher_rows=teacher)
+        options = GenerationOptions.make(sampling=sampling, seed=seed, max_rows=self.options.max_rows)
+        return generate(be, self.prompt(text), self.rules, options, self.tts.facts.placeholder,
+                        keep_logits=keep_logits, teacher_rows=teacher)
 
     def run_both(self, text: str, sampling: SamplingOptions, seed: int, keep_logits: bool = False) -> dict:
         return {b: self.generate(b, text, sampling, seed, keep_logits) for b in ("onnx", "torch")}
@@ -67,7 +68,7 @@ class Evaluator:
         o, m = self.options, self.tts.manifest.data
         return {"model_path": str(self.tts.manifest.folder), "precision": self.precision, "device": m["device"],
                 "checkpoint": str(self.ref.folder), "gates": self.gates, "prompts": list(o.prompts), "runs": o.runs,
-                "max_frames": o.max_frames, "recordings": [Path(p).name for p in o.recordings], "seconds": {}}
+                "max_rows": o.max_rows, "recordings": [Path(p).name for p in o.recordings], "seconds": {}}
 
     def skip_reason(self, name: str, report: Report) -> str | None:
         section = SECTIONS[name]

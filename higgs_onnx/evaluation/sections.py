@@ -5,13 +5,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..generation.loop import generate
-from ..generation.sampling import GREEDY
+from ..generation.engine import generate
+from ..generation.options import GREEDY_OPTIONS
 from ..parity import check_part, compare_decoder
 
 if TYPE_CHECKING:
@@ -92,13 +93,14 @@ def text_lm(ev: Evaluator) -> dict:
     dec = SimpleDecoder(ev.tts.part("llm_decoder"), ev.tts.facts)
     be, rb = ev.tts.backend, ev.ref_backend
     o_seq, t_seq = list(ids), list(ids)
-    o_next = text_argmax(table, dec.prefill(be.embed_text(np.asarray(o_seq))))  # (S,)
+    cache = dec.new_cache(len(ids) + n)
+    o_next = text_argmax(table, dec.run(cache, be.embed_text(np.asarray(o_seq))))  # (S,)
     t_next = text_argmax(table, ev.ref.hidden_states(rb.embed_text(np.asarray(t_seq))))
     agreement = float((o_next == t_next).mean())
     o_seq.append(int(o_next[-1]))
     t_seq.append(int(t_next[-1]))
     for _ in range(n - 1):
-        o_seq.append(int(text_argmax(table, dec.step(be.embed_text(np.asarray(o_seq[-1:])))[-1:])[0]))
+        o_seq.append(int(text_argmax(table, dec.run(cache, be.embed_text(np.asarray(o_seq[-1:])))[-1:])[0]))
         t_seq.append(int(text_argmax(table, ev.ref.hidden_states(rb.embed_text(np.asarray(t_seq)))[-1:])[0]))
     gen_o, gen_t = o_seq[len(ids):], t_seq[len(ids):]
     first = next((i for i, (a, b) in enumerate(zip(gen_o, gen_t, strict=True)) if a != b), None)
@@ -114,8 +116,9 @@ def teacher_codes(ev: Evaluator) -> dict:
     f = ev.tts.facts
     if rows.ndim != 2 or rows.shape[1] != f.num_codebooks or not len(rows):
         raise ValueError(f"{o.teacher_codes} holds {rows.shape}; expected (rows, {f.num_codebooks}) delayed codes")
-    res = generate(ev.tts.backend, ev.prompt(o.prompts[0]), ev.rules, GREEDY, np.random.default_rng(0), len(rows),
-                   f.placeholder, keep_logits=True, teacher_rows=rows)
+    res = generate(ev.tts.backend, ev.prompt(o.prompts[0]), ev.rules,
+                   dataclasses.replace(GREEDY_OPTIONS, max_rows=len(rows)), f.placeholder, keep_logits=True,
+                   teacher_rows=rows)
     logits = np.stack(res.logits)  # (L, N, V)
     picked = np.take_along_axis(logits, rows[:len(logits), :, None], axis=-1)[..., 0]
     forced = np.triu(np.ones((len(logits), f.num_codebooks), bool), k=1)
@@ -157,8 +160,9 @@ def _wer_row(ev: Evaluator, asr, text: str) -> dict:
     norm = jiwer.Compose([jiwer.ToLowerCase(), jiwer.RemovePunctuation(), jiwer.RemoveMultipleSpaces(),
                           jiwer.Strip(), jiwer.ReduceToListOfListOfWords()])
     truth = TAG_PATTERN.sub(" ", text)
-    wavs = {"onnx": ev.tts.generate(text, temperature=0, max_frames=ev.options.max_frames).waveform,
-            "torch": ev.ref.generate(text, sampling=GREEDY, max_rows=ev.options.max_frames).waveform}
+    options = dataclasses.replace(GREEDY_OPTIONS, max_rows=ev.options.max_rows)
+    wavs = {"onnx": ev.tts.generate(text, options=options).waveform,
+            "torch": ev.ref.generate(text, options=options).waveform}
     row = {"prompt": text}
     for k, wav in wavs.items():
         segments, _ = asr.transcribe(resample(wav, ev.tts.facts.sample_rate, 16000), beam_size=1)

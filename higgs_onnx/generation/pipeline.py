@@ -1,10 +1,15 @@
-"""Text (+ reference voice) -> waveform, on any backend: prompt, reference codes, loop, codec (spec §3, §5)."""
+"""Text (+ reference voice) -> waveform, on any backend: prompt, reference codes, request, engine, codec (spec §3, §5).
+
+`Synthesizer` is what `HiggsTTS` (ONNX Runtime) and `ReferenceModel` (PyTorch) share: `request` turns text and
+options into a `Request` (prompt checked against the model's context), `speak` runs it and decodes the audio once.
+Streaming (audio while the model still talks) is `HiggsTTS.stream`, on the same requests.
+"""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -12,12 +17,9 @@ from tokenizers import Tokenizer
 
 from ..checkpoint import ModelFacts
 from .delay import apply_delay, codes_for_codec
-from .loop import Backend, GenerationResult, StopRules, generate
+from .engine import Backend, Engine, GenerationStats, Request, StopRules
+from .options import DEFAULT_MAX_ROWS, GenerationOptions  # noqa: F401 - DEFAULT_MAX_ROWS re-exported
 from .prompt import PromptTokens, build_prompt
-from .sampling import SamplingOptions
-
-DEFAULT_MAX_ROWS = 2048  # SGO/Replicate max_new_tokens: delayed rows, ~81.6 s of audio
-DEFAULT_SAMPLING = SamplingOptions()
 
 
 class Codec(Protocol):
@@ -32,7 +34,7 @@ class Speech:
     rows: np.ndarray  # (L, N) delayed rows as generated
     codes: np.ndarray  # (T, N) raw codes fed to the codec (BOC/EOC leftovers mapped to 0)
     stop_reason: str  # "eoc" (clean stop) or "max_rows"
-    stats: dict = field(default_factory=dict)
+    stats: GenerationStats
 
     @property
     def seconds(self) -> float:
@@ -48,45 +50,50 @@ def reference_rows(codec: Codec, facts: ModelFacts, ref_wav: np.ndarray) -> np.n
     return apply_delay(codec.encode_audio(ref_wav), facts.boc, facts.eoc)
 
 
-def synthesize(backend: Backend, codec: Codec, tokenizer: Tokenizer, tokens: PromptTokens, facts: ModelFacts,
-               text: str, ref_wav: np.ndarray | None = None, ref_text: str | None = None,
-               sampling: SamplingOptions = DEFAULT_SAMPLING, seed: int = 0, max_rows: int = DEFAULT_MAX_ROWS,
-               on_row: Callable[[int], None] | None = None, ref_rows: np.ndarray | None = None,
-               keep_logits: bool = False, cached_prefix: tuple[int, dict] | None = None
-               ) -> tuple[Speech, GenerationResult]:
-    """Generate speech for `text`; `ref_wav` (mono, codec rate) clones a voice, `ref_text` is its transcript.
-
-    `ref_rows` may carry already-delayed reference rows (skips the codec encoder); `cached_prefix` the backend's
-    prefill state of the voice prefix (skips its prefill, see `generation.loop.generate`).
-    """
-    t0 = time.perf_counter()
-    if ref_text is not None and ref_wav is None and ref_rows is None:
-        raise ValueError("a reference transcript (ref_text) needs reference audio (ref_audio)")
-    if ref_rows is None and ref_wav is not None:
-        ref_rows = reference_rows(codec, facts, ref_wav)
-    t_enc = time.perf_counter()
-    n_ref = 0 if ref_rows is None else len(ref_rows)
-    prompt = build_prompt(tokenizer, tokens, text, ref_rows=n_ref, ref_text=ref_text)
+def check_max_rows(facts: ModelFacts, max_rows: int) -> None:
     limit = facts.max_positions
-    if max_rows < 1 or max_rows >= limit:
-        raise ValueError(f"max frames must be in [1, {limit}) (the model's context), got {max_rows}")
-    if len(prompt) + facts.num_codebooks >= limit:
-        raise ValueError(f"the prompt is {len(prompt)} positions long; the model's context is {limit}: shorten the "
-                         f"text or the reference audio")
-    max_rows = min(max_rows, limit - len(prompt))  # the context bounds prompt + generated rows
-    result = generate(backend, prompt, stop_rules(facts), sampling, np.random.default_rng(seed), max_rows,
-                      facts.placeholder, ref_rows=ref_rows, on_row=on_row, keep_logits=keep_logits,
-                      cached_prefix=cached_prefix)
-    codes = codes_for_codec(result.codes, facts.codebook_size)
-    t_dec = time.perf_counter()
-    wav = codec.decode_audio(codes) if codes.shape[-1] else np.zeros(0, np.float32)
-    t_end = time.perf_counter()
-    speech = Speech(waveform=wav, sample_rate=facts.sample_rate, rows=result.rows, codes=codes[0].T,
-                    stop_reason=result.stop_reason)
-    speech.stats = {
-        "prompt_tokens": len(prompt), "reference_rows": n_ref, "rows": len(result.rows), "frames": codes.shape[-1],
-        "audio_s": speech.seconds, "encode_s": t_enc - t0, "prefill_s": result.prefill_s,
-        "decode_s": result.decode_s, "codec_s": t_end - t_dec, "wall_s": t_end - t0,
-        "stop_reason": result.stop_reason,
-    }
-    return speech, result
+    if not 1 <= max_rows < limit:
+        raise ValueError(f"max_rows must be in [1, {limit}) (the model's context), got {max_rows}")
+
+
+class Synthesizer:
+    """A backend, a codec and the prompt vocabulary: text -> `Request` -> `Speech`."""
+
+    def __init__(self, backend: Backend, codec: Codec, tokenizer: Tokenizer, tokens: PromptTokens, facts: ModelFacts):
+        self.backend, self.codec, self.tokenizer, self.tokens, self.facts = backend, codec, tokenizer, tokens, facts
+        self.engine = Engine(backend)
+        self.rules = stop_rules(facts)
+
+    def request(self, text: str, options: GenerationOptions, ref_rows: np.ndarray | None = None,
+                ref_text: str | None = None, prefix: tuple[int, dict] | None = None, voice_s: float = 0.0,
+                started: float | None = None) -> Request:
+        """A request for `text`; `ref_rows` (delayed reference rows) clone a voice whose transcript is `ref_text`;
+        `prefix` is a voice's saved prefill state (see `Request`). The row limit is cut to what the context holds."""
+        f = self.facts
+        check_max_rows(f, options.max_rows)
+        n_ref = 0 if ref_rows is None else len(ref_rows)
+        prompt = build_prompt(self.tokenizer, self.tokens, text, ref_rows=n_ref, ref_text=ref_text)
+        limit = f.max_positions
+        if len(prompt) + f.num_codebooks >= limit:
+            raise ValueError(f"the prompt is {len(prompt)} positions long; the model's context is {limit}: shorten "
+                             f"the text or the reference audio")
+        if options.max_rows > limit - len(prompt):  # the context bounds prompt + generated rows
+            import dataclasses
+
+            options = dataclasses.replace(options, max_rows=limit - len(prompt))
+        return Request(prompt, self.rules, options, f.placeholder, ref_rows=ref_rows, prefix=prefix,
+                       voice_s=voice_s, started=started)
+
+    def speak(self, req: Request, on_row: Callable[[int], None] | None = None) -> Speech:
+        """Run `req` to its end, then decode its codes in one codec call."""
+        for n in self.engine.rows(req):
+            if on_row:
+                on_row(n)
+        raw = req.new_frames()  # every frame (the request is done)
+        codes = codes_for_codec(raw, self.facts.codebook_size)
+        t0 = time.perf_counter()
+        wav = self.codec.decode_audio(codes) if codes.shape[-1] else np.zeros(0, np.float32)
+        req.codec_s += time.perf_counter() - t0
+        req.audio_out(wav.size)
+        return Speech(waveform=wav, sample_rate=self.facts.sample_rate, rows=req.generated.copy(), codes=codes[0].T,
+                      stop_reason=req.stop_reason, stats=req.stats(wav.size, self.facts.sample_rate))

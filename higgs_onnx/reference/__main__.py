@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from ..cli import add_log_level, run_main
-from ..generation.pipeline import DEFAULT_MAX_ROWS
+from ..generation.options import DEFAULT_MAX_ROWS, GenerationOptions
 from ..generation.sampling import SamplingOptions
 
 
@@ -42,14 +42,12 @@ def run(args: argparse.Namespace) -> int:
 
     if args.ref_text is not None and args.ref_audio is None:
         raise ValueError("--ref-text needs --ref-audio")
-    sampling = SamplingOptions(args.temperature, args.top_k, args.top_p)
+    options = GenerationOptions(args.temperature, args.top_k, args.top_p, args.seed, args.max_rows)
     model = ReferenceModel(resolve(args.checkpoint), dtype=args.dtype)
-    speech = model.generate(args.text, ref_audio=args.ref_audio, ref_text=args.ref_text, sampling=sampling,
-                            seed=args.seed, max_rows=args.max_rows)
+    speech = model.generate(args.text, ref_audio=args.ref_audio, ref_text=args.ref_text, options=options)
     write_audio(args.out, speech.waveform, speech.sample_rate)
     s = speech.stats
-    print(f"{args.out}: {s['audio_s']:.2f} s of audio, {s['frames']} frames, stop: {s['stop_reason']}, "
-          f"{s['wall_s']:.2f} s wall")
+    print(f"{args.out}: {s.audio_s:.2f} s of audio, {s.frames} frames, stop: {s.stop_reason}, {s.wall_s:.2f} s wall")
     return 0
 
 

@@ -25,7 +25,8 @@ from ..checkpoint import (
     codec_config,
     validate,
 )
-from ..generation.pipeline import DEFAULT_MAX_ROWS, DEFAULT_SAMPLING, Speech, synthesize
+from ..generation.options import GenerationOptions
+from ..generation.pipeline import Speech, Synthesizer, reference_rows
 from ..generation.prompt import PromptTokens
 from ..generation.sampling import SamplingOptions
 from .body import forward, load_body
@@ -88,18 +89,27 @@ class ReferenceModel:
         self.tokens = PromptTokens.from_tokenizer(self.tokenizer, f.placeholder)
 
     def generate(self, text: str, ref_audio: str | Path | np.ndarray | None = None, ref_text: str | None = None,
-                 sampling: SamplingOptions = DEFAULT_SAMPLING, seed: int = 0, max_rows: int = DEFAULT_MAX_ROWS,
-                 **kwargs) -> Speech:
-        """Codes and a waveform for `text`; `ref_audio` is a file or a mono waveform at the codec rate."""
-        ref_wav = None
+                 options: GenerationOptions | None = None, *, temperature: float | None = None,
+                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+                 max_rows: int | None = None, on_row=None, sampling: SamplingOptions | None = None) -> Speech:
+        """Codes and a waveform for `text`, with the same options and keywords as `HiggsTTS.generate`;
+        `ref_audio` is a file or a mono waveform at the codec rate; `sampling` sets the three sampling values."""
+        import time
+
+        started = time.perf_counter()
+        options = GenerationOptions.make(options, sampling, temperature=temperature, top_k=top_k, top_p=top_p,
+                                         seed=seed, max_rows=max_rows)
+        if ref_text is not None and ref_audio is None:
+            raise ValueError("ref_text (a transcript of the reference) needs ref_audio")
+        ref_rows = None
         if isinstance(ref_audio, (str, Path)):
-            ref_wav = load_reference(ref_audio, self.facts.sample_rate)
+            ref_rows = reference_rows(self, self.facts, load_reference(ref_audio, self.facts.sample_rate))
         elif ref_audio is not None:
-            ref_wav = np.asarray(ref_audio, np.float32)
-        speech, _ = synthesize(ReferenceBackend(self), self, self.tokenizer, self.tokens, self.facts, text,
-                               ref_wav=ref_wav, ref_text=ref_text, sampling=sampling, seed=seed, max_rows=max_rows,
-                               **kwargs)
-        return speech
+            ref_rows = reference_rows(self, self.facts, np.asarray(ref_audio, np.float32))
+        synth = Synthesizer(ReferenceBackend(self), self, self.tokenizer, self.tokens, self.facts)
+        req = synth.request(text, options, ref_rows=ref_rows, ref_text=ref_text,
+                            voice_s=time.perf_counter() - started, started=time.perf_counter())
+        return synth.speak(req, on_row)
 
     @property
     def body(self) -> torch.nn.Module:
@@ -173,16 +183,15 @@ class ReferenceModel:
 
 
 class ReferenceBackend:
-    """The generation `Backend` protocol on the PyTorch reference (one sequence, DynamicCache)."""
+    """The generation `Backend` protocol on the PyTorch reference; a request's cache is its own DynamicCache."""
 
     def __init__(self, model: ReferenceModel):
         self.model = model
-        self.cache = None
 
-    def _run(self, embeds: np.ndarray) -> np.ndarray:
+    def _run(self, cache, embeds: np.ndarray) -> np.ndarray:
         x = torch.from_numpy(np.ascontiguousarray(embeds, np.float32)).to(self.model.dtype)[None]
         with torch.no_grad():  # the DynamicCache is updated in place
-            out = self.model.body(inputs_embeds=x, cache=self.cache, use_cache=True)
+            out = self.model.body(inputs_embeds=x, cache=cache, use_cache=True)
         return out.last_hidden_state[0, -1].float().numpy()
 
     def embed_text(self, ids: np.ndarray) -> np.ndarray:
@@ -191,14 +200,18 @@ class ReferenceBackend:
     def embed_audio(self, rows: np.ndarray) -> np.ndarray:
         return self.model.fused_embed(torch.from_numpy(rows)).float().numpy()
 
-    def prefill(self, embeds: np.ndarray, max_len: int) -> np.ndarray:
+    def new_cache(self, max_len: int, state: dict | None = None):
         from transformers import DynamicCache
 
-        self.cache = DynamicCache(config=self.model.body.config)
-        return self._run(embeds)
+        if state is not None:
+            raise NotImplementedError("the reference prefills every prompt in full (no saved voice states)")
+        return DynamicCache(config=self.model.body.config)
 
-    def decode(self, embed: np.ndarray) -> np.ndarray:
-        return self._run(embed)
+    def prefill(self, cache, embeds: np.ndarray) -> np.ndarray:
+        return self._run(cache, embeds)
+
+    def decode(self, cache, embed: np.ndarray) -> np.ndarray:
+        return self._run(cache, embed)
 
     def audio_logits(self, hidden: np.ndarray) -> np.ndarray:
         return self.model.audio_head(torch.from_numpy(hidden)).numpy()

@@ -3,6 +3,13 @@
     tts = HiggsTTS("onnx/cpu_int4")
     speech = tts.generate("Hello there.", ref_audio="me.wav", ref_text="What I said.", temperature=0.8)
     speech.waveform, speech.sample_rate, speech.codes, speech.rows, speech.stats
+    for chunk in tts.stream("Hello there."):       # audio while the model is still talking
+        play(chunk.samples)
+
+Thread safety: one `HiggsTTS` may be shared by threads. Each call makes its own `Request` (KV cache, sampler RNG,
+rows), the ONNX Runtime sessions allow concurrent runs, and the lazily made sessions and the voice cache are
+guarded by a lock; concurrent calls compete for the same cores, so they do not run faster together (batching
+them into one decoder call is what the server does).
 """
 
 from __future__ import annotations
@@ -12,10 +19,11 @@ import hashlib
 import json
 import logging
 import os
+import threading
 import time
 import zipfile
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,13 +31,15 @@ import numpy as np
 
 from ..audio import load_reference, prepare_reference
 from ..checkpoint import ModelFacts
-from ..generation.loop import prompt_embeddings
-from ..generation.pipeline import DEFAULT_MAX_ROWS, Speech, reference_rows, synthesize
+from ..generation.engine import Request, prompt_embeddings
+from ..generation.options import GenerationOptions
+from ..generation.pipeline import Speech, Synthesizer, reference_rows
 from ..generation.prompt import PromptTokens, build_prefix, check_text
-from ..generation.sampling import SamplingOptions
+from ..generation.stream import AudioChunk, stream_request
 from ..manifest import ManifestError, load_manifest
 from .decoder import BoundDecoder, SimpleDecoder
 from .session import Part, check_threads
+from .stream import CodecStream, StreamOptions
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +132,7 @@ class Voice:
 
 
 class OnnxBackend:
-    """The generation `Backend` protocol on the exported parts."""
+    """The generation `Backend` protocol on the exported parts; every request gets its own KV cache."""
 
     def __init__(self, tts: HiggsTTS, kv_cache: str = "bound"):
         self.tts = tts
@@ -135,14 +145,14 @@ class OnnxBackend:
     def embed_audio(self, rows: np.ndarray) -> np.ndarray:
         return self.tts.part("audio_embed")(audio_codes=rows[None])["embeddings"][0].astype(np.float32, copy=False)
 
-    def prefill(self, embeds: np.ndarray, max_len: int) -> np.ndarray:
-        return self.decoder.prefill(embeds, max_len)[-1]
+    def new_cache(self, max_len: int, state: dict | None = None):
+        return self.decoder.new_cache(max_len, state)
 
-    def prefill_cached(self, state: dict, embeds: np.ndarray, max_len: int) -> np.ndarray:
-        return self.decoder.prefill_cached(state, embeds, max_len)[-1]
+    def prefill(self, cache, embeds: np.ndarray) -> np.ndarray:
+        return self.decoder.run(cache, embeds)[-1]
 
-    def decode(self, embed: np.ndarray) -> np.ndarray:
-        return self.decoder.step(embed)[-1]
+    def decode(self, cache, embed: np.ndarray) -> np.ndarray:
+        return self.decoder.run(cache, embed)[-1]
 
     def audio_logits(self, hidden: np.ndarray) -> np.ndarray:
         return self.tts.part("audio_heads")(hidden_states=hidden[None, None])["logits"][0, 0].astype(np.float32)
@@ -179,8 +189,9 @@ class HiggsTTS:
         self._check_genai_config()
         self.threads, self.kv_cache = threads, kv_cache
         self._parts: dict[str, Part] = {}
-        self._backend: OnnxBackend | None = None
+        self._synth: Synthesizer | None = None
         self._voices: dict[tuple, Voice] = {}
+        self._lock = threading.RLock()  # sessions and the voice cache are made once, whichever thread asks first
 
     def _check_genai_config(self) -> None:
         import json
@@ -196,9 +207,11 @@ class HiggsTTS:
 
     def part(self, name: str) -> Part:
         if name not in self._parts:
-            part = Part(name, self.manifest.part_file(name), self.provider, self.threads)
-            self._check_io(name, part)
-            self._parts[name] = part
+            with self._lock:
+                if name not in self._parts:
+                    part = Part(name, self.manifest.part_file(name), self.provider, self.threads)
+                    self._check_io(name, part)
+                    self._parts[name] = part
         return self._parts[name]
 
     def _check_io(self, name: str, part: Part) -> None:
@@ -222,10 +235,17 @@ class HiggsTTS:
                                     f"{size}")
 
     @property
+    def synthesizer(self) -> Synthesizer:
+        if self._synth is None:
+            with self._lock:
+                if self._synth is None:
+                    self._synth = Synthesizer(OnnxBackend(self, self.kv_cache), self, self.tokenizer, self.tokens,
+                                              self.facts)
+        return self._synth
+
+    @property
     def backend(self) -> OnnxBackend:
-        if self._backend is None:
-            self._backend = OnnxBackend(self, self.kv_cache)
-        return self._backend
+        return self.synthesizer.backend
 
     # -- codec ------------------------------------------------------------------------------------------------
     def encode_audio(self, wav: np.ndarray) -> np.ndarray:
@@ -243,35 +263,56 @@ class HiggsTTS:
         wav, sr = ref_audio
         return prepare_reference(np.asarray(wav), int(sr), self.facts.sample_rate)
 
-    # -- generation -------------------------------------------------------------------------------------------
-    def generate(self, text: str, ref_audio=None, ref_text: str | None = None, temperature: float | None = None,
-                 top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-                 max_frames: int = DEFAULT_MAX_ROWS, on_row: Callable[[int], None] | None = None,
-                 voice: Voice | None = None) -> Speech:
-        """Speech for `text`; `ref_audio` (a path or (waveform, rate)) clones a voice, `ref_text` is its transcript,
-        or `voice` (from `make_voice` / `Voice.load`) reuses a voice's encoded reference and prefill state.
+    # -- generation ----------------------------------------------------------------------------------------------
+    def request(self, text: str, ref_audio=None, ref_text: str | None = None, voice: Voice | None = None,
+                options: GenerationOptions | None = None, **keywords) -> Request:
+        """The `Request` for one utterance (validated: bad options, text or reference raise here, before any work).
 
-        Sampling values left None take the defaults of `SamplingOptions`. `max_frames` bounds the generated rows.
-        A voice made from `ref_audio` is kept in memory, so the next clone with the same reference skips the
-        codec encoder and the reference's prefill.
+        `ref_audio` (a path or (waveform, rate)) clones a voice, `ref_text` is its transcript; `voice` (from
+        `make_voice` / `Voice.load`) reuses an encoded reference and its prefill state. `options` and the plain
+        keywords (`temperature`, `top_k`, `top_p`, `seed`, `max_rows`) choose sampling and the row limit.
         """
-        d = SamplingOptions()
-        sampling = SamplingOptions(d.temperature if temperature is None else temperature,
-                                   d.top_k if top_k is None else top_k, d.top_p if top_p is None else top_p)
+        started = time.perf_counter()
+        options = GenerationOptions.make(options, **keywords)
         if ref_text is not None and ref_audio is None:
             raise ValueError("ref_text (a transcript of the reference) needs ref_audio")
-        t0 = time.perf_counter()
+        if voice is not None and ref_audio is not None:
+            raise ValueError("give either voice or ref_audio, not both")
         if voice is None and ref_audio is not None:
-            voice = self.make_voice(ref_audio, ref_text)
-        voice_s = time.perf_counter() - t0
+            voice = self.make_voice(ref_audio, ref_text)  # made once per reference, then cached
+        voice_s = time.perf_counter() - started
         kwargs = {} if voice is None else {"ref_rows": voice.rows, "ref_text": voice.ref_text,
-                                           "cached_prefix": (len(voice.prefix), voice.state)}
-        speech, _ = synthesize(self.backend, self, self.tokenizer, self.tokens, self.facts, text, sampling=sampling,
-                               seed=seed, max_rows=max_frames, on_row=on_row, **kwargs)
-        speech.stats["voice_s"] = voice_s  # encoding + prefill of the reference (0 when cached)
-        speech.stats["wall_s"] += voice_s
-        speech.stats["first_frame_s"] = voice_s + speech.stats["prefill_s"]
-        return speech
+                                           "prefix": (len(voice.prefix), voice.state)}
+        return self.synthesizer.request(text, options, voice_s=voice_s, started=time.perf_counter(), **kwargs)
+
+    def generate(self, text: str, ref_audio=None, ref_text: str | None = None, voice: Voice | None = None,
+                 options: GenerationOptions | None = None, *, temperature: float | None = None,
+                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+                 max_rows: int | None = None, on_row: Callable[[int], None] | None = None,
+                 max_frames: int | None = None) -> Speech:
+        """Speech for `text`, decoded once at the end (see `request` for the arguments; `stream` for audio as it is
+        made). A voice made from `ref_audio` is kept in memory, so the next clone with the same reference skips the
+        codec encoder and the reference's prefill. `max_frames` is the old name of `max_rows`."""
+        req = self.request(text, ref_audio, ref_text, voice, options, temperature=temperature, top_k=top_k,
+                           top_p=top_p, seed=seed, max_rows=_rows(max_rows, max_frames))
+        return self.synthesizer.speak(req, on_row)
+
+    def stream(self, text: str, ref_audio=None, ref_text: str | None = None, voice: Voice | None = None,
+               options: GenerationOptions | None = None, stream_options: StreamOptions | None = None, *,
+               temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+               seed: int | None = None, max_rows: int | None = None, on_row: Callable[[int], None] | None = None
+               ) -> Iterator[AudioChunk]:
+        """Speech for `text` as `AudioChunk`s while it is generated (arguments as `generate`; `stream_options`
+        sizes the chunks). The chunks concatenate to `generate`'s waveform for the same request and seed. Stopping
+        early (closing the iterator) frees the request's state. Bad arguments raise here, not at the first chunk."""
+        req = self.request(text, ref_audio, ref_text, voice, options, temperature=temperature, top_k=top_k,
+                           top_p=top_p, seed=seed, max_rows=max_rows)
+        codec = self.codec_stream(stream_options or StreamOptions())
+        return stream_request(self.synthesizer.engine, req, codec, self.facts.sample_rate, on_row)
+
+    def codec_stream(self, options: StreamOptions):
+        """The incremental codec decoder for one stream (see `runtime.stream`)."""
+        return CodecStream(self.decode_audio, self.facts.hop, self.facts.codebook_size, options)
 
     @property
     def model_id(self) -> str:
@@ -287,14 +328,20 @@ class HiggsTTS:
         if ref_text is not None:
             check_text(ref_text, "the reference transcript")
         key = (hashlib.sha256(wav.tobytes()).hexdigest(), ref_text)
-        if key not in self._voices:
+        with self._lock:
+            voice = self._voices.get(key)
+        if voice is None:
             rows = reference_rows(self, self.facts, wav)
             prefix = build_prefix(self.tokenizer, self.tokens, len(rows), ref_text)
-            embeds = prompt_embeddings(self.backend, prefix, self.facts.placeholder, rows)
-            self.backend.decoder.prefill(embeds, len(prefix) + 1)
-            self._voices[key] = Voice(rows=rows, ref_text=ref_text, prefix=prefix,
-                                      state=self.backend.decoder.snapshot(), model_id=self.model_id)
-        return self._voices[key]
+            be = self.backend
+            embeds = prompt_embeddings(be, prefix, self.facts.placeholder, rows)
+            cache = be.new_cache(len(prefix))
+            be.prefill(cache, embeds)
+            voice = Voice(rows=rows, ref_text=ref_text, prefix=prefix, state=be.decoder.snapshot(cache),
+                          model_id=self.model_id)
+            with self._lock:
+                voice = self._voices.setdefault(key, voice)
+        return voice
 
     def decode_rows(self, rows: np.ndarray, delayed: bool = True) -> np.ndarray:
         """Code rows from elsewhere -> waveform; `delayed` rows are reversed first, codes >= codebook size -> 0."""
@@ -302,3 +349,14 @@ class HiggsTTS:
 
         raw = reverse_delay(rows) if delayed else rows
         return self.decode_audio(codes_for_codec(raw, self.facts.codebook_size))
+
+
+def _rows(max_rows: int | None, max_frames: int | None) -> int | None:
+    if max_frames is not None:
+        import warnings
+
+        if max_rows is not None:
+            raise TypeError("give max_rows only (max_frames is its old name)")
+        warnings.warn("max_frames is now called max_rows", DeprecationWarning, stacklevel=3)
+        return max_frames
+    return max_rows

@@ -1,0 +1,279 @@
+"""The generation engine: a `Request` owns one utterance's state, an `Engine` advances requests on a `Backend`.
+
+The autoregressive loop of spec §5.2 (SGO sampler state machine), the same for every backend:
+
+    E = embed(prompt); h = backbone(E)              # prefill; h at <|audio|> predicts the first row
+    for step in range(max_rows):
+        codes = sample(audio_heads(h))               # (N,) one draw per codebook
+        ramp-in  (step < N):  codebooks > step are forced to BOC
+        wind-down: after EOC on codebook 0, N-2 more rows, then stop (the finishing row is kept)
+        h = backbone(audio_embed(codes))
+    raw = reverse_delay(rows); codes >= codebook_size -> 0; waveform = codec(raw)
+
+Everything one utterance needs lives in its `Request`: the prompt, its own KV cache (made by the backend, so two
+requests never share one), its own sampler RNG, the ramp-in/wind-down countdown, the rows so far and its timings.
+The engine holds no per-request state, so any number of requests can be in flight in one process; `Engine.step`
+advances a list of requests by one row each (one at a time today: the batching issue makes it one decoder call).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from .delay import reverse_delay
+from .options import GenerationOptions
+from .sampling import sample_codes
+
+
+class Backend(Protocol):
+    """What the engine needs from a model. Shapes: D hidden size, N codebooks, V codebook vocabulary (N*V rows).
+
+    A cache is whatever the backend keeps per request (its KV cache); the engine only hands it back.
+    """
+
+    def embed_text(self, ids: np.ndarray) -> np.ndarray: ...  # (L,) int64 -> (L, D)
+    def embed_audio(self, rows: np.ndarray) -> np.ndarray: ...  # (L, N) int64 -> (L, D)
+    def new_cache(self, max_len: int, state: dict | None = None) -> Any: ...  # empty, or holding a saved prefix
+    def prefill(self, cache: Any, embeds: np.ndarray) -> np.ndarray: ...  # (L, D) appended -> (D,) last hidden
+    def decode(self, cache: Any, embed: np.ndarray) -> np.ndarray: ...  # (1, D) appended -> (D,) hidden
+    def audio_logits(self, hidden: np.ndarray) -> np.ndarray: ...  # (D,) -> (N, V) float32
+
+
+@dataclass(frozen=True)
+class StopRules:
+    num_codebooks: int
+    boc: int
+    eoc: int
+
+    @property
+    def wind_down(self) -> int:
+        return self.num_codebooks - 2  # rows after the EOC row still generated (SGO: countdown = 8 - 2)
+
+
+@dataclass(frozen=True)
+class GenerationStats:
+    """The figures of one finished request, made in one place (`Request.stats`). Times in seconds, all measured
+    from the call that made the request (`wall_s`, `first_audio_s`) or as a sum of its own phases."""
+
+    prompt_tokens: int
+    reference_rows: int
+    rows: int  # decoder steps (delayed rows) generated
+    frames: int  # audio frames after reversing the delay: rows - N + 1
+    audio_s: float
+    voice_s: float  # encoding + prefill of the reference voice (0 for zero-shot or a cached voice)
+    prefill_s: float
+    decode_s: float  # the row loop: heads, sampling, embedding, decoder steps
+    codec_s: float  # the codec decoder (one call, or the sum of the streamed windows)
+    first_row_s: float  # until the first row could be sampled (voice + prefill)
+    first_audio_s: float  # until the first audio sample was handed out (one-shot: the whole waveform)
+    wall_s: float
+    chunks: int  # audio pieces handed out (1 for one-shot)
+    stop_reason: str  # "eoc" (the model ended the speech), "max_rows" (cut at the limit), "teacher"
+
+    @property
+    def rtf(self) -> float:
+        """Real-time factor: wall time / audio time (below 1 = faster than real time)."""
+        return self.wall_s / max(self.audio_s, 1e-9)
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "rtf": self.rtf}
+
+
+@dataclass
+class GenerationResult:
+    rows: np.ndarray  # (L, N) delayed rows as generated
+    codes: np.ndarray  # (T, N) raw codes after reversing the delay (may hold BOC/EOC leftovers)
+    stop_reason: str  # "eoc", "max_rows" or "teacher"
+    prompt_len: int
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    logits: list[np.ndarray] = field(default_factory=list)  # per-step (N, V), kept only when asked
+
+
+def prompt_embeddings(backend: Backend, prompt: list[int], placeholder: int,
+                      ref_rows: np.ndarray | None) -> np.ndarray:
+    """(P, D): text positions embed their token, placeholder positions the k-th delayed reference row."""
+    ids = np.asarray(prompt, dtype=np.int64)
+    slots = np.flatnonzero(ids == placeholder)
+    n_ref = 0 if ref_rows is None else len(ref_rows)
+    if len(slots) != n_ref:
+        raise ValueError(f"prompt has {len(slots)} audio placeholders but {n_ref} reference rows were given")
+    text_pos = np.flatnonzero(ids != placeholder)
+    text = backend.embed_text(ids[text_pos])
+    embeds = np.empty((len(ids), text.shape[-1]), dtype=text.dtype)
+    embeds[text_pos] = text
+    if n_ref:
+        embeds[slots] = backend.embed_audio(ref_rows)
+    return embeds
+
+
+def next_state(codes: np.ndarray, step: int, countdown: int, rules: StopRules) -> tuple[int, bool]:
+    """Apply ramp-in / wind-down to this step's `codes` in place; returns (countdown, done)."""
+    if step < rules.num_codebooks:  # ramp-in: codebook c starts at row c
+        codes[step + 1:] = rules.boc
+        return countdown, False
+    if countdown >= 0:
+        countdown -= 1
+        return countdown, countdown <= 0
+    if codes[0] == rules.eoc:
+        return rules.wind_down, False
+    return countdown, False
+
+
+class Request:
+    """One utterance in flight: prompt, cache, RNG, state machine, rows so far, timings.
+
+    `prefix` = (n, state): the first n prompt positions are already in `state` (a voice's saved KV rows), only the
+    rest of the prompt is prefilled. `teacher_rows` (L, N) are fed instead of the picks (teacher forcing, eval).
+    """
+
+    def __init__(self, prompt: list[int], rules: StopRules, options: GenerationOptions, placeholder: int,
+                 ref_rows: np.ndarray | None = None, prefix: tuple[int, dict] | None = None,
+                 teacher_rows: np.ndarray | None = None, keep_logits: bool = False, voice_s: float = 0.0,
+                 started: float | None = None):
+        self.prompt, self.rules, self.options, self.placeholder = list(prompt), rules, options, placeholder
+        self.ref_rows, self.prefix, self.teacher_rows, self.keep_logits = ref_rows, prefix, teacher_rows, keep_logits
+        self.max_rows = options.max_rows
+        self.rng = np.random.default_rng(options.seed)
+        self.rows = np.empty((self.max_rows, rules.num_codebooks), dtype=np.int64)
+        self.n = 0  # rows generated
+        self.countdown = -1
+        self.stop_reason: str | None = None  # set when done
+        self.cache: Any = None  # the backend's KV cache, from prefill until done
+        self.hidden: np.ndarray | None = None  # the hidden state that predicts the next row
+        self.logits: list[np.ndarray] = []
+        self.frames_out = 0  # raw frames handed to the audio side (`new_frames`)
+        # timings
+        self.started = time.perf_counter() if started is None else started
+        self.voice_s, self.prefill_s, self.decode_s, self.codec_s = voice_s, 0.0, 0.0, 0.0
+        self.first_audio_at: float | None = None
+        self.chunks = 0
+
+    @property
+    def done(self) -> bool:
+        return self.stop_reason is not None
+
+    @property
+    def generated(self) -> np.ndarray:
+        """(n, N) the delayed rows so far."""
+        return self.rows[:self.n]
+
+    def accept(self, logits: np.ndarray) -> np.ndarray:
+        """Sample this step's row from (N, V) logits, apply ramp-in / wind-down, store it; returns the row."""
+        if self.keep_logits:
+            self.logits.append(logits)
+        step = self.n
+        codes = sample_codes(logits, self.rng, self.options.sampling)
+        self.countdown, finished = next_state(codes, step, self.countdown, self.rules)
+        stop = "eoc"
+        if self.teacher_rows is not None:  # feed the given rows; stop where they end
+            codes, finished, stop = self.teacher_rows[step].copy(), step + 1 == len(self.teacher_rows), "teacher"
+        self.rows[step] = codes
+        self.n = step + 1
+        if finished:
+            self.stop_reason = stop
+        elif self.n == self.max_rows:
+            self.stop_reason = "max_rows"
+        return codes
+
+    def new_frames(self) -> np.ndarray:
+        """(k, N) raw frames completed since the last call. Frame t needs rows t..t+N-1 (codebook c sits c rows
+        late), so while generating, frame t is final once row t+N-1 exists; at the end every frame is."""
+        n_cb = self.rules.num_codebooks
+        ready = max(self.n - n_cb + 1, 0)
+        start, self.frames_out = self.frames_out, ready
+        if ready <= start:
+            return np.zeros((0, n_cb), np.int64)
+        return reverse_delay(self.rows[start:ready + n_cb - 1])
+
+    def audio_out(self, samples: int) -> None:
+        """The audio side handed out `samples` samples (marks the first audio)."""
+        if samples and self.first_audio_at is None:
+            self.first_audio_at = time.perf_counter()
+        self.chunks += 1
+
+    def result(self) -> GenerationResult:
+        rows = self.generated.copy()
+        return GenerationResult(rows=rows, codes=reverse_delay(rows), stop_reason=self.stop_reason or "running",
+                                prompt_len=len(self.prompt), prefill_s=self.prefill_s, decode_s=self.decode_s,
+                                logits=self.logits)
+
+    def stats(self, audio_samples: int, sample_rate: int) -> GenerationStats:
+        end = time.perf_counter()
+        first = self.first_audio_at if self.first_audio_at is not None else end
+        return GenerationStats(
+            prompt_tokens=len(self.prompt), reference_rows=0 if self.ref_rows is None else len(self.ref_rows),
+            rows=self.n, frames=max(self.n - self.rules.num_codebooks + 1, 0), audio_s=audio_samples / sample_rate,
+            voice_s=self.voice_s, prefill_s=self.prefill_s, decode_s=self.decode_s, codec_s=self.codec_s,
+            first_row_s=self.voice_s + self.prefill_s, first_audio_s=first - self.started + self.voice_s,
+            wall_s=end - self.started + self.voice_s, chunks=self.chunks, stop_reason=self.stop_reason or "running")
+
+    def release(self) -> None:
+        """Drop the KV cache (done, or abandoned by its consumer)."""
+        self.cache = self.hidden = None
+
+
+class Engine:
+    """Advances requests on one backend. Holds no per-request state: requests carry their own."""
+
+    def __init__(self, backend: Backend):
+        self.backend = backend
+
+    def start(self, req: Request) -> None:
+        """Prefill the request's prompt into a fresh cache of its own; afterwards its next row can be sampled."""
+        t0 = time.perf_counter()
+        be, capacity = self.backend, len(req.prompt) + req.max_rows
+        if req.prefix is None:
+            embeds = prompt_embeddings(be, req.prompt, req.placeholder, req.ref_rows)
+            req.cache = be.new_cache(capacity)
+        else:
+            n, state = req.prefix
+            embeds = prompt_embeddings(be, req.prompt[n:], req.placeholder, None)
+            req.cache = be.new_cache(capacity, state)
+        req.hidden = be.prefill(req.cache, embeds)
+        req.prefill_s += time.perf_counter() - t0
+
+    def step(self, requests: list[Request]) -> None:
+        """Advance each unfinished request by one row: heads -> sampler -> state machine -> embed -> decoder."""
+        be = self.backend
+        for req in requests:
+            if req.done:
+                continue
+            t0 = time.perf_counter()
+            codes = req.accept(be.audio_logits(req.hidden))
+            if req.done:
+                req.release()
+            else:
+                req.hidden = be.decode(req.cache, be.embed_audio(codes[None]))
+            req.decode_s += time.perf_counter() - t0
+
+    def rows(self, req: Request) -> Iterator[int]:
+        """Run one request to its end, yielding its row count after each row. Closing the iterator early (a
+        consumer that stops) releases the request's cache."""
+        try:
+            if req.cache is None and not req.done:
+                self.start(req)
+            while not req.done:
+                self.step([req])
+                yield req.n
+        finally:
+            req.release()
+
+    def run(self, req: Request) -> GenerationResult:
+        for _ in self.rows(req):
+            pass
+        return req.result()
+
+
+def generate(backend: Backend, prompt: list[int], rules: StopRules, options: GenerationOptions, placeholder: int,
+             ref_rows: np.ndarray | None = None, keep_logits: bool = False,
+             teacher_rows: np.ndarray | None = None) -> GenerationResult:
+    """One request from prompt ids to rows on `backend` (eval and benchmarks; speech goes through `pipeline`)."""
+    req = Request(prompt, rules, options, placeholder, ref_rows=ref_rows, teacher_rows=teacher_rows,
+                  keep_logits=keep_logits)
+    return Engine(backend).run(req)
