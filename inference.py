@@ -23,7 +23,7 @@ from higgs_onnx.cli import add_log_level, run_main
 from higgs_onnx.generation.options import DEFAULT_MAX_ROWS, GenerationOptions
 from higgs_onnx.generation.prompt import check_text
 from higgs_onnx.runtime.session import PROVIDERS, check_threads
-from higgs_onnx.runtime.stream import StreamOptions
+from higgs_onnx.runtime.stream import CODEC_MODES, StreamOptions
 
 log = logging.getLogger("inference")
 
@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "chunk (25 per second; default %(default)s)")
     ap.add_argument("--chunk-frames", type=int, default=so.chunk_frames, help="--stream: frames in every later "
                     "chunk (default %(default)s)")
+    ap.add_argument("--stream-codec", choices=CODEC_MODES, default=so.codec, help="--stream: 'stateful' decodes "
+                    "every frame once (the export's audio_tokenizer_stream part), 'window' re-decodes overlapping "
+                    "windows; 'auto' (default) takes the stateful part when the export has it")
     ap.add_argument("--provider", choices=sorted(PROVIDERS), help="execution provider (default: the one the "
                     "folder was built for)")
     ap.add_argument("--threads", type=int, default=0, help="intra-op threads (0 = ONNX Runtime's default: one "
@@ -71,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
 def check_args(args: argparse.Namespace) -> tuple[GenerationOptions, StreamOptions]:
     # both raise ValueError on bad values
     options = GenerationOptions(args.temperature, args.top_k, args.top_p, args.seed, args.max_rows)
-    stream = StreamOptions(first_frames=args.first_frames, chunk_frames=args.chunk_frames)
+    stream = StreamOptions(first_frames=args.first_frames, chunk_frames=args.chunk_frames, codec=args.stream_codec)
     if args.out is not None and str(args.out) == "-":
         if args.codes is not None or args.selftest:
             raise ValueError("--out - (raw PCM on stdout) is for generated speech; name a file for --codes")
@@ -163,7 +166,6 @@ def speak_streaming(tts, text: str, out: Path, args, voice, progress):
     sink = None if to_stdout else GrowingAudioFile(out, tts.facts.sample_rate)
     chunks = tts.stream(text, voice=voice, options=args.options, stream_options=args.stream_options,
                         on_row=progress)
-    stats = None
     try:
         for chunk in chunks:
             if to_stdout:
@@ -171,7 +173,7 @@ def speak_streaming(tts, text: str, out: Path, args, voice, progress):
                 sys.stdout.buffer.flush()
             else:
                 sink.write(chunk.samples)
-            stats = chunk.stats
+            last = chunk
     except BrokenPipeError:  # the player went away: stop generating, say so once
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         raise RuntimeError("stdout was closed by the reader; generation stopped") from None
@@ -183,7 +185,12 @@ def speak_streaming(tts, text: str, out: Path, args, voice, progress):
         chunks.close()
     if sink is not None:
         sink.commit()
-    return stats
+    if args.save_codes:
+        import numpy as np
+
+        np.save(args.save_codes, last.rows)
+        np.save(args.save_codes.with_suffix(".raw.npy"), last.codes)
+    return last.stats
 
 
 def run(args: argparse.Namespace) -> int:

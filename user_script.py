@@ -2,7 +2,14 @@
 `get_<part>_dummy_inputs(model)`; the logic lives in `higgs_onnx.parts.<part>`. Nothing here touches the network.
 """
 
-from higgs_onnx.parts import audio_embed, audio_encoder, audio_heads, audio_tokenizer, text_embed
+from higgs_onnx.parts import (
+    audio_embed,
+    audio_encoder,
+    audio_heads,
+    audio_tokenizer,
+    audio_tokenizer_stream,
+    text_embed,
+)
 
 
 def get_text_embed_model(model_path):
@@ -63,3 +70,15 @@ def get_audio_tokenizer_io_config(model):
 
 def get_audio_tokenizer_dummy_inputs(model):
     return audio_tokenizer.dummy_inputs(model.model_path)
+
+
+def get_audio_tokenizer_stream_model(model_path):
+    return audio_tokenizer_stream.load(model_path)
+
+
+def get_audio_tokenizer_stream_io_config(model):
+    return audio_tokenizer_stream.io_config(model.model_path)
+
+
+def get_audio_tokenizer_stream_dummy_inputs(model):
+    return audio_tokenizer_stream.dummy_inputs(model.model_path)

@@ -150,6 +150,105 @@ def generation_figures(model_path: Path, frames: int, threads: int = 0) -> dict:
             "peak_rss_mb": zero_shot_rss}
 
 
+LONG_TEXT = " ".join([TEXT] * 4)
+
+
+def stream_figures(model_path: Path, seconds: float, threads: int, voice: bool, one_shot: bool) -> dict:
+    """One line of `seconds` of audio (ignore_eoc: the length is fixed) streamed, and with `one_shot` also made in
+    one piece first: time to first audio, codec time, codes and audio agreement; peak RSS of this process."""
+    from higgs_onnx.generation.options import GenerationOptions
+    from higgs_onnx.parity import snr_db
+    from higgs_onnx.runtime.model import HiggsTTS
+
+    tts = HiggsTTS(model_path, threads=threads, verify=False)
+    f = tts.facts
+    kw = {"voice": tts.make_voice(ROOT / "tests" / "data" / "ref_en_24k.wav")} if voice else {}
+    tts.generate("Warm up.", max_rows=10, **kw)  # sessions created
+    for _ in tts.stream("Warm up.", max_rows=20, **kw):
+        pass
+    rows = int(round(seconds * f.frame_rate)) + f.num_codebooks - 1
+    options = GenerationOptions(seed=0, max_rows=rows, ignore_eoc=True)
+    out = {"seconds": seconds, "voice": voice, "rows": rows}
+    if one_shot:
+        sp = tts.generate(LONG_TEXT, options=options, **kw)
+        s = sp.stats
+        out["one_shot"] = {"first_audio_s": s.first_audio_s, "wall_s": s.wall_s, "codec_s": s.codec_s,
+                           "decode_s": s.decode_s, "prefill_s": s.prefill_s}
+    chunks = list(tts.stream(LONG_TEXT, options=options, **kw))
+    last, audio = chunks[-1], np.concatenate([c.samples for c in chunks])
+    s = last.stats
+    out["stream"] = {"first_audio_s": s.first_audio_s, "wall_s": s.wall_s, "codec_s": s.codec_s,
+                     "decode_s": s.decode_s, "chunks": s.chunks, "audio_s": s.audio_s}
+    if one_shot:
+        out["codes_equal"] = bool(np.array_equal(last.rows, sp.rows))
+        out["snr_db"] = snr_db(sp.waveform, audio)
+    positions = s.prompt_tokens + rows
+    kv_bytes = sum(int(np.prod(buf.shape()[:2])) * positions * buf.shape()[3] * np.dtype(np.float32).itemsize
+                   for buf in _kv_buffers(tts))
+    out["kv_cache_mb"] = kv_bytes / 2**20
+    out["peak_rss_mb"] = peak_rss_mb()
+    return out
+
+
+def _kv_buffers(tts):
+    cache = tts.backend.decoder.new_cache(1)
+    return list(cache.buffers.values())
+
+
+def codec_schemes(tts, frames: np.ndarray) -> list[dict]:
+    """Streamed codec decoding of real speech codes `frames` (T, N), pushed one frame at a time as generation
+    makes them, against one one-shot decode: extra codec time and SNR per scheme and setting."""
+    from higgs_onnx.generation.delay import codes_for_codec
+    from higgs_onnx.parity import snr_db
+    from higgs_onnx.runtime.stream import CodecStream, StatefulCodecStream, StreamOptions
+
+    f = tts.facts
+    codes = codes_for_codec(frames, f.codebook_size)
+
+    def best(fn, repeats=3):
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            res = fn()
+            times.append(time.perf_counter() - t0)
+        return min(times), res
+
+    tts.decode_audio(codes[..., :8])
+    one_s, want = best(lambda: tts.decode_audio(codes))
+
+    def streamed(make):
+        def run():
+            st, out = make(), []
+            for frame in frames:
+                out += st.push(frame[None])
+            out.append(st.flush())
+            return np.concatenate(out)
+        return run
+
+    settings = [("window", StreamOptions(left_context=24, holdback=12)),
+                ("window", StreamOptions(left_context=16, holdback=10)),
+                ("window", StreamOptions(left_context=8, holdback=8))]
+    has_stateful = "audio_tokenizer_stream" in tts.manifest.parts
+    if has_stateful:
+        settings += [("stateful", StreamOptions(first_frames=8, chunk_frames=25)),
+                     ("stateful", StreamOptions(first_frames=4, chunk_frames=10)),
+                     ("stateful", StreamOptions(first_frames=1, chunk_frames=1))]
+    rows = []
+    for scheme, o in settings:
+        if scheme == "window":
+            make = lambda o=o: CodecStream(tts.decode_audio, f.hop, f.codebook_size, o)  # noqa: E731
+        else:
+            part = tts.part("audio_tokenizer_stream")
+            make = lambda o=o, part=part: StatefulCodecStream(part, f.hop, f.codebook_size, o)  # noqa: E731
+        secs, got = best(streamed(make))
+        rows.append({"scheme": scheme, "first_frames": o.first_frames, "chunk_frames": o.chunk_frames,
+                     "left_context": o.left_context if scheme == "window" else None,
+                     "holdback": o.holdback if scheme == "window" else None,
+                     "snr_db": snr_db(want, got), "max_abs_rel": float(np.abs(got - want).max() / np.abs(want).max()),
+                     "codec_s": secs, "one_shot_s": one_s, "extra_work": secs / one_s - 1})
+    return rows
+
+
 def peak_rss_mb() -> float:
     """This process's peak RSS (VmHWM: unlike ru_maxrss it is not inherited from the parent across fork/exec)."""
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -241,6 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--_generation", type=Path, help=argparse.SUPPRESS)  # child modes
     ap.add_argument("--_torch", nargs=2, type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--_export", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--_stream", nargs=4, help=argparse.SUPPRESS)  # export seconds voice(0/1) one_shot(0/1)
+    ap.add_argument("--skip-stream", action="store_true", help="skip the streaming figures (TTFA, 10 s / 60 s)")
+    ap.add_argument("--long-seconds", type=float, default=60.0, help="the long line of the memory check")
     args = ap.parse_args(argv)
     from higgs_onnx.runtime.session import check_threads
 
@@ -257,6 +359,10 @@ def main(argv: list[str] | None = None) -> int:
     if args._export:
         print(json.dumps(export_figures(args._export)))
         return 0
+    if args._stream:
+        m, sec, voice, once = args._stream
+        print(json.dumps(stream_figures(Path(m), float(sec), args.threads, voice == "1", once == "1")))
+        return 0
 
     from higgs_onnx.runtime.model import HiggsTTS
 
@@ -270,6 +376,10 @@ def main(argv: list[str] | None = None) -> int:
     out.update(decoder_figures(tts, args.context, args.steps))
     out["step_x_floor"] = out["decoder_step_ms"] / out["floor_ms"]
     out.update(codec_figures(tts))
+    from higgs_onnx.audio import load_reference
+
+    speech = tts.encode_audio(load_reference(ROOT / "tests" / "data" / "ref_en_24k.wav", tts.facts.sample_rate))
+    out["codec_schemes"] = codec_schemes(tts, speech)
     del tts
     gen, _ = child("--_generation", str(export), "--frames", str(args.frames), "--threads", str(args.threads))
     rows = np.asarray(gen.pop("rows_generated"), np.int64)
@@ -280,6 +390,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_export:
         figures, _ = child("--_export", str(ckpt))
         out.update(figures)
+    if not args.skip_stream:
+        t = ("--threads", str(args.threads))
+        out["stream"] = {"zero_shot": child("--_stream", str(export), "10", "0", "1", *t)[0],
+                         "cached_voice": child("--_stream", str(export), "10", "1", "1", *t)[0],
+                         "memory_10s": child("--_stream", str(export), "10", "0", "0", *t)[0],
+                         "memory_long": child("--_stream", str(export), str(args.long_seconds), "0", "0", *t)[0]}
     print_table(out)
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
@@ -320,6 +436,24 @@ def print_table(o: dict) -> None:
     if "int4_decoder_export_s" in o:
         lines.append(("int4 decoder export", f"{o['int4_decoder_export_s']:.1f} s",
                       f"peak RSS {o['int4_decoder_export_peak_rss_mb']:.0f} MB"))
+    for c in o.get("codec_schemes", []):
+        setting = (f"left {c['left_context']}, holdback {c['holdback']}" if c["scheme"] == "window" else
+                   f"first {c['first_frames']}, then {c['chunk_frames']} frames")
+        lines.append((f"stream codec: {c['scheme']}", f"{c['snr_db']:.1f} dB SNR",
+                      f"{setting}: {100 * c['extra_work']:+.0f} % codec time vs one-shot"))
+    if "stream" in o:
+        for key, label in (("zero_shot", "zero-shot"), ("cached_voice", "cached voice")):
+            st = o["stream"][key]
+            ratio = st["stream"]["first_audio_s"] / st["one_shot"]["first_audio_s"]
+            lines.append((f"first audio, 10 s, {label}", f"{st['stream']['first_audio_s']:.2f} s",
+                          f"one-shot {st['one_shot']['first_audio_s']:.2f} s ({100 * ratio:.1f} %); codes equal: "
+                          f"{st['codes_equal']}; SNR {st['snr_db']:.1f} dB; codec {st['stream']['codec_s']:.2f} s "
+                          f"streamed vs {st['one_shot']['codec_s']:.2f} s one-shot"))
+        a, b = o["stream"]["memory_10s"], o["stream"]["memory_long"]
+        net = 100 * ((b["peak_rss_mb"] - b["kv_cache_mb"]) / (a["peak_rss_mb"] - a["kv_cache_mb"]) - 1)
+        lines.append((f"stream peak RSS, {b['seconds']:.0f} s vs 10 s", f"{b['peak_rss_mb']:.0f} MB",
+                      f"10 s: {a['peak_rss_mb']:.0f} MB ({100 * (b['peak_rss_mb'] / a['peak_rss_mb'] - 1):+.1f} %); "
+                      f"KV cache {b['kv_cache_mb']:.0f} vs {a['kv_cache_mb']:.0f} MB; without it {net:+.1f} %"))
     pool = f"{o['threads']} intra-op threads" if o["threads"] else "ONNX Runtime's default intra-op threads"
     print(f"\nbenchmark: preset {o['preset']}, {o['precision']}, {pool}, {o['cpus']} CPUs")
     for name, value, note in lines:

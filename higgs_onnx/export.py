@@ -41,14 +41,15 @@ PART_PRECISIONS = {  # default precision of each part for a global precision
     # cheapest of the last three on the CPU EP (1.8 ms a step against fp16's 2.2 ms: no fast fp16 GEMV), < 1 % of
     # a decode step. The audio embedding is a Gather of 8 rows: ~0.1 ms at any precision, fp16 halves its bytes.
     "int4": {"llm_decoder": "int4", "text_embed": "fp16", "audio_embed": "fp16", "audio_heads": "fp32",
-             "audio_encoder": "fp32", "audio_tokenizer": "fp32"},
+             "audio_encoder": "fp32", "audio_tokenizer": "fp32", "audio_tokenizer_stream": "fp32"},
     "fp16": {"llm_decoder": "fp16", "text_embed": "fp16", "audio_embed": "fp16", "audio_heads": "fp16",
-             "audio_encoder": "fp32", "audio_tokenizer": "fp32"},  # codec stays fp32 (SGO: unstable in 16 bit)
+             "audio_encoder": "fp32", "audio_tokenizer": "fp32",  # codec stays fp32 (SGO: unstable in 16 bit)
+             "audio_tokenizer_stream": "fp32"},
     "fp32": dict.fromkeys(PART_NAMES, "fp32"),
 }
 ALLOWED = {"text_embed": ("int4", "int8", "fp16", "fp32"), "audio_embed": ("int4", "int8", "fp16", "fp32"),
            "audio_heads": ("int4", "int8", "fp16", "fp32"), "audio_encoder": ("fp32",),
-           "audio_tokenizer": ("fp16", "fp32")}
+           "audio_tokenizer": ("fp16", "fp32"), "audio_tokenizer_stream": ("fp16", "fp32")}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 

@@ -16,7 +16,11 @@ from pathlib import Path
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
-PART_NAMES = ("llm_decoder", "text_embed", "audio_embed", "audio_heads", "audio_encoder", "audio_tokenizer")
+PART_NAMES = ("llm_decoder", "text_embed", "audio_embed", "audio_heads", "audio_encoder", "audio_tokenizer",
+              "audio_tokenizer_stream")
+# parts an export may lack: folders built before they existed still run (streaming then decodes overlapping windows)
+OPTIONAL_PARTS = ("audio_tokenizer_stream",)
+REQUIRED_PARTS = tuple(p for p in PART_NAMES if p not in OPTIONAL_PARTS)
 
 
 def new_manifest(*, device: str, precision: str, execution_provider: str, model: dict, tokens: dict, parts: dict,
@@ -136,7 +140,8 @@ def check_schema(data: dict, mf: Path) -> None:
     for key in ("device", "precision", "execution_provider", "tokenizer"):
         _expect(isinstance(data.get(key), str), mf, f"'{key}' must be a string")
     parts = data.get("parts")
-    _expect(isinstance(parts, dict) and set(parts) == set(PART_NAMES), mf, f"'parts' must list {', '.join(PART_NAMES)}")
+    _expect(isinstance(parts, dict) and set(REQUIRED_PARTS) <= set(parts) <= set(PART_NAMES), mf,
+            f"'parts' must list {', '.join(REQUIRED_PARTS)} (and may list {', '.join(OPTIONAL_PARTS)})")
     for part, entry in parts.items():
         _expect(isinstance(entry, dict) and isinstance(entry.get("file"), str) and isinstance(entry.get("precision"),
                                                                                              str), mf,

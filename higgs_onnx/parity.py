@@ -17,7 +17,7 @@ THRESHOLDS = {
     "int4": {"llm_decoder": 0.5, "audio_embed": 0.99, "audio_heads": 0.99, "text_embed": 0.99},
     "int8": {"audio_embed": 0.999, "audio_heads": 0.999, "text_embed": 0.999},
     "fp16": {"llm_decoder": 0.999, "audio_embed": 0.999, "audio_heads": 0.999, "text_embed": 0.9999,
-             "audio_tokenizer": 0.999},
+             "audio_tokenizer": 0.999, "audio_tokenizer_stream": 0.999},
 }
 MIN_CODE_AGREEMENT = 0.99  # audio_encoder: share of codes equal to the reference (near-ties may flip)
 # audio_heads above int4: share of (position, codebook) argmaxes equal to the reference's. The head picks the codes,
@@ -111,8 +111,9 @@ def decoder_trace(part, facts, embeds: np.ndarray, prefill: int) -> np.ndarray:
     from .runtime.decoder import SimpleDecoder
 
     dec = SimpleDecoder(part, facts)
-    got = [dec.prefill(embeds[:prefill])]
-    got += [dec.step(embeds[i:i + 1]) for i in range(prefill, len(embeds))]
+    cache = dec.new_cache(len(embeds))
+    got = [dec.run(cache, embeds[:prefill])]
+    got += [dec.run(cache, embeds[i:i + 1]) for i in range(prefill, len(embeds))]
     return np.concatenate(got)
 
 
@@ -201,9 +202,29 @@ def check_audio_tokenizer(part, ref, precision: str, rng: np.random.Generator) -
     return fig
 
 
+def check_audio_tokenizer_stream(part, ref, precision: str, rng: np.random.Generator) -> dict:
+    """37 random frames pushed in uneven pieces (one-frame pushes included) through `StatefulCodecStream`, against
+    the PyTorch one-shot decode."""
+    from .runtime.stream import StatefulCodecStream
+
+    f = ref.facts
+    codes = rng.integers(0, f.codebook_size, (1, f.num_codebooks, 37))
+    want = ref.decode_audio(codes)
+    stream, chunks, at = StatefulCodecStream(part, f.hop, f.codebook_size), [], 0
+    for n in (1, 1, 9, 3, 17, 6):
+        chunks += stream.push(codes[0, :, at:at + n].T)
+        at += n
+    got = np.concatenate([*chunks, stream.flush()])
+    n = min(got.size, want.size)  # a length mismatch fails the check but keeps the figures
+    fig = compare("audio_tokenizer_stream", precision, want[:n], got[:n])
+    fig["snr_db"], fig["samples"], fig["want_samples"] = snr_db(want[:n], got[:n]), got.size, want.size
+    fig["ok"] = fig["ok"] and got.size == want.size
+    return fig
+
+
 CHECKS = {"text_embed": check_text_embed, "audio_embed": check_audio_embed, "audio_heads": check_audio_heads,
           "llm_decoder": check_llm_decoder, "audio_encoder": check_audio_encoder,
-          "audio_tokenizer": check_audio_tokenizer}
+          "audio_tokenizer": check_audio_tokenizer, "audio_tokenizer_stream": check_audio_tokenizer_stream}
 
 
 def check_part(name: str, path, ref, precision: str, provider: str = "cpu", seed: int = 0) -> dict:

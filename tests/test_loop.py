@@ -115,3 +115,23 @@ def test_teacher_forcing_feeds_given_rows():
                    teacher_rows=teacher, keep_logits=True)
     assert res.stop_reason == "teacher" and len(res.rows) == 12 and len(res.logits) == 12
     assert all(f[0, 0] == 33.5 for f in backend.fed)
+
+
+def test_ignore_eoc_runs_to_max_rows():
+    backend = Scripted(eoc_at(10))
+    options = dataclasses.replace(GREEDY_OPTIONS, max_rows=40, ignore_eoc=True)
+    res = generate(backend, [1], RULES, options, PLACEHOLDER)
+    assert res.stop_reason == "max_rows" and len(res.rows) == 40 and res.rows[20, 0] == EOC
+
+
+def test_options_are_validated_once():
+    from higgs_onnx.generation.options import GenerationOptions
+
+    for bad, match in (({"max_rows": 0}, "max_rows"), ({"seed": -1}, "seed"), ({"top_k": 1.5}, "top_k"),
+                       ({"temperature": "hot"}, "temperature"), ({"top_p": 0}, "top_p")):
+        with pytest.raises(ValueError, match=match):
+            GenerationOptions(**bad)
+    base = GenerationOptions(seed=3)
+    assert GenerationOptions.make(base, temperature=None, max_rows=9) == dataclasses.replace(base, max_rows=9)
+    with pytest.raises(TypeError, match="unknown generation option"):
+        GenerationOptions.make(base, temprature=1.0)

@@ -112,7 +112,8 @@ def prompt_embeddings(backend: Backend, prompt: list[int], placeholder: int,
     return embeds
 
 
-def next_state(codes: np.ndarray, step: int, countdown: int, rules: StopRules) -> tuple[int, bool]:
+def next_state(codes: np.ndarray, step: int, countdown: int, rules: StopRules, ignore_eoc: bool = False
+               ) -> tuple[int, bool]:
     """Apply ramp-in / wind-down to this step's `codes` in place; returns (countdown, done)."""
     if step < rules.num_codebooks:  # ramp-in: codebook c starts at row c
         codes[step + 1:] = rules.boc
@@ -120,7 +121,7 @@ def next_state(codes: np.ndarray, step: int, countdown: int, rules: StopRules) -
     if countdown >= 0:
         countdown -= 1
         return countdown, countdown <= 0
-    if codes[0] == rules.eoc:
+    if codes[0] == rules.eoc and not ignore_eoc:
         return rules.wind_down, False
     return countdown, False
 
@@ -169,7 +170,7 @@ class Request:
             self.logits.append(logits)
         step = self.n
         codes = sample_codes(logits, self.rng, self.options.sampling)
-        self.countdown, finished = next_state(codes, step, self.countdown, self.rules)
+        self.countdown, finished = next_state(codes, step, self.countdown, self.rules, self.options.ignore_eoc)
         stop = "eoc"
         if self.teacher_rows is not None:  # feed the given rows; stop where they end
             codes, finished, stop = self.teacher_rows[step].copy(), step + 1 == len(self.teacher_rows), "teacher"

@@ -25,6 +25,7 @@ class GenerationOptions:
     top_p: float = _DEFAULT_SAMPLING.top_p  # 1 = off
     seed: int = 0  # the request's own sampler RNG: same seed, same codes, whatever else runs in the process
     max_rows: int = DEFAULT_MAX_ROWS  # most decoder steps (delayed rows) to generate; also bounded by the context
+    ignore_eoc: bool = False  # benchmarks: run to max_rows whatever the model says (sglang/vLLM's ignore_eos)
 
     def __post_init__(self) -> None:
         for name in ("top_k", "seed", "max_rows"):
@@ -39,6 +40,8 @@ class GenerationOptions:
             raise ValueError(f"temperature and top_p must be numbers, got {self.temperature!r}, "
                              f"{self.top_p!r}") from None
         self.sampling  # noqa: B018 - validates temperature / top_k / top_p
+        if not isinstance(self.ignore_eoc, bool):
+            raise ValueError(f"ignore_eoc must be True or False, got {self.ignore_eoc!r}")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
         if self.max_rows < 1:

@@ -14,6 +14,7 @@ from typing import Protocol
 
 import numpy as np
 
+from .delay import reverse_delay
 from .engine import Engine, GenerationStats, Request
 
 
@@ -30,15 +31,17 @@ class AudioChunk:
     is_last: bool
     start_s: float  # where the chunk starts in the utterance
     elapsed_s: float  # since the call that made the request (includes making the voice)
-    rows: int  # rows generated when the chunk was handed out
+    rows_done: int  # rows generated when the chunk was handed out
     stats: GenerationStats | None = None  # on the last chunk
+    rows: np.ndarray | None = None  # on the last chunk: (L, N) delayed rows as generated (like `Speech.rows`)
+    codes: np.ndarray | None = None  # on the last chunk: (T, N) codes the codec decoded (like `Speech.codes`)
 
     @property
     def seconds(self) -> float:
         return self.samples.size / self.sample_rate
 
 
-def stream_request(engine: Engine, req: Request, codec: IncrementalCodec, sample_rate: int,
+def stream_request(engine: Engine, req: Request, codec: IncrementalCodec, sample_rate: int, codebook_size: int,
                    on_row: Callable[[int], None] | None = None) -> Iterator[AudioChunk]:
     """Run `req` on `engine`, yielding its audio as it becomes final. Closing the iterator early stops the request
     and frees its cache."""
@@ -50,9 +53,15 @@ def stream_request(engine: Engine, req: Request, codec: IncrementalCodec, sample
         req.audio_out(samples.size)
         out = AudioChunk(samples=samples, sample_rate=sample_rate, index=index, is_last=last,
                          start_s=done / sample_rate, elapsed_s=time.perf_counter() - req.started + req.voice_s,
-                         rows=req.n, stats=req.stats(done + samples.size, sample_rate) if last else None)
+                         rows_done=req.n, **(final(done + samples.size) if last else {}))
         done += samples.size
         return out
+
+    def final(samples: int) -> dict:
+        rows = req.generated.copy()
+        codes = reverse_delay(rows)
+        return {"stats": req.stats(samples, sample_rate), "rows": rows,
+                "codes": np.where(codes >= codebook_size, 0, codes)}
 
     def decode(push: bool) -> list[np.ndarray]:
         t0 = time.perf_counter()

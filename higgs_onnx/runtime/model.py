@@ -39,10 +39,11 @@ from ..generation.stream import AudioChunk, stream_request
 from ..manifest import ManifestError, load_manifest
 from .decoder import BoundDecoder, SimpleDecoder
 from .session import Part, check_threads
-from .stream import CodecStream, StreamOptions
+from .stream import CodecStream, StatefulCodecStream, StreamOptions
 
 log = logging.getLogger(__name__)
 
+STATEFUL_CODEC = "audio_tokenizer_stream"
 # which runtime providers can run a folder built for each device
 COMPATIBLE = {"cpu": ("cpu", "openvino"), "cuda": ("cuda",), "dml": ("dml",)}
 
@@ -225,7 +226,8 @@ class HiggsTTS:
         f = self.facts
         want = {"llm_decoder": ("inputs_embeds", -1, f.hidden), "text_embed": ("embeddings", -1, f.hidden),
                 "audio_embed": ("audio_codes", -1, f.num_codebooks), "audio_heads": ("logits", -1, f.codebook_vocab),
-                "audio_tokenizer": ("audio_codes", 1, f.num_codebooks)}.get(name)
+                "audio_tokenizer": ("audio_codes", 1, f.num_codebooks),
+                STATEFUL_CODEC: ("audio_codes", 1, f.num_codebooks)}.get(name)
         if want:
             io, axis, size = want
             shapes = {x.name: x.shape for x in part.session.get_inputs() + part.session.get_outputs()}
@@ -308,11 +310,24 @@ class HiggsTTS:
         req = self.request(text, ref_audio, ref_text, voice, options, temperature=temperature, top_k=top_k,
                            top_p=top_p, seed=seed, max_rows=max_rows)
         codec = self.codec_stream(stream_options or StreamOptions())
-        return stream_request(self.synthesizer.engine, req, codec, self.facts.sample_rate, on_row)
+        return stream_request(self.synthesizer.engine, req, codec, self.facts.sample_rate, self.facts.codebook_size,
+                              on_row)
+
+    @property
+    def has_stateful_codec(self) -> bool:
+        """Whether the export has the stateful streaming codec (folders built before it decode windows)."""
+        return STATEFUL_CODEC in self.manifest.parts
 
     def codec_stream(self, options: StreamOptions):
-        """The incremental codec decoder for one stream (see `runtime.stream`)."""
-        return CodecStream(self.decode_audio, self.facts.hop, self.facts.codebook_size, options)
+        """The incremental codec decoder for one stream (see `runtime.stream`): the stateful graph (every frame
+        decoded once) unless the export predates it or `options.codec` asks for overlapping windows."""
+        f = self.facts
+        if options.codec == "stateful" and not self.has_stateful_codec:
+            raise ValueError(f"{self.manifest.folder} has no {STATEFUL_CODEC} part (built before it existed); "
+                             f"rebuild with optimize.py, or stream with codec='window'")
+        if options.codec != "window" and self.has_stateful_codec:
+            return StatefulCodecStream(self.part(STATEFUL_CODEC), f.hop, f.codebook_size, options)
+        return CodecStream(self.decode_audio, f.hop, f.codebook_size, options)
 
     @property
     def model_id(self) -> str:
