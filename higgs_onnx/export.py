@@ -1,4 +1,4 @@
-"""The optimize pipeline: checkpoint -> six verified ONNX parts -> one self-contained `onnx/<device>_<precision>/`.
+"""The optimize pipeline: checkpoint -> verified ONNX parts -> one self-contained `onnx/<device>_<precision>/`.
 
 Steps: resolve/download -> extract the Qwen3 body -> build each part -> assemble the folder + manifest.
 - Every part is built in a work folder (`onnx/.build/<name>/<part>`), verified (ONNX checker, expected ops,
@@ -336,14 +336,15 @@ class Exporter:
         return self.final
 
     def print_summary(self, entries: dict, seconds: float) -> None:
-        print(f"\n{'part':<16}{'precision':<10}{'size':>11}{'build s':>9}  parity")
+        w = max(map(len, PART_NAMES)) + 2
+        print(f"\n{'part':<{w}}{'precision':<10}{'size':>11}{'build s':>9}  parity")
         total = 0
         for part, e in entries.items():
             size = sum((self.part_dir(part, e["stamp"]) / n).stat().st_size for n in e["files"])
             total += size
             built = "cached" if e["skipped"] else f"{e['build_seconds']:.1f}"
-            print(f"{part:<16}{e['precision']:<10}{size / 2**20:>9.1f}MB{built:>9}  {summary(e['parity'])}")
-        print(f"{'total':<26}{total / 2**20:>9.1f}MB   in {seconds:.1f} s, peak RSS {peak_rss() / 1e9:.2f} GB "
+            print(f"{part:<{w}}{e['precision']:<10}{size / 2**20:>9.1f}MB{built:>9}  {summary(e['parity'])}")
+        print(f"{'total':<{w + 10}}{total / 2**20:>9.1f}MB   in {seconds:.1f} s, peak RSS {peak_rss() / 1e9:.2f} GB "
               f"-> {self.final}")
 
 

@@ -58,6 +58,8 @@ TEXT_ROWS = [
      f"--save-codes {DATA} is a folder: name a file"),
     ("save-codes in a missing folder", ["--text", "Hi.", "--save-codes", "/no/such/rows.npy"],
      "--save-codes: folder /no/such does not exist"),
+    ("stream chunk of 0 frames", ["--text", "Hi.", "--stream", "--first-frames", "0"], "first_frames must be >= 1"),
+    ("stream chunk below 1", ["--text", "Hi.", "--stream", "--chunk-frames", "-2"], "chunk_frames must be >= 1"),
     ("save-voice is a folder", ["--text", "Hi.", "--ref-audio", str(Path(DATA) / "ref_en_24k.wav"), "--save-voice",
                                 DATA], f"--save-voice {DATA} is a folder: name a file"),
 ]

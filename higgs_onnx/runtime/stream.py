@@ -8,7 +8,8 @@ the utterance, `flush` emits the rest with whatever follows). Measured on the 4b
 frames give 5.6e-5, left 24 / right 12 give 0.0 (bit-identical), right 8 gives 8e-2 whatever the left context.
 With the defaults (that pair), 150 random frames pushed one at a time concatenate to the one-shot waveform within
 6.5e-5 of its peak on the 4b preset (<= 1e-6 on tiny, tested), for 1.8 x the one-shot decode's compute (the
-overlap is decoded twice). Groundwork for `HiggsTTS.stream`: not yet wired into generation.
+overlap is decoded twice). `HiggsTTS.stream` uses it for exports that predate the stateful part, or on request
+(`StreamOptions(codec="window")`).
 
 `StatefulCodecStream` has the same API on the stateful `audio_tokenizer_stream` part (see its docstring): the graph
 keeps each layer's last inputs as state, so every frame is decoded once (one one-shot decode's compute, plus
