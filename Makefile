@@ -24,6 +24,8 @@ demo: $(STAMP)
 	$(BIN)/python inference.py --model-path onnx/cpu_int4 --ref-audio tests/data/ref_en_24k.wav \
 	    --ref-text "$$(cat tests/data/ref_en_24k.txt)" --text "<|emotion:elation|>New words in a cloned voice." \
 	    --out demo_clone.wav
+	$(BIN)/python inference.py --model-path onnx/cpu_int4 --text "Streamed while it is spoken." --stream \
+	    --out demo_stream.wav
 	$(BIN)/python eval.py --model-path onnx/cpu_int4 --markdown onnx/cpu_int4_report.md
 
 test: $(STAMP)
