@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("CI", "1")  # Olive's telemetry hangs at exit without it (toolchain G3)
+# A shell that starts the suite in the background (`cmd &`) ignores SIGINT, and an ignored signal stays ignored in
+# every child, so the Ctrl-C tests' children would never see it; a handler here is reset to the default on exec.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 DATA = Path(__file__).resolve().parent / "data"
 
