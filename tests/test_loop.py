@@ -40,8 +40,8 @@ class Scripted:
         return np.zeros(D, np.float32)
 
     def audio_logits(self, hidden):
-        x = np.zeros((N, V), np.float32)
-        x[np.arange(N), self.script(self.step)] = 1.0
+        x = np.zeros((len(hidden), N, V), np.float32)
+        x[:, np.arange(N), self.script(self.step)] = 1.0
         return x
 
 

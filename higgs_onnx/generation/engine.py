@@ -41,7 +41,14 @@ class Backend(Protocol):
     def new_cache(self, max_len: int, state: dict | None = None) -> Any: ...  # empty, or holding a saved prefix
     def prefill(self, cache: Any, embeds: np.ndarray) -> np.ndarray: ...  # (L, D) appended -> (D,) last hidden
     def decode(self, cache: Any, embed: np.ndarray) -> np.ndarray: ...  # (1, D) appended -> (D,) hidden
-    def audio_logits(self, hidden: np.ndarray) -> np.ndarray: ...  # (D,) -> (N, V) float32
+    def audio_logits(self, hidden: np.ndarray) -> np.ndarray: ...  # (B, D) -> (B, N, V) float32
+
+
+class BatchBackend(Backend, Protocol):
+    """A backend that can decode several requests in one call: their caches are slots of one `pool`."""
+
+    def pool(self, slots: int, max_len: int) -> Any: ...  # .acquire(capacity, state) -> cache with .free()
+    def decode_batch(self, caches: list, embeds: np.ndarray) -> np.ndarray: ...  # (B, D) -> (B, D)
 
 
 @dataclass(frozen=True)
@@ -215,15 +222,23 @@ class Request:
             wall_s=end - self.started + self.voice_s, chunks=self.chunks, stop_reason=self.stop_reason or "running")
 
     def release(self) -> None:
-        """Drop the KV cache (done, or abandoned by its consumer)."""
+        """Drop the KV cache (done, or abandoned by its consumer); a pool slot goes back to its pool."""
+        free = getattr(self.cache, "free", None)
+        if free is not None:
+            free()
         self.cache = self.hidden = None
 
 
 class Engine:
-    """Advances requests on one backend. Holds no per-request state: requests carry their own."""
+    """Advances requests on one backend. Holds no per-request state: requests carry their own.
 
-    def __init__(self, backend: Backend):
-        self.backend = backend
+    Without a `pool` every request gets a cache of its own (any number in flight, from any thread). With one
+    (`backend.pool(slots, max_len)`, continuous batching) requests take a slot when they start and give it back when
+    they end, and `step` advances all of them with one decoder call.
+    """
+
+    def __init__(self, backend: Backend, pool: Any = None):
+        self.backend, self.pool = backend, pool
 
     def start(self, req: Request) -> None:
         """Prefill the request's prompt into a fresh cache of its own; afterwards its next row can be sampled."""
@@ -231,27 +246,43 @@ class Engine:
         be, capacity = self.backend, len(req.prompt) + req.max_rows
         if req.prefix is None:
             embeds = prompt_embeddings(be, req.prompt, req.placeholder, req.ref_rows)
-            req.cache = be.new_cache(capacity)
+            state = None
         else:
             n, state = req.prefix
             embeds = prompt_embeddings(be, req.prompt[n:], req.placeholder, None)
-            req.cache = be.new_cache(capacity, state)
+        req.cache = be.new_cache(capacity, state) if self.pool is None else self.pool.acquire(capacity, state)
         req.hidden = be.prefill(req.cache, embeds)
         req.prefill_s += time.perf_counter() - t0
 
     def step(self, requests: list[Request]) -> None:
-        """Advance each unfinished request by one row: heads -> sampler -> state machine -> embed -> decoder."""
-        be = self.backend
-        for req in requests:
-            if req.done:
-                continue
-            t0 = time.perf_counter()
-            codes = req.accept(be.audio_logits(req.hidden))
+        """Advance each unfinished request by one row: heads -> sampler -> state machine -> embed -> decoder.
+
+        The heads and the embedding run once for all of them (rows of one call are independent positions); each
+        request samples with its own RNG; with a pool, the decoder runs once for all of them too."""
+        live = [r for r in requests if not r.done]
+        if not live:
+            return
+        be, t0 = self.backend, time.perf_counter()
+        logits = be.audio_logits(np.stack([r.hidden for r in live]))  # (B, N, V)
+        going, rows = [], []
+        for req, lg in zip(live, logits, strict=True):
+            codes = req.accept(lg)
             if req.done:
                 req.release()
             else:
-                req.hidden = be.decode(req.cache, be.embed_audio(codes[None]))
-            req.decode_s += time.perf_counter() - t0
+                going.append(req)
+                rows.append(codes)
+        if going:
+            embeds = be.embed_audio(np.stack(rows))  # (B', D)
+            if self.pool is not None and len(going) > 1:
+                hidden = be.decode_batch([r.cache for r in going], embeds)
+            else:
+                hidden = [be.decode(r.cache, embeds[i:i + 1]) for i, r in enumerate(going)]
+            for req, h in zip(going, hidden, strict=True):
+                req.hidden = h
+        spent = time.perf_counter() - t0
+        for req in live:
+            req.decode_s += spent
 
     def rows(self, req: Request) -> Iterator[int]:
         """Run one request to its end, yielding its row count after each row. Closing the iterator early (a

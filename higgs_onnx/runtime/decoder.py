@@ -112,9 +112,16 @@ class BoundDecoder:
         """A copy of the cache rows written so far: the reusable prefill state of a prompt prefix."""
         return {n: a[:, :, :cache.length].copy() for n, a in cache.arrays.items()}
 
-    def run(self, cache: BoundCache, embeds: np.ndarray) -> np.ndarray:
+    def pool(self, slots: int, max_len: int) -> SlotPool:
+        """KV buffers for `slots` requests decoded together (continuous batching, see `SlotPool`)."""
+        return SlotPool(self, slots, max_len)
+
+    def run(self, cache: BoundCache | Slot, embeds: np.ndarray) -> np.ndarray:
         """(S, D) new positions appended to `cache` -> (S, D) hidden states."""
         import onnxruntime as ort
+
+        if isinstance(cache, Slot):
+            return cache.pool.run_one(cache, embeds)
 
         if cache.length + len(embeds) > cache.capacity:
             raise ValueError(f"sequence of {cache.length + len(embeds)} positions exceeds the KV buffer of "
@@ -131,3 +138,124 @@ class BoundDecoder:
         io.bind_ortvalue_output("hidden_states", out)
         self.session.run_with_iobinding(io)
         return _check(out.numpy()[0])  # only the new rows' hidden states cross to NumPy, never the cache
+
+
+class Slot:
+    """One request's rows in a `SlotPool`: the cache handle the engine keeps in `Request.cache`."""
+
+    def __init__(self, pool: SlotPool, index: int):
+        self.pool, self.index = pool, index
+
+    @property
+    def length(self) -> int:
+        return self.pool.lengths[self.index]
+
+    def free(self) -> None:
+        """Give the slot back (idempotent); its rows are overwritten by the next request's prefill."""
+        if self.pool is not None:
+            self.pool.release(self.index)
+            self.pool = None
+
+
+class SlotPool:
+    """KV buffers for up to `slots` requests decoded together: one (slots, KV heads, max_len, head dim) array per
+    layer and key/value, bound as both past and present (toolchain §9).
+
+    A request is prefilled alone into its slot through the contiguous view `buf[i:i+1]`; a batched step runs rows
+    0..hi (hi = the highest slot stepped) with an attention mask whose row b holds `length_b + 1` leading ones (right
+    padding): GroupQueryAttention takes each row's position and write offset from its mask sum, so every row attends
+    to its own positions only. A row that is not stepped (a free slot, a hole between slots) rides along: it writes
+    one position past its length, which its own next step (or the next prefill of the slot) overwrites first.
+    Used by one thread at a time (the scheduler's engine thread).
+    """
+
+    def __init__(self, decoder: BoundDecoder, slots: int, max_len: int):
+        import onnxruntime as ort
+
+        if slots < 1:
+            raise ValueError(f"a slot pool needs >= 1 slot, got {slots}")
+        f, self.decoder = decoder.facts, decoder
+        self.session, self.embed_dtype, self.hidden = decoder.session, decoder.embed_dtype, f.hidden
+        self.slots, self.capacity = slots, max_len
+        # np.zeros maps pages lazily: only positions a request writes cost memory
+        self.arrays = {n: np.zeros((slots, f.kv_heads, max_len, f.head_dim), decoder.part.input_types[n])
+                       for n in decoder.past}
+        self.lengths = [0] * slots
+        self.free_slots = list(range(slots))
+        self.mask = np.ones((slots, max_len), np.int64)
+        self._ort = ort
+        self._views: dict[tuple[int, int], tuple] = {}  # (first row, rows) -> (IOBinding, step output)
+
+    def acquire(self, capacity: int, state: dict[str, np.ndarray] | None = None) -> Slot:
+        """A free slot for a request of up to `capacity` positions, empty or holding a voice's saved prefix."""
+        if capacity > self.capacity:
+            raise ValueError(f"a request of {capacity} positions does not fit the pool's {self.capacity}")
+        if not self.free_slots:
+            raise RuntimeError(f"all {self.slots} slots are in use")
+        i = self.free_slots.pop(0)
+        length = 0
+        if state is not None:
+            length = next(iter(state.values())).shape[2]
+            for n, a in self.arrays.items():
+                a[i, :, :length] = state[n][0]
+        self.lengths[i] = length
+        return Slot(self, i)
+
+    def release(self, index: int) -> None:
+        if index not in self.free_slots:
+            self.lengths[index] = 0
+            self.free_slots.append(index)
+            self.free_slots.sort()
+
+    @property
+    def in_use(self) -> int:
+        return self.slots - len(self.free_slots)
+
+    def _binding(self, first: int, rows: int):
+        key = (first, rows)
+        if key not in self._views:
+            io = self.session.io_binding()
+            for n, a in self.arrays.items():  # a contiguous view: ORT reads and writes the pool's memory
+                buf = self._ort.OrtValue.ortvalue_from_numpy(a[first:first + rows])
+                io.bind_ortvalue_input(n, buf)
+                io.bind_ortvalue_output(n.replace(PAST, PRESENT), buf)
+            out = self._ort.OrtValue.ortvalue_from_shape_and_type((rows, 1, self.hidden), self.embed_dtype, "cpu")
+            self._views[key] = (io, out)
+        return self._views[key]
+
+    def run_one(self, slot: Slot, embeds: np.ndarray) -> np.ndarray:
+        """(S, D) new positions of one slot (a prefill, or a lone step) -> (S, D) hidden states."""
+        i, start = slot.index, self.lengths[slot.index]
+        if start + len(embeds) > self.capacity:
+            raise ValueError(f"sequence of {start + len(embeds)} positions exceeds the KV buffer of {self.capacity}")
+        io, step_out = self._binding(i, 1)
+        io.bind_cpu_input("inputs_embeds", np.ascontiguousarray(embeds[None], self.embed_dtype))
+        io.bind_cpu_input("attention_mask", self.mask[:1, :start + len(embeds)])
+        out = step_out if len(embeds) == 1 else self._ort.OrtValue.ortvalue_from_shape_and_type(
+            (1, len(embeds), self.hidden), self.embed_dtype, "cpu")
+        io.bind_ortvalue_output("hidden_states", out)
+        self.session.run_with_iobinding(io)
+        self.lengths[i] = start + len(embeds)
+        return _check(out.numpy()[0])
+
+    def run_batch(self, slots: list[Slot], embeds: np.ndarray) -> np.ndarray:
+        """One decode step of several slots in one call: (B, D) next inputs -> (B, D) hidden states."""
+        idx = [s.index for s in slots]
+        rows = max(idx) + 1
+        for i in idx:
+            if self.lengths[i] + 1 > self.capacity:
+                raise ValueError(f"sequence of {self.lengths[i] + 1} positions exceeds the KV buffer of "
+                                 f"{self.capacity}")
+        feed = np.zeros((rows, 1, self.hidden), self.embed_dtype)
+        feed[idx, 0] = embeds
+        lengths = np.asarray(self.lengths[:rows])
+        mask = (np.arange(lengths.max() + 1)[None] <= lengths[:, None]).astype(np.int64)  # length + 1 ones per row
+        io, out = self._binding(0, rows)
+        io.bind_cpu_input("inputs_embeds", feed)
+        io.bind_cpu_input("attention_mask", mask)
+        io.bind_ortvalue_output("hidden_states", out)
+        self.session.run_with_iobinding(io)
+        for i in idx:
+            self.lengths[i] += 1
+        hidden = out.numpy()[idx, 0]
+        return _check(hidden)

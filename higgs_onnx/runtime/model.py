@@ -156,7 +156,16 @@ class OnnxBackend:
         return self.decoder.run(cache, embed)[-1]
 
     def audio_logits(self, hidden: np.ndarray) -> np.ndarray:
-        return self.tts.part("audio_heads")(hidden_states=hidden[None, None])["logits"][0, 0].astype(np.float32)
+        """(B, D) -> (B, N, V): the B rows go through the head as positions of one sequence."""
+        return self.tts.part("audio_heads")(hidden_states=hidden[None])["logits"][0].astype(np.float32, copy=False)
+
+    def pool(self, slots: int, max_len: int):
+        if not isinstance(self.decoder, BoundDecoder):
+            raise ValueError("batched decoding needs the bound KV cache (kv_cache='bound')")
+        return self.decoder.pool(slots, max_len)
+
+    def decode_batch(self, caches: list, embeds: np.ndarray) -> np.ndarray:
+        return caches[0].pool.run_batch(caches, embeds)
 
 
 class HiggsTTS:

@@ -1,0 +1,130 @@
+"""Continuous batching: several requests per decoder call, joining and leaving between steps, each one's codes
+independent of its batch-mates; and what the GroupQueryAttention graph needs for rows of different lengths."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from higgs_onnx.generation.engine import Engine
+from higgs_onnx.generation.options import GenerationOptions
+from higgs_onnx.runtime.model import HiggsTTS
+
+pytestmark = pytest.mark.slow
+
+TEXTS = ["Short one.",
+         "A somewhat longer request that keeps talking for a while before it stops.",
+         "Batch mates never change my codes.",
+         "Every request keeps its own positions, mask and cache rows, whatever the others do."]
+
+
+@pytest.fixture(scope="module")
+def tts32(builds):
+    return HiggsTTS(builds["fp32"], verify=False)
+
+
+@pytest.fixture(scope="module")
+def tts4(builds):
+    return HiggsTTS(builds["int4"], verify=False)
+
+
+def run_batched(tts, requests, join_at, slots=4):
+    """Drive `requests` through one pooled engine; request i joins at step join_at[i]. Returns (rows, max batch)."""
+    engine = Engine(tts.backend, tts.backend.pool(slots, 1024))
+    waiting, active, step, widest = list(zip(join_at, requests, strict=True)), [], 0, 0
+    while waiting or active:
+        for at, req in [w for w in waiting if w[0] <= step]:
+            if len(active) < slots:
+                engine.start(req)
+                active.append(req)
+                waiting.remove((at, req))
+        widest = max(widest, len(active))
+        engine.step(active)
+        active = [r for r in active if not r.done]
+        step += 1
+    assert engine.pool.in_use == 0  # every slot came back
+    return [r.generated.copy() for r in requests], widest
+
+
+def requests(tts, options, voice=None):
+    return [tts.request(t, voice=voice if i == 1 else None, options=dataclass_replace(options, seed=i))
+            for i, t in enumerate(TEXTS)]
+
+
+def dataclass_replace(options, **kw):
+    import dataclasses
+
+    return dataclasses.replace(options, **kw)
+
+
+@pytest.mark.parametrize("options", [GenerationOptions(temperature=0, max_rows=300), GenerationOptions(max_rows=300)],
+                         ids=["greedy", "sampled"])
+def test_batched_codes_equal_each_request_alone_fp32(tts32, options):
+    voice = tts32.make_voice(str(__import__("pathlib").Path(__file__).parent / "data" / "ref_en_24k.wav"))
+    alone = [tts32.generate(t, voice=voice if i == 1 else None, options=dataclass_replace(options, seed=i)).rows
+             for i, t in enumerate(TEXTS)]
+    got, widest = run_batched(tts32, requests(tts32, options, voice), join_at=[0, 0, 3, 11])
+    assert widest >= 3  # they really shared decoder calls
+    for a, b in zip(alone, got, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_full_pool_admits_the_next_request_when_one_leaves(tts32):
+    options = GenerationOptions(temperature=0, max_rows=300)
+    alone = [tts32.generate(t, options=options).rows for t in TEXTS]
+    reqs = [tts32.request(t, options=options) for t in TEXTS]
+    got, widest = run_batched(tts32, reqs, join_at=[0, 0, 0, 0], slots=2)  # two slots, four requests
+    assert widest == 2
+    for a, b in zip(alone, got, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_int4_batched_agreement(tts4):
+    """int4 MatMulNBits quantizes activations per row block, so rows of a batch do not mix; report agreement."""
+    options = GenerationOptions(temperature=0, max_rows=300)
+    alone = [tts4.generate(t, options=options).rows for t in TEXTS]
+    got, _ = run_batched(tts4, [tts4.request(t, options=options) for t in TEXTS], join_at=[0, 1, 2, 3])
+    same = [a.shape == b.shape and bool((a == b).all()) for a, b in zip(alone, got, strict=True)]
+    print(f"int4 batched vs alone: {sum(same)}/{len(same)} requests with identical rows")
+    assert all(same)
+
+
+def test_gqa_takes_each_rows_length_from_its_mask_sum(tts32):
+    """The layout the pool relies on, found on the raw decoder: rows of lengths 5 and 9 (cache rows at [0, length)
+    of each slot, one shared past/present buffer) in one call with right-padded masks match each row run alone.
+    GroupQueryAttention reads only each row's mask *sum* (its position and its cache write offset): the same sums
+    left-padded give the same result, while one shared length for all rows (no per-row lengths) breaks the short
+    row."""
+    f, dec = tts32.facts, tts32.backend.decoder
+    rng = np.random.default_rng(0)
+    prompts = [rng.standard_normal((n, f.hidden)).astype(np.float32) for n in (5, 9)]
+    step = rng.standard_normal((2, f.hidden)).astype(np.float32)
+    want = []
+    for p, x in zip(prompts, step, strict=True):
+        cache = dec.new_cache(16)
+        dec.run(cache, p)
+        want.append(dec.run(cache, x[None])[0])
+    want = np.stack(want)
+
+    def batched(mask=None):
+        pool = dec.pool(2, 16)
+        slots = [pool.acquire(16) for _ in prompts]
+        for s, p in zip(slots, prompts, strict=True):
+            pool.run_one(s, p)
+        if mask is None:
+            return pool.run_batch(slots, step)
+        io, out = pool._binding(0, 2)
+        io.bind_cpu_input("inputs_embeds", step[:, None])
+        io.bind_cpu_input("attention_mask", mask)
+        io.bind_ortvalue_output("hidden_states", out)
+        pool.session.run_with_iobinding(io)
+        return out.numpy()[:, 0]
+
+    np.testing.assert_allclose(batched(), want, atol=1e-5, rtol=0)  # right padding, per-row lengths
+    left = np.ones((2, 10), np.int64)
+    left[0, :4] = 0  # same sums (6 and 10), zeros in front
+    np.testing.assert_allclose(batched(left), want, atol=1e-5, rtol=0)
+    shared = np.ones((2, 10), np.int64)  # both rows told they are 10 long
+    got = batched(shared)
+    np.testing.assert_allclose(got[1], want[1], atol=1e-5, rtol=0)
+    assert np.abs(got[0] - want[0]).max() > 1e-3  # the short row attends to positions it does not have
