@@ -41,51 +41,63 @@ class AudioChunk:
         return self.samples.size / self.sample_rate
 
 
+class AudioStreamer:
+    """One request's audio side: after each row, `poll` pushes the newly completed frames through the request's
+    incremental codec and returns the chunks that became final (the last one, once the request is done, carries
+    its stats, rows and codes). The scheduler keeps one per request in a batch; `stream_request` drives one alone."""
+
+    def __init__(self, req: Request, codec: IncrementalCodec, sample_rate: int, codebook_size: int):
+        self.req, self.codec, self.sample_rate, self.codebook_size = req, codec, sample_rate, codebook_size
+        self.index = 0  # chunks handed out
+        self.samples = 0  # samples handed out
+        self.finished = False
+
+    def poll(self) -> list[AudioChunk]:
+        if self.finished:
+            return []
+        req = self.req
+        t0 = time.perf_counter()
+        frames = req.new_frames()
+        pieces = self.codec.push(frames) if len(frames) else []
+        if req.done:
+            pieces.append(self.codec.flush())
+        req.codec_s += time.perf_counter() - t0
+        pieces = [p for p in pieces if p.size]
+        if req.done:
+            self.finished = True
+            pieces = pieces or [np.zeros(0, np.float32)]
+        return [self._chunk(p, req.done and i == len(pieces) - 1) for i, p in enumerate(pieces)]
+
+    def _chunk(self, samples: np.ndarray, last: bool) -> AudioChunk:
+        req, sr = self.req, self.sample_rate
+        req.audio_out(samples.size)
+        extra = {}
+        if last:
+            rows = req.generated.copy()
+            codes = reverse_delay(rows)
+            extra = {"stats": req.stats(self.samples + samples.size, sr), "rows": rows,
+                     "codes": np.where(codes >= self.codebook_size, 0, codes)}
+        chunk = AudioChunk(samples=samples, sample_rate=sr, index=self.index, is_last=last,
+                           start_s=self.samples / sr, elapsed_s=time.perf_counter() - req.started + req.voice_s,
+                           rows_done=req.n, **extra)
+        self.index += 1
+        self.samples += samples.size
+        return chunk
+
+
 def stream_request(engine: Engine, req: Request, codec: IncrementalCodec, sample_rate: int, codebook_size: int,
                    on_row: Callable[[int], None] | None = None) -> Iterator[AudioChunk]:
     """Run `req` on `engine`, yielding its audio as it becomes final. Closing the iterator early stops the request
     and frees its cache."""
     rows = engine.rows(req)
-    done = 0  # samples handed out
-
-    def chunk(samples: np.ndarray, index: int, last: bool) -> AudioChunk:
-        nonlocal done
-        req.audio_out(samples.size)
-        out = AudioChunk(samples=samples, sample_rate=sample_rate, index=index, is_last=last,
-                         start_s=done / sample_rate, elapsed_s=time.perf_counter() - req.started + req.voice_s,
-                         rows_done=req.n, **(final(done + samples.size) if last else {}))
-        done += samples.size
-        return out
-
-    def final(samples: int) -> dict:
-        rows = req.generated.copy()
-        codes = reverse_delay(rows)
-        return {"stats": req.stats(samples, sample_rate), "rows": rows,
-                "codes": np.where(codes >= codebook_size, 0, codes)}
-
-    def decode(push: bool) -> list[np.ndarray]:
-        t0 = time.perf_counter()
-        frames = req.new_frames()
-        out = codec.push(frames) if len(frames) else []
-        if not push:
-            out.append(codec.flush())
-        req.codec_s += time.perf_counter() - t0
-        return [c for c in out if c.size] or ([] if push else [np.zeros(0, np.float32)])
-
-    index = 0
+    audio = AudioStreamer(req, codec, sample_rate, codebook_size)
     try:
         for n in rows:
             if on_row:
                 on_row(n)
+            yield from audio.poll()
             if req.done:
                 break
-            for samples in decode(push=True):
-                yield chunk(samples, index, False)
-                index += 1
-        tail = decode(push=False)
-        for i, samples in enumerate(tail):
-            yield chunk(samples, index, i == len(tail) - 1)
-            index += 1
     finally:
         rows.close()
         req.release()
