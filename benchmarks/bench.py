@@ -251,6 +251,48 @@ def codec_schemes(tts, frames: np.ndarray) -> list[dict]:
     return rows
 
 
+def batch_figures(model_path: Path, batch: int, rows: int, threads: int) -> dict:
+    """`batch` requests decoded together (one slot pool, one decoder call per step) for `rows` rows each: step time,
+    the decoder's share, aggregate rows/s and per-request real-time factor; peak RSS of this process."""
+    from higgs_onnx.generation.engine import Engine
+    from higgs_onnx.generation.options import GenerationOptions
+    from higgs_onnx.runtime.model import HiggsTTS
+
+    tts = HiggsTTS(model_path, threads=threads, verify=False)
+    f, be = tts.facts, tts.backend
+    timed = TimedBatch(be)
+    engine = Engine(timed, be.pool(batch, 512 + rows))
+
+    def run(n_rows: int) -> tuple[float, int]:
+        reqs = [tts.request(f"{TEXT} Voice number {i}.", options=GenerationOptions(seed=i, max_rows=n_rows,
+                                                                                  ignore_eoc=True))
+                for i in range(batch)]
+        for req in reqs:
+            engine.start(req)
+        timed.decoder_s, steps, t0 = 0.0, 0, time.perf_counter()
+        while not all(r.done for r in reqs):
+            engine.step(reqs)
+            steps += 1
+        return time.perf_counter() - t0, steps
+
+    run(4)  # warm-up: sessions, the batch's bindings
+    loop_s, steps = run(rows)
+    step_ms = loop_s / steps * 1e3
+    decoder_ms = timed.decoder_s / steps * 1e3
+    audio_s = (rows - f.num_codebooks + 1) / f.frame_rate  # per request
+    return {"batch": batch, "rows": rows, "step_ms": step_ms, "decoder_ms": decoder_ms,
+            "host_ms": step_ms - decoder_ms, "host_share": (step_ms - decoder_ms) / step_ms,
+            "rows_per_s": batch * steps / loop_s, "rtf_per_request": loop_s / audio_s, "peak_rss_mb": peak_rss_mb()}
+
+
+class TimedBatch(Timed):
+    def decode_batch(self, caches, embeds):
+        t0 = time.perf_counter()
+        out = self.backend.decode_batch(caches, embeds)
+        self.decoder_s += time.perf_counter() - t0
+        return out
+
+
 def peak_rss_mb() -> float:
     """This process's peak RSS (VmHWM: unlike ru_maxrss it is not inherited from the parent across fork/exec)."""
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -343,6 +385,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--_torch", nargs=2, type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--_export", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--_stream", nargs=4, help=argparse.SUPPRESS)  # export seconds voice(0/1) one_shot(0/1)
+    ap.add_argument("--_batch", nargs=2, help=argparse.SUPPRESS)  # export batch
+    ap.add_argument("--batch", type=int, nargs="+", metavar="B", help="batched decoding only: requests per decoder "
+                    "call, e.g. --batch 1 2 4 8 (each in a fresh process, --frames rows each)")
     ap.add_argument("--skip-stream", action="store_true", help="skip the streaming figures (TTFA, 10 s / 60 s)")
     ap.add_argument("--long-seconds", type=float, default=60.0, help="the long line of the memory check")
     args = ap.parse_args(argv)
@@ -361,6 +406,11 @@ def main(argv: list[str] | None = None) -> int:
     if args._export:
         print(json.dumps(export_figures(args._export)))
         return 0
+    if args._batch:
+        print(json.dumps(batch_figures(Path(args._batch[0]), int(args._batch[1]), args.frames, args.threads)))
+        return 0
+    if args.batch:
+        return batch_main(args)
     if args._stream:
         m, sec, voice, once = args._stream
         print(json.dumps(stream_figures(Path(m), float(sec), args.threads, voice == "1", once == "1")))
@@ -399,6 +449,32 @@ def main(argv: list[str] | None = None) -> int:
                          "memory_10s": child("--_stream", str(export), "10", "0", "0", *t)[0],
                          "memory_long": child("--_stream", str(export), str(args.long_seconds), "0", "0", *t)[0]}
     print_table(out)
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2))
+    return 0
+
+
+def batch_main(args) -> int:
+    """`--batch B ...`: the batched-decoding table (each B in a fresh process for its peak RSS)."""
+    _, export = ensure_export(args.preset, args.precision, args.work / args.preset)
+    for b in args.batch:
+        if b < 1:
+            raise SystemExit(f"error: --batch sizes must be >= 1, got {b}")
+    out = {"preset": args.preset, "precision": args.precision, "threads": args.threads, "cpus": os.cpu_count(),
+           "rows": args.frames, "batches": []}
+    for b in args.batch:
+        fig, _ = child("--_batch", str(export), str(b), "--frames", str(args.frames), "--threads", str(args.threads))
+        out["batches"].append(fig)
+        print(f"  B={b}: step {fig['step_ms']:.1f} ms ...", flush=True)
+    print(f"\nbatched decoding: preset {args.preset}, {args.precision}, {args.frames} rows per request, "
+          f"{os.cpu_count()} CPUs")
+    print(f"  {'B':>3} {'step ms':>9} {'decoder ms':>11} {'host %':>7} {'rows/s':>8} {'x B=first':>10} "
+          f"{'RTF/request':>12} {'peak RSS MB':>12}")
+    first = out["batches"][0]["rows_per_s"]
+    for fig in out["batches"]:
+        print(f"  {fig['batch']:>3} {fig['step_ms']:>9.1f} {fig['decoder_ms']:>11.1f} {100 * fig['host_share']:>6.1f}% "
+              f"{fig['rows_per_s']:>8.1f} {fig['rows_per_s'] / first:>9.2f}x {fig['rtf_per_request']:>12.2f} "
+              f"{fig['peak_rss_mb']:>12.0f}")
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
     return 0

@@ -37,3 +37,14 @@ def test_bench_refuses_negative_threads(tmp_path):
     r = bench("--preset", "tiny", "--threads", -1, "--work", tmp_path, timeout=120)
     assert r.returncode == 2 and "threads must be >= 0" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not any(tmp_path.iterdir())  # refused before anything was built
+
+
+def test_bench_batch_table_tiny(tmp_path):
+    r = bench("--preset", "tiny", "--batch", 1, 2, "--frames", 24, "--work", tmp_path, "--json", tmp_path / "b.json",
+              timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    b = json.loads((tmp_path / "b.json").read_text())
+    assert [x["batch"] for x in b["batches"]] == [1, 2]
+    for x in b["batches"]:
+        assert x["step_ms"] > x["decoder_ms"] > 0 and x["rows_per_s"] > 0 and x["peak_rss_mb"] > 0
+    assert "batched decoding" in r.stdout and "RTF/request" in r.stdout
