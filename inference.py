@@ -6,6 +6,7 @@ Usage:
                         --text "<|emotion:elation|>New words in my voice." --out clone.wav
     python inference.py --model-path onnx/cpu_int4 --text "Hello." --stream --out - | aplay -f S16_LE -r 24000 -c 1
     python inference.py --model-path onnx/cpu_int4 --text-file lines.txt --out-dir out/   # one wav per line
+    python inference.py --model-path onnx/cpu_int4 --text-file chapter.txt --out chapter.wav [--resume]  # one recording
     python inference.py --model-path onnx/cpu_int4 --codes rows.npy --out decoded.wav     # decode given codes
     python inference.py --model-path onnx/cpu_int4 --selftest                              # codec-only smoke test
 """
@@ -35,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model-path", type=Path, required=True, help="an onnx/<device>_<precision> folder")
     what = ap.add_mutually_exclusive_group(required=True)
     what.add_argument("--text", help="text to speak; control tags like <|emotion:elation|> are allowed")
-    what.add_argument("--text-file", type=Path, help="one utterance per line; writes one file per line to --out-dir")
+    what.add_argument("--text-file", type=Path, help="a text file: with --out, the whole text as one recording "
+                      "(long-form: split into ~20 s pieces in one voice, resumable); with --out-dir, one file per line")
     what.add_argument("--codes", type=Path, help="decode these code rows (.npy, delayed or raw) without generation")
     what.add_argument("--selftest", action="store_true", help="codec-only smoke test (encode + decode a tone)")
     ap.add_argument("--out", type=Path, help="output audio file; format from the extension (.wav, .flac, .ogg); "
@@ -65,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "folder was built for)")
     ap.add_argument("--threads", type=int, default=0, help="intra-op threads (0 = ONNX Runtime's default: one "
                     "per core)")
+    ap.add_argument("--resume", action="store_true", help="--text-file with --out: continue an interrupted job from "
+                    "its work folder (OUT.work/) instead of refusing to overwrite it")
     ap.add_argument("--save-codes", type=Path, help="save the delayed rows to FILE.npy and raw codes to FILE.raw.npy")
     ap.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the model files")
     add_log_level(ap)
@@ -86,8 +90,13 @@ def check_args(args: argparse.Namespace) -> tuple[GenerationOptions, StreamOptio
         raise ValueError("use either --voice or --ref-audio, not both")
     if args.save_voice is not None and args.ref_audio is None:
         raise ValueError("--save-voice needs --ref-audio (the voice to save)")
-    if args.text_file is not None and args.out_dir is None:
-        raise ValueError("--text-file needs --out-dir")
+    if args.text_file is not None and (args.out_dir is None) == (args.out is None):
+        raise ValueError("--text-file needs --out FILE (the whole text as one recording) or --out-dir DIR (one file "
+                         "per line), not both")
+    if args.resume and (args.text_file is None or args.out is None or str(args.out) == "-"):
+        raise ValueError("--resume continues a long-form job: --text-file with --out FILE")
+    if args.text_file is not None and args.out is not None and args.save_codes is not None:
+        raise ValueError("--save-codes is for single utterances (long-form keeps each piece's codes in OUT.work/)")
     if (args.text is not None or args.codes is not None) and args.out is None:
         raise ValueError("--out is required (e.g. --out hello.wav)")
     for out in [args.out] if args.out and str(args.out) != "-" else []:
@@ -217,7 +226,12 @@ def run(args: argparse.Namespace) -> int:
     if args.text is not None:
         speak(tts, args.text, args.out, args, voice)
         return 0
-    lines = [ln.strip() for ln in args.text_file.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    from higgs_onnx.longform.render import read_text_file
+
+    text = read_text_file(args.text_file)  # empty, binary and non-UTF-8 files are refused here
+    if args.out is not None:
+        return speak_long(tts, text, args, voice)
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     if not lines:
         raise ValueError(f"{args.text_file} has no non-empty lines")
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -226,6 +240,60 @@ def run(args: argparse.Namespace) -> int:
     rtf = wall / max(audio, 1e-9)
     print(f"{len(total)} files in {args.out_dir}: {audio:.1f} s audio in {wall:.1f} s (RTF {rtf:.2f})",
           file=sys.stderr if args.stream else sys.stdout)
+    return 0
+
+
+def speak_long(tts, text: str, args, voice) -> int:
+    """The whole text as one recording: pieces in one voice, each saved to OUT.work/ as it finishes."""
+    import tempfile
+
+    from higgs_onnx.audio import GrowingAudioFile, pcm16
+    from higgs_onnx.longform.render import LongForm
+
+    to_stdout = str(args.out) == "-"
+    tmp = tempfile.TemporaryDirectory() if to_stdout else None  # stdout: nothing to resume, the work goes here
+    out = Path(tmp.name) / "stdout.wav" if to_stdout else args.out
+    job = LongForm(tts, text, out, voice, args.options, resume=args.resume)
+    n = len(job.pieces)
+    print(f"{args.text_file}: {n} pieces of {sum(len(p.text) for p in job.pieces) / n:.0f} characters on average"
+          f"{' (resuming)' if args.resume else ''}", file=sys.stderr)
+    sink = GrowingAudioFile(out, tts.facts.sample_rate) if args.stream and not to_stdout else None
+    waves, t0 = [], time.perf_counter()
+    try:
+        for p in job.run():
+            if to_stdout:
+                sys.stdout.buffer.write(pcm16(p.waveform))
+                sys.stdout.buffer.flush()
+            elif sink is not None:
+                sink.write(p.waveform)
+            waves.append(p.waveform)
+            eta = f", ETA {p.eta_s:.0f} s" if p.eta_s is not None else ""
+            note = " (from the work folder)" if p.resumed else f", stop: {p.stop_reason}" + (
+                " after a retry" if p.retried else "")
+            print(f"piece {p.index + 1}/{n}: {p.seconds_so_far:.1f} s of audio so far{eta}{note}", file=sys.stderr)
+            if p.stop_reason != "eoc" and not p.resumed:
+                log.warning("piece %d did not end on its own within its row budget (kept, cut at the limit)",
+                            p.index + 1)
+    except BaseException:
+        if sink is not None:
+            sink.abandon()
+        if not to_stdout:
+            print(f"the finished pieces are kept in {job.work}: run again with --resume to continue",
+                  file=sys.stderr)
+        raise
+    if sink is not None:
+        sink.commit()
+        import shutil
+
+        shutil.rmtree(job.work, ignore_errors=True)
+    elif not to_stdout:
+        job.finish(waves)
+    seconds = sum(w.size for w in waves) / tts.facts.sample_rate
+    wall = time.perf_counter() - t0
+    print(f"{args.out}: {seconds:.1f} s audio from {n} pieces in {wall:.1f} s (RTF {wall / max(seconds, 1e-9):.2f})",
+          file=sys.stderr if args.stream else sys.stdout)
+    if tmp is not None:
+        tmp.cleanup()
     return 0
 
 

@@ -12,7 +12,8 @@ import os
 import sys
 from collections.abc import Callable
 
-USAGE_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
+USAGE_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
+                PermissionError)
 
 
 def add_log_level(ap: argparse.ArgumentParser) -> None:

@@ -143,8 +143,9 @@ class Request:
     def __init__(self, prompt: list[int], rules: StopRules, options: GenerationOptions, placeholder: int,
                  ref_rows: np.ndarray | None = None, prefix: tuple[int, dict] | None = None,
                  teacher_rows: np.ndarray | None = None, keep_logits: bool = False, voice_s: float = 0.0,
-                 started: float | None = None):
+                 started: float | None = None, history_rows: np.ndarray | None = None):
         self.prompt, self.rules, self.options, self.placeholder = list(prompt), rules, options, placeholder
+        self.history_rows = history_rows  # rows of earlier turns (long-form), after the reference's placeholders
         self.ref_rows, self.prefix, self.teacher_rows, self.keep_logits = ref_rows, prefix, teacher_rows, keep_logits
         self.max_rows = options.max_rows
         self.rng = np.random.default_rng(options.seed)
@@ -244,12 +245,14 @@ class Engine:
         """Prefill the request's prompt into a fresh cache of its own; afterwards its next row can be sampled."""
         t0 = time.perf_counter()
         be, capacity = self.backend, len(req.prompt) + req.max_rows
+        rows = [r for r in (req.ref_rows if req.prefix is None else None, req.history_rows) if r is not None]
+        rows = np.concatenate(rows) if rows else None
         if req.prefix is None:
-            embeds = prompt_embeddings(be, req.prompt, req.placeholder, req.ref_rows)
+            embeds = prompt_embeddings(be, req.prompt, req.placeholder, rows)
             state = None
         else:
             n, state = req.prefix
-            embeds = prompt_embeddings(be, req.prompt[n:], req.placeholder, None)
+            embeds = prompt_embeddings(be, req.prompt[n:], req.placeholder, rows)
         req.cache = be.new_cache(capacity, state) if self.pool is None else self.pool.acquire(capacity, state)
         req.hidden = be.prefill(req.cache, embeds)
         req.prefill_s += time.perf_counter() - t0

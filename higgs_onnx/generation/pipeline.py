@@ -66,13 +66,14 @@ class Synthesizer:
 
     def request(self, text: str, options: GenerationOptions, ref_rows: np.ndarray | None = None,
                 ref_text: str | None = None, prefix: tuple[int, dict] | None = None, voice_s: float = 0.0,
-                started: float | None = None) -> Request:
+                started: float | None = None, history: list[tuple[str, np.ndarray]] = ()) -> Request:
         """A request for `text`; `ref_rows` (delayed reference rows) clone a voice whose transcript is `ref_text`;
         `prefix` is a voice's saved prefill state (see `Request`). The row limit is cut to what the context holds."""
         f = self.facts
         check_max_rows(f, options.max_rows)
         n_ref = 0 if ref_rows is None else len(ref_rows)
-        prompt = build_prompt(self.tokenizer, self.tokens, text, ref_rows=n_ref, ref_text=ref_text)
+        prompt = build_prompt(self.tokenizer, self.tokens, text, ref_rows=n_ref, ref_text=ref_text,
+                              history=[(t, len(r)) for t, r in history])
         limit = f.max_positions
         if len(prompt) + f.num_codebooks >= limit:
             raise ValueError(f"the prompt is {len(prompt)} positions long; the model's context is {limit}: shorten "
@@ -82,7 +83,8 @@ class Synthesizer:
 
             options = dataclasses.replace(options, max_rows=limit - len(prompt))
         return Request(prompt, self.rules, options, f.placeholder, ref_rows=ref_rows, prefix=prefix,
-                       voice_s=voice_s, started=started)
+                       voice_s=voice_s, started=started,
+                       history_rows=np.concatenate([r for _, r in history]) if history else None)
 
     def speak(self, req: Request, on_row: Callable[[int], None] | None = None) -> Speech:
         """Run `req` to its end, then decode its codes in one codec call."""

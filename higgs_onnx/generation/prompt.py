@@ -66,8 +66,12 @@ def check_text(text: str, what: str = "text") -> str:
 
 
 def build_prompt(tok: Tokenizer, ids: PromptTokens, text: str, ref_rows: int = 0,
-                 ref_text: str | None = None) -> list[int]:
-    """The prompt ids; `ref_rows` placeholders are spliced with delayed reference rows by the caller."""
+                 ref_text: str | None = None, history: list[tuple[str, int]] = ()) -> list[int]:
+    """The prompt ids; `ref_rows` placeholders are spliced with delayed reference rows by the caller.
+
+    `history` = earlier turns (text, rows) of the same recording (long-form), laid out as finished turns between
+    the voice and the new text: `<|text|> tok(text) <|audio|> [audio]*rows` each, their placeholders filled with
+    the turn's delayed rows after the reference's."""
     if ref_text is not None and ref_rows == 0:
         raise ValueError("a reference transcript needs reference audio")
     check_text(text)
@@ -76,7 +80,8 @@ def build_prompt(tok: Tokenizer, ids: PromptTokens, text: str, ref_rows: int = 0
     unknown = ids.unknown_tags(text, tok)
     if unknown:
         log.warning("unknown tag(s) %s will be read as plain text", ", ".join(unknown))
-    return build_prefix(tok, ids, ref_rows, ref_text) + build_suffix(tok, ids, text)
+    turns = [t for past, rows in history for t in (*build_suffix(tok, ids, past), *([ids.placeholder] * rows))]
+    return build_prefix(tok, ids, ref_rows, ref_text) + turns + build_suffix(tok, ids, text)
 
 
 def build_prefix(tok: Tokenizer, ids: PromptTokens, ref_rows: int = 0, ref_text: str | None = None) -> list[int]:

@@ -276,7 +276,8 @@ class HiggsTTS:
 
     # -- generation ----------------------------------------------------------------------------------------------
     def request(self, text: str, ref_audio=None, ref_text: str | None = None, voice: Voice | None = None,
-                options: GenerationOptions | None = None, **keywords) -> Request:
+                options: GenerationOptions | None = None, history: list[tuple[str, np.ndarray]] = (),
+                **keywords) -> Request:
         """The `Request` for one utterance (validated: bad options, text or reference raise here, before any work).
 
         `ref_audio` (a path or (waveform, rate)) clones a voice, `ref_text` is its transcript; `voice` (from
@@ -294,7 +295,8 @@ class HiggsTTS:
         voice_s = time.perf_counter() - started
         kwargs = {} if voice is None else {"ref_rows": voice.rows, "ref_text": voice.ref_text,
                                            "prefix": (len(voice.prefix), voice.state)}
-        return self.synthesizer.request(text, options, voice_s=voice_s, started=time.perf_counter(), **kwargs)
+        return self.synthesizer.request(text, options, voice_s=voice_s, started=time.perf_counter(),
+                                        history=list(history), **kwargs)
 
     def generate(self, text: str, ref_audio=None, ref_text: str | None = None, voice: Voice | None = None,
                  options: GenerationOptions | None = None, *, temperature: float | None = None,
@@ -351,11 +353,22 @@ class HiggsTTS:
         wav = self.reference(ref_audio)
         if ref_text is not None:
             check_text(ref_text, "the reference transcript")
-        key = (hashlib.sha256(wav.tobytes()).hexdigest(), ref_text)
+        return self._voice(("wav", hashlib.sha256(wav.tobytes()).hexdigest(), ref_text),
+                           lambda: reference_rows(self, self.facts, wav), ref_text)
+
+    def voice_from_codes(self, codes: np.ndarray, ref_text: str | None = None) -> Voice:
+        """A voice from raw codes (T, N) this model generated (long-form keeps the voice its first chunk chose)."""
+        from ..generation.delay import apply_delay
+
+        raw = np.where(codes >= self.facts.codebook_size, 0, codes).astype(np.int64)
+        return self._voice(("codes", hashlib.sha256(raw.tobytes()).hexdigest(), ref_text),
+                           lambda: apply_delay(raw, self.facts.boc, self.facts.eoc), ref_text)
+
+    def _voice(self, key: tuple, make_rows: Callable[[], np.ndarray], ref_text: str | None) -> Voice:
         with self._lock:
             voice = self._voices.get(key)
         if voice is None:
-            rows = reference_rows(self, self.facts, wav)
+            rows = make_rows()
             prefix = build_prefix(self.tokenizer, self.tokens, len(rows), ref_text)
             be = self.backend
             embeds = prompt_embeddings(be, prefix, self.facts.placeholder, rows)

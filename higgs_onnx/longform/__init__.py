@@ -1,0 +1,1 @@
+"""Long-form speech: a text of any length -> one recording."""
