@@ -245,6 +245,7 @@ def run(args: argparse.Namespace) -> int:
 
 def speak_long(tts, text: str, args, voice) -> int:
     """The whole text as one recording: pieces in one voice, each saved to OUT.work/ as it finishes."""
+    import shutil
     import tempfile
 
     from higgs_onnx.audio import GrowingAudioFile, pcm16
@@ -257,16 +258,17 @@ def speak_long(tts, text: str, args, voice) -> int:
     n = len(job.pieces)
     print(f"{args.text_file}: {n} pieces of {sum(len(p.text) for p in job.pieces) / n:.0f} characters on average"
           f"{' (resuming)' if args.resume else ''}", file=sys.stderr)
-    sink = GrowingAudioFile(out, tts.facts.sample_rate) if args.stream and not to_stdout else None
-    waves, t0 = [], time.perf_counter()
+    # a file grows as OUT.partial piece by piece (flat memory, playable while it grows), renamed at the end
+    sink = None if to_stdout else GrowingAudioFile(out, tts.facts.sample_rate)
+    seconds, t0 = 0.0, time.perf_counter()
     try:
         for p in job.run():
             if to_stdout:
                 sys.stdout.buffer.write(pcm16(p.waveform))
                 sys.stdout.buffer.flush()
-            elif sink is not None:
+            else:
                 sink.write(p.waveform)
-            waves.append(p.waveform)
+            seconds = p.seconds_so_far
             eta = f", ETA {p.eta_s:.0f} s" if p.eta_s is not None else ""
             note = " (from the work folder)" if p.resumed else f", stop: {p.stop_reason}" + (
                 " after a retry" if p.retried else "")
@@ -277,18 +279,12 @@ def speak_long(tts, text: str, args, voice) -> int:
     except BaseException:
         if sink is not None:
             sink.abandon()
-        if not to_stdout:
             print(f"the finished pieces are kept in {job.work}: run again with --resume to continue",
                   file=sys.stderr)
         raise
     if sink is not None:
         sink.commit()
-        import shutil
-
-        shutil.rmtree(job.work, ignore_errors=True)
-    elif not to_stdout:
-        job.finish(waves)
-    seconds = sum(w.size for w in waves) / tts.facts.sample_rate
+    shutil.rmtree(job.work, ignore_errors=True)
     wall = time.perf_counter() - t0
     print(f"{args.out}: {seconds:.1f} s audio from {n} pieces in {wall:.1f} s (RTF {wall / max(seconds, 1e-9):.2f})",
           file=sys.stderr if args.stream else sys.stdout)

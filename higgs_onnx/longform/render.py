@@ -74,6 +74,7 @@ class PieceResult:
     seconds_so_far: float  # audio made up to and including this piece
     elapsed_s: float
     eta_s: float | None
+    seconds: float = 0.0  # this piece's audio, pause included
 
 
 def read_text_file(path: str | os.PathLike) -> str:
@@ -196,7 +197,7 @@ class LongForm:
                 break
         return result
 
-    def run(self, on_piece: Callable[[PieceResult], None] | None = None) -> Iterator[PieceResult]:
+    def run(self) -> Iterator[PieceResult]:
         """Generate (or read back) every piece in order, yielding each with its audio as soon as it is final."""
         t0, done, made_chars, gen_s, seconds = time.perf_counter(), {}, 0, 0.0, 0.0
         n = len(self.pieces)
@@ -216,9 +217,7 @@ class LongForm:
             left = sum(len(p.text) for p in self.pieces[i + 1:])
             eta = gen_s / made_chars * left if made_chars else None  # from this run's generation speed
             result = PieceResult(i, n, self.pieces[i].text, wav, piece["rows"], piece["stop"], piece["retried"],
-                                 resumed, seconds, elapsed, eta)
-            if on_piece:
-                on_piece(result)
+                                 resumed, seconds, elapsed, eta, wav.size / self.tts.facts.sample_rate)
             yield result
 
     def _audio(self, i: int, codes: np.ndarray) -> np.ndarray:
@@ -237,11 +236,22 @@ class LongForm:
         pause = 0.0 if last else (lf.paragraph_pause_s if self.pieces[i].paragraph_end else lf.pause_s)
         return np.concatenate([wav, np.zeros(int(pause * f.sample_rate), np.float32)])
 
-    def finish(self, waveforms: list[np.ndarray]) -> Path:
-        """Write the whole recording atomically, then remove the work folder."""
-        from ..audio import write_audio
+    def write(self, on_piece: Callable[[PieceResult], None] | None = None) -> Path:
+        """Run the job into `<out>.partial` piece by piece (memory stays flat with the text's length), rename it to
+        `out` at the end and remove the work folder. An interrupted run leaves the partial file and the work folder:
+        run again with `resume=True`."""
+        from ..audio import GrowingAudioFile
 
-        path = write_audio(self.out, np.concatenate(waveforms), self.tts.facts.sample_rate)
+        sink = GrowingAudioFile(self.out, self.tts.facts.sample_rate)
+        try:
+            for piece in self.run():
+                sink.write(piece.waveform)
+                if on_piece:
+                    on_piece(piece)
+        except BaseException:
+            sink.abandon()
+            raise
+        path = sink.commit()
         shutil.rmtree(self.work, ignore_errors=True)
         return path
 
@@ -262,8 +272,7 @@ def generate_long(tts, text: str, out: str | os.PathLike, voice=None, options: G
                   lf: LongFormOptions | None = None, resume: bool = False,
                   on_piece: Callable[[PieceResult], None] | None = None) -> Path:
     """Synthesize `text` into one recording at `out` (see the module docstring); returns the path."""
-    job = LongForm(tts, text, out, voice, options, lf, resume)
-    return job.finish([p.waveform for p in job.run(on_piece)])
+    return LongForm(tts, text, out, voice, options, lf, resume).write(on_piece)
 
 
 __all__ = ["LongForm", "LongFormOptions", "Piece", "PieceResult", "generate_long", "read_text_file"]

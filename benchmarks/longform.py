@@ -1,0 +1,123 @@
+"""Long-form benchmark: a long text through `higgs_onnx.longform` vs short lines; piece statistics and drift.
+
+Usage:
+    python benchmarks/longform.py --preset tiny --words 1500     # every piece should stop on EOC; drift table
+    python benchmarks/longform.py --preset 4b --words 150 300    # RTF vs short lines; peak RSS per text length
+
+Each text length runs in a fresh child process (its own peak RSS). Reported per run: pieces, how many stopped on
+EOC (and how many needed the retry), piece durations (min / median / max), rows per text token of the first and
+the last quarter of the pieces (drift: a model that drifts talks longer or shorter per token late in a long draw),
+RTF, and RTF of short single lines in the same process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+os.environ.setdefault("CI", "1")
+
+SENTENCES = [
+    "The morning train left the station a little after seven, carrying a handful of sleepy commuters.",
+    "Dr. Alvarez checked her notes twice; the figures, 3.5 and 7.25, still did not add up.",
+    "Outside, the rain had eased into a fine mist that blurred the lights of the harbour.",
+    "\"We should have left earlier,\" said Tom, although nobody was listening to him anymore.",
+    "By noon the market was crowded with traders, tourists and a surprising number of dogs.",
+    "She remembered the old house, the creaking stairs, and the smell of bread on Sundays.",
+    "Nothing in the report explained why the bridge had been closed for three whole weeks.",
+    "Later that evening, the committee met again and argued until well past midnight.",
+]
+
+
+def make_text(words: int) -> str:
+    out, n, i = [], 0, 0
+    while n < words:
+        para = " ".join(SENTENCES[(i + k) % len(SENTENCES)] for k in range(4))
+        out.append(para)
+        n += len(para.split())
+        i += 3
+    return "\n\n".join(out)
+
+
+def run_one(model: Path, words: int, threads: int) -> dict:
+    from bench import peak_rss_mb
+
+    from higgs_onnx.generation.options import GenerationOptions
+    from higgs_onnx.longform.render import LongForm
+    from higgs_onnx.runtime.model import HiggsTTS
+
+    tts = HiggsTTS(model, threads=threads, verify=False)
+    tts.generate("Warm up.", max_rows=10)
+    short_rtf = []
+    for s in SENTENCES[:3]:  # short lines of the same kind of text, same process
+        sp = tts.generate(s, seed=1)
+        short_rtf.append(sp.stats.rtf)
+    text = make_text(words)
+    with tempfile.TemporaryDirectory() as d:
+        job = LongForm(tts, text, Path(d) / "long.wav", options=GenerationOptions(seed=0))
+        t0 = time.perf_counter()
+        pieces = [dataclasses.replace(p, waveform=p.waveform[:0]) for p in job.run()]  # keep figures, not audio
+        wall = time.perf_counter() - t0
+    secs = [p.seconds for p in pieces]
+    tokens = [len(tts.tokenizer.encode(p.text, add_special_tokens=False).ids) for p in pieces]
+    per_token = [p.rows / t for p, t in zip(pieces, tokens, strict=True)]
+    q = max(1, len(pieces) // 4)
+    audio = sum(secs)
+    return {"words": len(text.split()), "chars": len(text), "pieces": len(pieces),
+            "eoc": sum(p.stop_reason == "eoc" for p in pieces), "retried": sum(p.retried for p in pieces),
+            "piece_s": {"min": min(secs), "median": statistics.median(secs), "max": max(secs)},
+            "rows_per_token_first": statistics.mean(per_token[:q]),
+            "rows_per_token_last": statistics.mean(per_token[-q:]),
+            "audio_s": audio, "wall_s": wall, "rtf": wall / audio, "short_line_rtf": statistics.mean(short_rtf),
+            "peak_rss_mb": peak_rss_mb()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", choices=["tiny", "4b"], default="tiny")
+    ap.add_argument("--words", type=int, nargs="+", default=[1500])
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--work", type=Path, default=ROOT / "onnx" / "bench")
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--_one", nargs=2, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args._one:
+        print(json.dumps(run_one(Path(args._one[0]), int(args._one[1]), args.threads)))
+        return 0
+    from bench import ensure_export
+
+    _, export = ensure_export(args.preset, "int4", args.work / args.preset)
+    runs = []
+    for w in args.words:
+        r = subprocess.run([sys.executable, __file__, "--_one", str(export), str(w), "--threads", str(args.threads)],
+                           capture_output=True, text=True, cwd=ROOT)
+        if r.returncode:
+            raise SystemExit(f"run of {w} words failed:\n{r.stderr[-3000:]}")
+        runs.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    print(f"\nlong-form: preset {args.preset}, int4, {os.cpu_count()} CPUs")
+    print(f"  {'words':>6} {'pieces':>6} {'EOC':>5} {'retry':>5} {'piece s min/med/max':>21} "
+          f"{'rows/token 1st/last':>20} {'audio s':>8} {'RTF':>6} {'short RTF':>9} {'peak RSS MB':>11}")
+    for r in runs:
+        p = r["piece_s"]
+        print(f"  {r['words']:>6} {r['pieces']:>6} {r['eoc']:>5} {r['retried']:>5} "
+              f"{p['min']:>7.1f}/{p['median']:>5.1f}/{p['max']:>5.1f}   "
+              f"{r['rows_per_token_first']:>9.2f}/{r['rows_per_token_last']:<9.2f} {r['audio_s']:>8.1f} "
+              f"{r['rtf']:>6.2f} {r['short_line_rtf']:>9.2f} {r['peak_rss_mb']:>11.0f}")
+    if args.json:
+        args.json.write_text(json.dumps(runs, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
