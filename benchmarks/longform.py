@@ -67,7 +67,7 @@ def run_one(model: Path, words: int, threads: int) -> dict:
     with tempfile.TemporaryDirectory() as d:
         job = LongForm(tts, text, Path(d) / "long.wav", options=GenerationOptions(seed=0))
         t0 = time.perf_counter()
-        pieces = [dataclasses.replace(p, waveform=p.waveform[:0]) for p in job.run()]  # keep figures, not audio
+        pieces = [dataclasses.replace(p, waveform=None) for p in job.run()]  # keep figures, not audio
         wall = time.perf_counter() - t0
     secs = [p.seconds for p in pieces]
     tokens = [len(tts.tokenizer.encode(p.text, add_special_tokens=False).ids) for p in pieces]

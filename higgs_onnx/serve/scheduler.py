@@ -109,9 +109,9 @@ class Scheduler:
     def _finish(self, job: Job, error: BaseException | None = None) -> None:
         job.error = error
         job.request.release()  # gives its slot back to the pool
-        job._emit(_DONE)
         with self._lock:
             self._pending -= 1
+        job._emit(_DONE)
 
     def _admit(self, engine: Engine, active: list[Job]) -> None:
         """Move waiting jobs into free slots (between decoder steps); block briefly only when nothing runs."""

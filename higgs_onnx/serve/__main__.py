@@ -1,0 +1,158 @@
+"""Start the speech server: one model, loaded once, behind an OpenAI-compatible HTTP API and a web page.
+
+    python -m higgs_onnx.serve --model-path onnx/cpu_int4 [--host 127.0.0.1] [--port 8000] [--max-batch 4]
+                               [--max-queue 16] [--voices DIR] [--api-key KEY] [--threads N]
+
+Prints one line, `higgs-onnx speech server: http://HOST:PORT/ ...`, once it accepts requests (with --port 0 the
+line has the port the system chose). Ctrl-C stops it (in-flight streams get a few seconds to finish).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import socket
+import sys
+from pathlib import Path
+
+from ..cli import add_log_level, run_main
+from ..runtime.session import PROVIDERS
+
+log = logging.getLogger("higgs_onnx.serve")
+LOOPBACK_NAMES = ["localhost", "127.0.0.1", "[::1]"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m higgs_onnx.serve", description=__doc__.split("\n\n")[0],
+                                 epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-path", type=Path, required=True, help="an onnx/<device>_<precision> folder")
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s: this machine "
+                    "only; 0.0.0.0 exposes it to the network, use --api-key then)")
+    ap.add_argument("--port", type=int, default=8000, help="TCP port (default %(default)s; 0 = any free port)")
+    ap.add_argument("--max-batch", type=int, default=4, help="requests generated together (default %(default)s)")
+    ap.add_argument("--max-queue", type=int, default=16, help="requests that may wait for a batch slot; more get "
+                    "HTTP 429 (default %(default)s)")
+    ap.add_argument("--voices", type=Path, help="folder of saved voices (default: MODEL_PATH/voices; a voice "
+                    "belongs to the export that made it); created if missing")
+    ap.add_argument("--api-key", default=os.environ.get("HIGGS_API_KEY"), help="require 'Authorization: Bearer "
+                    "KEY' on /v1 (default: $HIGGS_API_KEY, which keeps the key out of the process list)")
+    ap.add_argument("--threads", type=int, default=0, help="intra-op threads (0 = one per core)")
+    ap.add_argument("--provider", choices=sorted(PROVIDERS), help="execution provider (default: the one the "
+                    "folder was built for)")
+    ap.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the model files")
+    add_log_level(ap)
+    return ap
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Every argument that can be checked before the (slow) model load; ValueError says which and why."""
+    from ..runtime.session import check_threads
+
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    if args.max_batch < 1:
+        raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    check_threads(args.threads)
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key is empty; give a key, or leave the flag out for an open server")
+    if not args.model_path.is_dir():
+        raise FileNotFoundError(f"--model-path {args.model_path} is not a folder (expected an onnx/<device>_"
+                                f"<precision> export)")
+    if args.voices is not None and args.voices.exists() and not args.voices.is_dir():
+        raise NotADirectoryError(f"--voices {args.voices} is a file, not a folder")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The listening socket, opened before the model loads: a taken port is one clear error, not a late crash."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host!r} cannot be resolved ({e.strerror})") from None
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def warm_up(tts) -> None:
+    """Create every session a request needs now, so the first request does not pay for loading the model."""
+    from ..runtime.stream import StreamOptions
+
+    tts.synthesizer  # noqa: B018 - text/audio embeddings, decoder and heads
+    for part in ("llm_decoder", "text_embed", "audio_embed", "audio_heads", "audio_encoder"):
+        tts.part(part)
+    codec = tts.codec_stream(StreamOptions())
+    if not hasattr(codec, "part"):  # window decoding: the one-shot codec part
+        tts.part("audio_tokenizer")
+
+
+def serve(args: argparse.Namespace) -> int:
+    check_args(args)  # before the heavy imports: a bad flag is answered at once
+    sock = listen(args.host, args.port)
+    import uvicorn
+
+    from ..runtime.model import HiggsTTS
+    from .app import create_app
+    from .scheduler import Scheduler
+
+    tts = HiggsTTS(args.model_path, provider=args.provider, threads=args.threads, verify=not args.no_verify)
+    warm_up(tts)
+    voices = args.voices if args.voices is not None else Path(args.model_path) / "voices"
+    try:
+        voices.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cannot create the voices folder {voices} ({e.strerror}); pass --voices DIR") from None
+    if not os.access(voices, os.W_OK):
+        raise PermissionError(f"the voices folder {voices} is not writable; pass --voices DIR")
+    loopback = is_loopback(args.host)
+    if not loopback and args.api_key is None:
+        print(f"warning: listening on {args.host} without --api-key: anyone who reaches this port can use it",
+              file=sys.stderr)
+    scheduler = Scheduler(tts, max_batch=args.max_batch, max_queue=args.max_queue)
+    app = create_app(tts, scheduler, voices, args.api_key, allowed_hosts=LOOPBACK_NAMES if loopback else None)
+    port = sock.getsockname()[1]
+    shown = f"[{args.host}]" if ":" in args.host else args.host
+    banner = (f"higgs-onnx speech server: http://{shown}:{port}/ (model {Path(tts.manifest.folder).name}, "
+              f"batch {args.max_batch}, queue {args.max_queue}, voices in {voices}"
+              f"{', API key required' if args.api_key else ''})")
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                print(banner, flush=True)
+
+    level = args.log_level.lower()
+    config = uvicorn.Config(app, log_level=level, access_log=level in ("debug", "info"), lifespan="on",
+                            timeout_graceful_shutdown=5, server_header=False)
+    Server(config).run(sockets=[sock])
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_main(serve, build_parser(), argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

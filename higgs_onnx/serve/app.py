@@ -1,0 +1,496 @@
+"""The FastAPI app: OpenAI's `POST /v1/audio/speech` (plus voices, models, tags, health and a web page).
+
+Every speech response streams: the handler submits a job to the `Scheduler`, waits for its first chunk (so that
+a failure before any audio still gets a proper JSON error, and a client that leaves while queued cancels it),
+then returns a `StreamingResponse` that encodes each chunk as it comes (`formats`). Leaving the response early,
+for whatever reason, cancels the job, which frees its batch slot.
+
+Errors are OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, one clear line, never a traceback:
+4xx for what the client sent, 401 for the API key, 429 when the queue is full, 500 (server log has the details)
+for a failure of the server itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hmac
+import io
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
+from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.formparsers import MultiPartException, MultiPartParser
+
+from ..audio import MAX_REF_SECONDS
+from ..generation.options import GenerationOptions
+from .formats import FORMATS, encoder
+from .scheduler import QueueFull
+from .voices import DEFAULT, UnknownVoice, VoiceError, VoiceExists, VoiceStore, check_name
+
+log = logging.getLogger(__name__)
+
+ALIASES = ("higgs-tts-3", "higgs-audio-v3-tts")  # Boson's hosted API names
+MAX_INPUT_CHARS = 4096  # OpenAI's limit
+MAX_JSON_BYTES = 1 << 20
+MAX_UPLOAD_BYTES = 20 << 20
+DRAIN_LIMIT = 64 << 20  # an oversized body is read (and dropped) this far, so the client gets to read the 413
+SPEED_RANGE = (0.25, 4.0)
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "max_rows")
+STATIC = Path(__file__).resolve().parent / "static"
+PAGE_CSP = ("default-src 'self'; media-src 'self' blob:; img-src 'self' data:; object-src 'none'; "
+            "frame-ancestors 'none'; base-uri 'none'")
+
+
+class ApiError(Exception):
+    """An error for the client; becomes OpenAI's error body with `status`."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    kind = {401: "authentication_error", 429: "rate_limit_error"}.get(status) or \
+        ("invalid_request_error" if status < 500 else "server_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status,
+                        headers=headers)
+
+
+class VoiceRef(BaseModel):
+    """OpenAI's custom-voice object, `{"id": "name"}`."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: str
+
+
+class SpeechRequest(BaseModel):
+    """The JSON body of `/v1/audio/speech`. Fields OpenAI defines plus our sampling extras; others are ignored."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    model: str
+    input: str
+    voice: str | VoiceRef | None = None
+    instructions: str | None = None
+    response_format: str = "mp3"
+    speed: float = 1.0
+    stream_format: str = "audio"
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    max_rows: int | None = None
+
+
+def speed_tag(speed: float, tags: dict[str, int]) -> str | None:
+    """OpenAI's `speed` as the model's own prosody tag (the model has no continuous speed control)."""
+    name = ("speed_very_slow" if speed <= 0.6 else "speed_slow" if speed < 0.9 else None if speed <= 1.1 else
+            "speed_fast" if speed < 1.6 else "speed_very_fast")
+    tag = f"<|prosody:{name}|>" if name else None
+    return tag if tag in tags else None
+
+
+def validation_message(e: ValidationError | RequestValidationError) -> tuple[str, str | None]:
+    """The first problem of a pydantic error as one line, and the field it is about."""
+    err = e.errors()[0]
+    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    param = loc[0] if loc else None
+    if param is None:
+        return err.get("msg", "invalid body"), None
+    if err.get("type") == "missing":
+        return f"{param} is required", param
+    return f"{param}: {err.get('msg', 'invalid value')}", param
+
+
+async def limited(stream: AsyncIterator[bytes], limit: int, what: str) -> AsyncIterator[bytes]:
+    """`stream`, refused with 413 past `limit` bytes; the rest is read and dropped (up to DRAIN_LIMIT) first, so a
+    client still sending its body reads the 413 instead of a reset connection."""
+    total = 0
+    async for chunk in stream:
+        total += len(chunk)
+        if total > limit:
+            async for more in stream:
+                total += len(more)
+                if total > DRAIN_LIMIT:
+                    break
+            raise ApiError(413, f"{what} is larger than the limit of {limit // (1 << 20)} MB", code="too_large")
+        yield chunk
+
+
+def read_upload_audio(data: bytes) -> tuple[Any, int]:
+    """Uploaded bytes -> (samples, channels) float32 and the rate; 400 if libsndfile cannot read them or the clip
+    is longer than a reference may be (checked before decoding it all: a small file can hold hours)."""
+    import soundfile as sf
+
+    if not data:
+        raise ApiError(400, "the uploaded audio file is empty", param="file", code="invalid_audio")
+    try:
+        with sf.SoundFile(io.BytesIO(data)) as f:
+            if f.samplerate <= 0 or f.frames / f.samplerate > MAX_REF_SECONDS:
+                raise ApiError(400, f"reference audio is {f.frames / max(f.samplerate, 1):.1f} s long; the limit is "
+                               f"{MAX_REF_SECONDS:.0f} s (trim it to a clean 5-20 s of speech)", param="file",
+                               code="invalid_audio")
+            wav = f.read(dtype="float32", always_2d=True)
+            return wav, f.samplerate
+    except (sf.LibsndfileError, RuntimeError, TypeError, ValueError) as e:  # ApiError passes: not one of these
+        reason = str(e).split(": ", 1)[-1].rstrip(". ") or type(e).__name__
+        raise ApiError(400, f"cannot read the uploaded audio ({reason}); send a WAV, FLAC, OGG or MP3 file",
+                       param="file", code="invalid_audio") from None
+
+
+class JobResponse(StreamingResponse):
+    """A streaming response that cancels its job however the response ends (done, client gone, server stopping)."""
+
+    def __init__(self, job, content: AsyncIterator[bytes], **kw):
+        super().__init__(content, **kw)
+        self.job = job
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.cancel()
+
+
+class HostGuard:
+    """Pure ASGI (streaming and disconnects pass through untouched): refuse requests whose Host header is not one
+    of this server's names, so a page on a DNS-rebound name cannot reach a loopback server."""
+
+    def __init__(self, app, names: list[str]):
+        self.app, self.names = app, {n.lower() for n in names}
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            host = dict(scope["headers"]).get(b"host", b"").decode("latin-1").lower()
+            name = host if host.endswith("]") else host.rsplit(":", 1)[0]
+            if name not in self.names:
+                await error_response(400, f"Host {host!r} is not this server's name; use one of "
+                                     f"{', '.join(sorted(self.names))}", None, "invalid_host")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = None, *,
+               allowed_hosts: list[str] | None = None) -> FastAPI:
+    """The app for one loaded model. Its lifespan starts and stops `scheduler`. `api_key` (if set) is required as
+    `Authorization: Bearer <key>` on every /v1 route; `allowed_hosts` (if set) refuses other Host headers (DNS
+    rebinding: the server's own loopback names)."""
+    model_id = Path(tts.manifest.folder).name
+    models = [model_id, *ALIASES]
+    sample_rate = tts.facts.sample_rate
+    store = VoiceStore(voices_dir, tts.model_id)
+    voice_lock = asyncio.Lock()  # one reference encoding at a time: it competes with generation for the cores
+    started = time.time()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        scheduler.start()
+        try:
+            yield
+        finally:
+            scheduler.stop()
+
+    app = FastAPI(title="higgs-onnx speech server", lifespan=lifespan, docs_url="/docs", redoc_url=None)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError):
+        return error_response(e.status, e.message, e.param, e.code, e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, e: RequestValidationError):
+        message, param = validation_message(e)
+        return error_response(400, message, param, "invalid_value")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException):
+        message = {404: f"no route {request.method} {request.url.path}",
+                   405: f"{request.method} is not allowed on {request.url.path}"}.get(e.status_code, str(e.detail))
+        return error_response(e.status_code, message, code={404: "not_found"}.get(e.status_code),
+                              headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _crash(request: Request, e: Exception):  # uvicorn logs the traceback; the client gets one line
+        return error_response(500, "internal server error; the server log has the details", code="server_error")
+
+    if allowed_hosts:
+        app.add_middleware(HostGuard, names=allowed_hosts)
+
+    async def guard(request: Request) -> None:
+        """The API key, and no cross-site writes: a browser page of another origin sends Origin (and cannot set
+        Authorization without a CORS preflight, which this server never grants)."""
+        origin = request.headers.get("origin")
+        if origin and request.method not in ("GET", "HEAD") and urlsplit(origin).netloc != request.headers.get("host"):
+            raise ApiError(403, f"cross-origin request from {origin} refused (the server allows no CORS)",
+                           code="cross_origin")
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise ApiError(401, "this server needs an API key: send the header Authorization: Bearer <key>",
+                           code="missing_api_key", headers={"WWW-Authenticate": "Bearer"})
+        if not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise ApiError(401, "incorrect API key", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(guard)])
+
+    # -- speech ------------------------------------------------------------------------------------------------
+    async def read_json(request: Request) -> dict:
+        ctype = request.headers.get("content-type", "")
+        if "json" not in ctype.lower():
+            raise ApiError(415, f"send the body as JSON with Content-Type: application/json (got {ctype or 'none'})",
+                           code="invalid_content_type")
+        body = b"".join([c async for c in limited(request.stream(), MAX_JSON_BYTES, "the JSON body")])
+        try:
+            data = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"the body is not valid JSON ({e})", code="invalid_json") from None
+        if not isinstance(data, dict):
+            raise ApiError(400, f"the body must be a JSON object, got {type(data).__name__}", code="invalid_json")
+        return data
+
+    async def resolve_voice(voice: str | VoiceRef | None):
+        name = voice.id if isinstance(voice, VoiceRef) else voice
+        if name is None or name == DEFAULT:
+            return None
+        try:
+            return await asyncio.to_thread(store.get, name)
+        except UnknownVoice as e:
+            raise ApiError(400, str(e), "voice", "voice_not_found") from None
+        except VoiceError as e:
+            raise ApiError(400, str(e), "voice", "invalid_voice") from None
+
+    def check_speech(r: SpeechRequest) -> tuple[str, GenerationOptions, str | None]:
+        """The text to submit (speed tag first), the options and the tag; ApiError for the first bad field."""
+        if r.model not in models:
+            raise ApiError(400, f"model {r.model!r} is not served here; use one of {', '.join(models)}", "model",
+                           "model_not_found")
+        if not r.input.strip():
+            raise ApiError(400, "input is empty: give the text to speak", "input", "invalid_value")
+        if len(r.input) > MAX_INPUT_CHARS:
+            raise ApiError(400, f"input is {len(r.input)} characters long; the limit is {MAX_INPUT_CHARS}", "input",
+                           "string_above_max_length")
+        if r.response_format not in FORMATS:
+            raise ApiError(400, f"response_format {r.response_format!r} is not supported; use one of "
+                           f"{', '.join(FORMATS)}", "response_format", "unsupported_format")
+        if r.stream_format not in ("audio", "sse"):
+            raise ApiError(400, f"stream_format {r.stream_format!r} is not supported; use audio or sse",
+                           "stream_format", "invalid_value")
+        if not (SPEED_RANGE[0] <= r.speed <= SPEED_RANGE[1]):
+            raise ApiError(400, f"speed must be between {SPEED_RANGE[0]} and {SPEED_RANGE[1]}, got {r.speed}",
+                           "speed", "invalid_value")
+        if r.instructions and r.instructions.strip():
+            raise ApiError(400, "instructions are not supported: this model takes inline control tags in the input "
+                           "instead, e.g. '<|emotion:elation|>Hello!' (GET /v1/tags lists them)", "instructions",
+                           "unsupported_parameter")
+        try:
+            options = GenerationOptions.make(**{k: getattr(r, k) for k in SAMPLING_FIELDS})
+        except ValueError as e:
+            raise ApiError(400, str(e), next((k for k in SAMPLING_FIELDS if str(e).startswith(k)), None),
+                           "invalid_value") from None
+        tag = speed_tag(r.speed, tts.tokens.control_tags)
+        return (tag or "") + r.input, options, tag
+
+    async def first_chunk(job, chunks: AsyncIterator, request: Request):
+        """The job's first chunk (None: no audio at all); a client that leaves meanwhile cancels the job."""
+        task = asyncio.ensure_future(anext(chunks, None))
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                job.cancel()
+                task.cancel()
+                raise ConnectionAbortedError
+
+    def failure(e: Exception) -> ApiError:
+        if isinstance(e, ValueError):
+            return ApiError(400, str(e), None, "invalid_value")
+        return ApiError(500, "speech generation failed; the server log has the details", None, "server_error")
+
+    @v1.post("/audio/speech")
+    async def speech(request: Request):
+        try:
+            r = SpeechRequest.model_validate(await read_json(request))
+        except ValidationError as e:
+            message, param = validation_message(e)
+            raise ApiError(400, message, param, "invalid_value") from None
+        text, options, tag = check_speech(r)
+        voice = await resolve_voice(r.voice)
+        if r.model_extra:
+            log.info("ignored fields: %s", ", ".join(sorted(r.model_extra)))
+        try:
+            job = scheduler.submit(text, voice=voice, options=options)
+        except QueueFull as e:
+            raise ApiError(429, f"the server is busy ({e}); try again shortly", None, "rate_limit_exceeded",
+                           {"Retry-After": "1"}) from None
+        except ValueError as e:
+            raise ApiError(400, str(e), next((k for k in SAMPLING_FIELDS if str(e).startswith(k)), "input"),
+                           "invalid_value") from None
+        chunks = aiter(job)
+        try:
+            first = await first_chunk(job, chunks, request)
+        except ConnectionAbortedError:
+            return Response(status_code=499)
+        except Exception as e:  # noqa: BLE001 - failed before any audio: a proper error response
+            log.error("request %s failed before its first audio: %s: %s", job.id, type(e).__name__, e)
+            raise failure(e) from None
+        sse = r.stream_format == "sse"
+        body = stream_body(job, first, chunks, r.response_format, sse, len(r.input), tag)
+        fmt = FORMATS[r.response_format]
+        return JobResponse(job, body, media_type="text/event-stream" if sse else fmt.media_type,
+                           headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                    "X-Request-Id": str(job.id)})
+
+    async def stream_body(job, first, chunks: AsyncIterator, fmt: str, sse: bool, input_chars: int,
+                          tag: str | None) -> AsyncIterator[bytes]:
+        def event(obj: dict) -> bytes:
+            return f"data: {json.dumps(obj)}\n\n".encode()
+
+        def out(data: bytes) -> bytes:
+            if not sse or not data:
+                return data
+            return event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
+
+        enc, stats, chunk = encoder(fmt, sample_rate), None, first
+        try:
+            while chunk is not None:
+                if data := out(enc.push(chunk.samples)):
+                    yield data
+                if chunk.is_last:
+                    stats = chunk.stats
+                chunk = await anext(chunks, None)
+            if data := out(enc.finish()):
+                yield data
+        except Exception as e:
+            log.error("request %s failed while streaming: %s: %s", job.id, type(e).__name__, e)
+            if not sse:
+                raise  # the connection is cut: a client must not take truncated audio for the whole
+            err = failure(e)
+            yield event({"type": "error", "error": {"message": err.message, "type": "server_error", "param": None,
+                                                    "code": err.code}})
+            return
+        if stats is not None:
+            log.info("request %s: %.2f s audio (%s) in %.2f s, first audio after %.2f s, %d rows, stop %s", job.id,
+                     stats.audio_s, fmt, stats.wall_s, stats.first_audio_s, stats.rows, stats.stop_reason)
+        if sse:
+            s = stats.as_dict() if stats is not None else {}
+            usage = {"input_tokens": s.get("prompt_tokens", 0), "output_tokens": s.get("rows", 0)}
+            yield event({"type": "speech.audio.done", "usage": {**usage, "total_tokens": sum(usage.values())},
+                         "input_characters": input_chars, "speed_tag": tag, "stats": s})
+
+    # -- voices ------------------------------------------------------------------------------------------------
+    @v1.get("/voices")
+    async def list_voices():
+        data = []
+        for name in store.names():
+            try:
+                data.append(store.describe(name))
+            except FileNotFoundError:  # deleted meanwhile
+                continue
+        return {"object": "list", "data": [{"id": DEFAULT, "object": "voice", "created": int(started)}, *data]}
+
+    @v1.post("/voices", status_code=201)
+    async def create_voice(request: Request):
+        ctype = request.headers.get("content-type", "")
+        if not ctype.lower().startswith("multipart/form-data"):
+            raise ApiError(400, "upload a voice as multipart/form-data with the fields name, file (reference audio) "
+                           "and transcript (optional)", code="invalid_content_type")
+        stream = limited(request.stream(), MAX_UPLOAD_BYTES, "the upload")
+        try:
+            form = await MultiPartParser(request.headers, stream, max_files=1, max_fields=8).parse()
+        except MultiPartException as e:
+            raise ApiError(400, f"malformed multipart body: {e.message}", code="invalid_multipart") from None
+        try:
+            name, file, transcript = form.get("name"), form.get("file"), form.get("transcript")
+            if not isinstance(name, str) or not name:
+                raise ApiError(400, "the field name is missing (the new voice's name)", "name", "missing_field")
+            try:
+                check_name(name)
+            except VoiceError as e:
+                raise ApiError(400, str(e), "name", "invalid_value") from None
+            if not isinstance(file, UploadFile):
+                raise ApiError(400, "the field file is missing or not a file: attach the reference audio",
+                               "file", "missing_field")
+            if transcript is not None and not isinstance(transcript, str):
+                raise ApiError(400, "transcript must be text", "transcript", "invalid_value")
+            transcript = (transcript.strip() or None) if transcript is not None else None
+            if store.path(name).exists():
+                raise ApiError(409, f"voice {name!r} exists; delete it first (DELETE /v1/voices/{name})", "name",
+                               "voice_exists")
+            data = await file.read()
+        finally:
+            await form.close()
+        wav, sr = await asyncio.to_thread(read_upload_audio, data)
+        async with voice_lock:
+            try:
+                voice = await asyncio.to_thread(tts.make_voice, (wav, sr), transcript)
+            except ValueError as e:
+                raise ApiError(400, str(e), "transcript" if "transcript" in str(e) else "file",
+                               "invalid_value") from None
+        try:
+            return JSONResponse(await asyncio.to_thread(store.add, name, voice), 201)
+        except VoiceExists as e:
+            raise ApiError(409, str(e), "name", "voice_exists") from None
+
+    @v1.delete("/voices/{name}")
+    async def delete_voice(name: str):
+        try:
+            await asyncio.to_thread(store.delete, name)
+        except UnknownVoice as e:
+            raise ApiError(404, str(e), "name", "voice_not_found") from None
+        except VoiceError as e:
+            raise ApiError(400, str(e), "name", "invalid_value") from None
+        return {"id": name, "object": "voice", "deleted": True}
+
+    # -- models, tags, health, page ------------------------------------------------------------------------------
+    def model_entry(mid: str) -> dict:
+        return {"id": mid, "object": "model", "created": int(started), "owned_by": "higgs-onnx",
+                **({"parent": model_id} if mid != model_id else {})}
+
+    @v1.get("/models")
+    async def list_models():
+        return {"object": "list", "data": [model_entry(m) for m in models]}
+
+    @v1.get("/models/{mid}")
+    async def get_model(mid: str):
+        if mid not in models:
+            raise ApiError(404, f"model {mid!r} is not served here; use one of {', '.join(models)}", "model",
+                           "model_not_found")
+        return model_entry(mid)
+
+    @v1.get("/tags")
+    async def list_tags():
+        """The model's inline control tags, for the page's hints (`<|category:name|>`)."""
+        tags = sorted(tts.tokens.control_tags)
+        return {"object": "list", "data": [{"id": t, "category": t[2:-2].split(":")[0], "name": t[2:-2].split(":")[1]}
+                                           for t in tags]}
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": model_id, "models": models, "sample_rate": sample_rate,
+                "scheduler": scheduler.stats(), "uptime_s": round(time.time() - started, 1)}
+
+    @app.get("/", include_in_schema=False)
+    async def page():
+        return FileResponse(STATIC / "index.html", headers={"Content-Security-Policy": PAGE_CSP,
+                                                            "Cache-Control": "no-cache"})
+
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    return app
+

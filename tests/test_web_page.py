@@ -1,0 +1,145 @@
+"""The web page in a real browser: headless Chromium (Debian's, driven by Playwright) on a running server (tiny int4
+export). Types text, clicks a tag and Speak, waits until streamed audio arrived and the <audio> element holds the
+whole utterance, creates a voice through the upload form; no page errors. A screenshot lands in the test's tmp dir
+and in tests/output/web_page.png.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = Path(__file__).resolve().parent / "data"
+CHROMIUM = Path("/usr/bin/chromium")
+OUTPUT = Path(__file__).resolve().parent / "output"
+
+
+def need_chromium() -> None:
+    """CI must have the browser (.ci/run installs it); elsewhere a missing one skips, with the reason."""
+    if CHROMIUM.exists():
+        return
+    if os.environ.get("CI"):
+        pytest.fail(f"{CHROMIUM} is missing under CI (apt-get install chromium)")
+    pytest.skip(f"{CHROMIUM} is missing (apt-get install chromium)")
+
+
+@pytest.fixture(scope="module")
+def url(builds, tmp_path_factory):
+    need_chromium()
+    pytest.importorskip("playwright")
+    tmp = tmp_path_factory.mktemp("web")
+    log = tmp / "server.log"
+    proc = subprocess.Popen([sys.executable, "-m", "higgs_onnx.serve", "--model-path", str(builds["int4"]),
+                             "--port", "0", "--voices", str(tmp / "voices")], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=log.open("w"), text=True, env={**os.environ, "CI": "1"})
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
+    deadline, found = time.monotonic() + 120, None
+    while found is None:
+        try:
+            found = re.search(r"http://[^/\s]+", lines.get(timeout=0.2))
+        except queue.Empty:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(f"the server did not start: {log.read_text()[-2000:]}")
+    yield found.group(0)
+    proc.terminate()
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def browser(url):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=str(CHROMIUM),
+                              args=["--no-sandbox", "--autoplay-policy=no-user-gesture-required"])
+        yield b
+        b.close()
+
+
+def wait_until(page, js: str, timeout: float = 60.0):
+    """Poll a JS expression until truthy (page.wait_for_function evals strings, which the page's CSP forbids)."""
+    deadline = time.monotonic() + timeout
+    while not (value := page.evaluate(js)):
+        assert time.monotonic() < deadline, f"timed out waiting for {js}"
+        time.sleep(0.05)
+    return value
+
+
+def test_speak_streams_and_plays(url, browser, tmp_path):
+    page = browser.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(f"page error: {e}"))
+    page.on("console", lambda m: errors.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
+    page.goto(url)
+    page.wait_for_selector("button.tag")  # tags came from /v1/tags
+    assert page.locator("button.tag").count() >= 10
+    page.fill("#text", "Hello from the browser, streamed while it is spoken.")
+    page.focus("#text")
+    page.keyboard.press("Control+Home")  # the tag goes where the cursor is: at the start
+    page.locator("button.tag[title='<|emotion:elation|>']").click()
+    assert page.input_value("#text").startswith("<|emotion:elation|>Hello from the browser")
+    page.locator("summary", has_text="Sampling").click()
+    page.fill("#max_rows", "400")
+    t0 = time.perf_counter()
+    page.click("#speak")
+    wait_until(page, "(() => { const a = document.getElementById('player'), s = document.getElementById('status');"
+               " return s.dataset.state === 'error' || (s.dataset.state === 'done' && isFinite(a.duration) && "
+               "a.duration > 0); })()")
+    wall = time.perf_counter() - t0
+    status = page.locator("#status")
+    assert status.get_attribute("data-state") == "done", status.text_content()
+    received = int(status.get_attribute("data-bytes"))
+    duration = page.evaluate("document.getElementById('player').duration")
+    assert received > 0 and abs(duration - received / 2 / 24000) < 0.01, (received, duration)
+    assert "first audio after" in status.text_content()
+    assert page.locator("#download").is_visible()
+
+    # a voice from the upload form shows up in the picker
+    page.locator("details", has_text="New voice").locator("summary").click()
+    page.fill("input[name=name]", "page_voice")
+    page.set_input_files("input[name=file]", str(DATA / "ref_en_24k.wav"))
+    page.click("#voice-form button[type=submit]")
+    wait_until(page, "/created|error/.test(document.getElementById('voice-status').textContent)")
+    assert "created" in page.locator("#voice-status").text_content()
+    assert "page_voice" in page.locator("#voice option").all_text_contents()
+    assert page.input_value("#voice") == "page_voice"
+
+    shot = tmp_path / "web_page.png"
+    page.screenshot(path=str(shot), full_page=True)
+    OUTPUT.mkdir(exist_ok=True)
+    shutil.copyfile(shot, OUTPUT / "web_page.png")
+    print(f"\nweb page: {received / 2 / 24000:.2f} s of audio streamed in {wall:.2f} s ({status.text_content()}); "
+          f"screenshot {OUTPUT / 'web_page.png'}")
+    assert not errors, errors
+    page.close()
+
+
+def test_bad_input_shows_the_error(url, browser):
+    page = browser.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(url)
+    page.wait_for_selector("button.tag")
+    page.fill("#text", "<|sfx:cough|>")  # only a tag: the server refuses it with one line
+    page.click("#speak")
+    wait_until(page, "document.getElementById('status').dataset.state === 'error'")
+    assert "only control tags" in page.locator("#status").text_content()
+    assert not errors, errors
+    page.close()
