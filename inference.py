@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "folder was built for)")
     ap.add_argument("--threads", type=int, default=0, help="intra-op threads (0 = ONNX Runtime's default: one "
                     "per core)")
+    ap.add_argument("--history", type=int, default=1, help="--text-file with --out: earlier pieces kept in each "
+                    "piece's prompt as context (default %(default)s; 0 = the voice only, faster on a CPU)")
     ap.add_argument("--resume", action="store_true", help="--text-file with --out: continue an interrupted job from "
                     "its work folder (OUT.work/) instead of refusing to overwrite it")
     ap.add_argument("--save-codes", type=Path, help="save the delayed rows to FILE.npy and raw codes to FILE.raw.npy")
@@ -249,12 +251,12 @@ def speak_long(tts, text: str, args, voice) -> int:
     import tempfile
 
     from higgs_onnx.audio import GrowingAudioFile, pcm16
-    from higgs_onnx.longform.render import LongForm
+    from higgs_onnx.longform.render import LongForm, LongFormOptions
 
     to_stdout = str(args.out) == "-"
     tmp = tempfile.TemporaryDirectory() if to_stdout else None  # stdout: nothing to resume, the work goes here
     out = Path(tmp.name) / "stdout.wav" if to_stdout else args.out
-    job = LongForm(tts, text, out, voice, args.options, resume=args.resume)
+    job = LongForm(tts, text, out, voice, args.options, LongFormOptions(history=args.history), resume=args.resume)
     n = len(job.pieces)
     print(f"{args.text_file}: {n} pieces of {sum(len(p.text) for p in job.pieces) / n:.0f} characters on average"
           f"{' (resuming)' if args.resume else ''}", file=sys.stderr)

@@ -50,11 +50,11 @@ def make_text(words: int) -> str:
     return "\n\n".join(out)
 
 
-def run_one(model: Path, words: int, threads: int) -> dict:
+def run_one(model: Path, words: int, threads: int, history: int = 1) -> dict:
     from bench import peak_rss_mb
 
     from higgs_onnx.generation.options import GenerationOptions
-    from higgs_onnx.longform.render import LongForm
+    from higgs_onnx.longform.render import LongForm, LongFormOptions
     from higgs_onnx.runtime.model import HiggsTTS
 
     tts = HiggsTTS(model, threads=threads, verify=False)
@@ -65,7 +65,8 @@ def run_one(model: Path, words: int, threads: int) -> dict:
         short_rtf.append(sp.stats.rtf)
     text = make_text(words)
     with tempfile.TemporaryDirectory() as d:
-        job = LongForm(tts, text, Path(d) / "long.wav", options=GenerationOptions(seed=0))
+        job = LongForm(tts, text, Path(d) / "long.wav", options=GenerationOptions(seed=0),
+                       lf=LongFormOptions(history=history))
         t0 = time.perf_counter()
         pieces = [dataclasses.replace(p, waveform=None) for p in job.run()]  # keep figures, not audio
         wall = time.perf_counter() - t0
@@ -88,24 +89,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preset", choices=["tiny", "4b"], default="tiny")
     ap.add_argument("--words", type=int, nargs="+", default=[1500])
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--history", type=int, default=1, help="earlier pieces kept in each prompt (default 1)")
     ap.add_argument("--work", type=Path, default=ROOT / "onnx" / "bench")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--_one", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args._one:
-        print(json.dumps(run_one(Path(args._one[0]), int(args._one[1]), args.threads)))
+        print(json.dumps(run_one(Path(args._one[0]), int(args._one[1]), args.threads, args.history)))
         return 0
     from bench import ensure_export
 
     _, export = ensure_export(args.preset, "int4", args.work / args.preset)
     runs = []
     for w in args.words:
-        r = subprocess.run([sys.executable, __file__, "--_one", str(export), str(w), "--threads", str(args.threads)],
+        r = subprocess.run([sys.executable, __file__, "--_one", str(export), str(w), "--threads", str(args.threads),
+                            "--history", str(args.history)],
                            capture_output=True, text=True, cwd=ROOT)
         if r.returncode:
             raise SystemExit(f"run of {w} words failed:\n{r.stderr[-3000:]}")
         runs.append(json.loads(r.stdout.strip().splitlines()[-1]))
-    print(f"\nlong-form: preset {args.preset}, int4, {os.cpu_count()} CPUs")
+    print(f"\nlong-form: preset {args.preset}, int4, history {args.history}, {os.cpu_count()} CPUs")
     print(f"  {'words':>6} {'pieces':>6} {'EOC':>5} {'retry':>5} {'piece s min/med/max':>21} "
           f"{'rows/token 1st/last':>20} {'audio s':>8} {'RTF':>6} {'short RTF':>9} {'peak RSS MB':>11}")
     for r in runs:

@@ -40,6 +40,7 @@ from .split import Piece, split_text
 PLAN = "plan.json"
 PLAN_VERSION = 1
 RETRY_SEED = 1_000_003  # added to a piece's seed for its one retry
+CODEC_WINDOW = 250  # frames (10 s) per codec call when a piece is decoded
 
 
 @dataclass(frozen=True)
@@ -222,10 +223,13 @@ class LongForm:
 
     def _audio(self, i: int, codes: np.ndarray) -> np.ndarray:
         """A piece's waveform with fades at both ends, followed by its pause."""
-        from ..generation.delay import codes_for_codec
+        from ..runtime.stream import StreamOptions
 
         f, lf = self.tts.facts, self.lf
-        wav = self.tts.decode_audio(codes_for_codec(codes, f.codebook_size)) if len(codes) else np.zeros(0, np.float32)
+        # the incremental codec in 10 s windows: its activations stay bounded whatever the piece's length (one call
+        # for a 28 s piece holds ~2 GB of them on the real codec)
+        stream = self.tts.codec_stream(StreamOptions(first_frames=CODEC_WINDOW, chunk_frames=CODEC_WINDOW))
+        wav = np.concatenate([*stream.push(codes), stream.flush()]) if len(codes) else np.zeros(0, np.float32)
         wav = np.array(wav, np.float32)
         k = min(int(lf.fade_ms * f.sample_rate / 1000), wav.size // 2)
         if k:
