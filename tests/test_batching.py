@@ -3,6 +3,9 @@ independent of its batch-mates; and what the GroupQueryAttention graph needs for
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -47,21 +50,15 @@ def run_batched(tts, requests, join_at, slots=4):
 
 
 def requests(tts, options, voice=None):
-    return [tts.request(t, voice=voice if i == 1 else None, options=dataclass_replace(options, seed=i))
+    return [tts.request(t, voice=voice if i == 1 else None, options=dataclasses.replace(options, seed=i))
             for i, t in enumerate(TEXTS)]
-
-
-def dataclass_replace(options, **kw):
-    import dataclasses
-
-    return dataclasses.replace(options, **kw)
 
 
 @pytest.mark.parametrize("options", [GenerationOptions(temperature=0, max_rows=300), GenerationOptions(max_rows=300)],
                          ids=["greedy", "sampled"])
 def test_batched_codes_equal_each_request_alone_fp32(tts32, options):
-    voice = tts32.make_voice(str(__import__("pathlib").Path(__file__).parent / "data" / "ref_en_24k.wav"))
-    alone = [tts32.generate(t, voice=voice if i == 1 else None, options=dataclass_replace(options, seed=i)).rows
+    voice = tts32.make_voice(Path(__file__).parent / "data" / "ref_en_24k.wav")
+    alone = [tts32.generate(t, voice=voice if i == 1 else None, options=dataclasses.replace(options, seed=i)).rows
              for i, t in enumerate(TEXTS)]
     got, widest = run_batched(tts32, requests(tts32, options, voice), join_at=[0, 0, 3, 11])
     assert widest >= 3  # they really shared decoder calls
