@@ -126,10 +126,10 @@ class Worker:
     def run(self, rows: list[dict]) -> list[dict]:
         from .audio import write_audio
         from .generation.engine import Engine
-        from .generation.options import GenerationOptions
+        from .generation.options import POOL_POSITIONS, GenerationOptions
 
         tts, results, waiting = self.tts, [], list(rows)
-        engine = Engine(tts.backend, tts.backend.pool(self.batch, tts.facts.max_positions))
+        engine = Engine(tts.backend, tts.backend.pool(self.batch, min(tts.facts.max_positions, POOL_POSITIONS)))
         active = []  # (row, request, started)
 
         def fail(row, e):

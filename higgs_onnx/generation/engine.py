@@ -244,6 +244,11 @@ class Engine:
     def start(self, req: Request) -> None:
         """Prefill the request's prompt into a fresh cache of its own; afterwards its next row can be sampled."""
         t0 = time.perf_counter()
+        if self.pool is not None and len(req.prompt) + req.max_rows > self.pool.capacity:
+            if len(req.prompt) >= self.pool.capacity:
+                raise ValueError(f"the prompt is {len(req.prompt)} positions long; this engine's cache holds "
+                                 f"{self.pool.capacity}")
+            req.max_rows = self.pool.capacity - len(req.prompt)  # the pool's slots bound prompt + rows
         be, capacity = self.backend, len(req.prompt) + req.max_rows
         rows = [r for r in (req.ref_rows if req.prefix is None else None, req.history_rows) if r is not None]
         rows = np.concatenate(rows) if rows else None

@@ -15,6 +15,10 @@ from dataclasses import dataclass
 from .sampling import SamplingOptions
 
 DEFAULT_MAX_ROWS = 2048  # SGO/Replicate max_new_tokens: delayed rows, ~81.6 s of audio
+# positions (prompt + rows) per slot of a batching pool: the default row limit plus a long clone prompt. The cache
+# is sized up front for every slot and ORT touches far more of it than a request writes (4 slots of the real
+# model's 32,768 positions took 4.6 GB after one prefill each), so the model's own maximum is too much here.
+POOL_POSITIONS = DEFAULT_MAX_ROWS + 1024
 _DEFAULT_SAMPLING = SamplingOptions()
 
 

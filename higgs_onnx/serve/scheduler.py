@@ -17,7 +17,7 @@ import threading
 from collections.abc import AsyncIterator
 
 from ..generation.engine import Engine, Request
-from ..generation.options import GenerationOptions
+from ..generation.options import POOL_POSITIONS, GenerationOptions
 from ..generation.stream import AudioChunk, AudioStreamer
 from ..runtime.stream import StreamOptions
 
@@ -136,7 +136,7 @@ class Scheduler:
 
     def _run(self) -> None:
         tts = self.tts
-        engine = Engine(tts.backend, tts.backend.pool(self.max_batch, tts.facts.max_positions))
+        engine = Engine(tts.backend, tts.backend.pool(self.max_batch, min(tts.facts.max_positions, POOL_POSITIONS)))
         active: list[Job] = []
         while not self._stop.is_set():
             self._admit(engine, active)
