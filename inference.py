@@ -247,10 +247,9 @@ def run(args: argparse.Namespace) -> int:
 
 def speak_long(tts, text: str, args, voice) -> int:
     """The whole text as one recording: pieces in one voice, each saved to OUT.work/ as it finishes."""
-    import shutil
     import tempfile
 
-    from higgs_onnx.audio import GrowingAudioFile, pcm16
+    from higgs_onnx.audio import pcm16
     from higgs_onnx.longform.render import LongForm, LongFormOptions
 
     to_stdout = str(args.out) == "-"
@@ -260,33 +259,30 @@ def speak_long(tts, text: str, args, voice) -> int:
     n = len(job.pieces)
     print(f"{args.text_file}: {n} pieces of {sum(len(p.text) for p in job.pieces) / n:.0f} characters on average"
           f"{' (resuming)' if args.resume else ''}", file=sys.stderr)
-    # a file grows as OUT.partial piece by piece (flat memory, playable while it grows), renamed at the end
-    sink = None if to_stdout else GrowingAudioFile(out, tts.facts.sample_rate)
     seconds, t0 = 0.0, time.perf_counter()
-    try:
+
+    def progress(p) -> None:
+        nonlocal seconds
+        seconds = p.seconds_so_far
+        eta = f", ETA {p.eta_s:.0f} s" if p.eta_s is not None else ""
+        note = " (from the work folder)" if p.resumed else f", stop: {p.stop_reason}" + (
+            " after a retry" if p.retried else "")
+        print(f"piece {p.index + 1}/{n}: {p.seconds_so_far:.1f} s of audio so far{eta}{note}", file=sys.stderr)
+        if p.stop_reason != "eoc" and not p.resumed:
+            log.warning("piece %d did not end on its own within its row budget (kept, cut at the limit)", p.index + 1)
+
+    if to_stdout:
         for p in job.run():
-            if to_stdout:
-                sys.stdout.buffer.write(pcm16(p.waveform))
-                sys.stdout.buffer.flush()
-            else:
-                sink.write(p.waveform)
-            seconds = p.seconds_so_far
-            eta = f", ETA {p.eta_s:.0f} s" if p.eta_s is not None else ""
-            note = " (from the work folder)" if p.resumed else f", stop: {p.stop_reason}" + (
-                " after a retry" if p.retried else "")
-            print(f"piece {p.index + 1}/{n}: {p.seconds_so_far:.1f} s of audio so far{eta}{note}", file=sys.stderr)
-            if p.stop_reason != "eoc" and not p.resumed:
-                log.warning("piece %d did not end on its own within its row budget (kept, cut at the limit)",
-                            p.index + 1)
-    except BaseException:
-        if sink is not None:
-            sink.abandon()
+            sys.stdout.buffer.write(pcm16(p.waveform))
+            sys.stdout.buffer.flush()
+            progress(p)
+    else:
+        try:
+            job.write(progress)  # grows OUT.partial piece by piece, renames it at the end, removes OUT.work/
+        except BaseException:
             print(f"the finished pieces are kept in {job.work}: run again with --resume to continue",
                   file=sys.stderr)
-        raise
-    if sink is not None:
-        sink.commit()
-    shutil.rmtree(job.work, ignore_errors=True)
+            raise
     wall = time.perf_counter() - t0
     print(f"{args.out}: {seconds:.1f} s audio from {n} pieces in {wall:.1f} s (RTF {wall / max(seconds, 1e-9):.2f})",
           file=sys.stderr if args.stream else sys.stdout)
