@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 export CI := 1
 # Olive reads CI to switch its telemetry off before it starts (it hangs ~10 s at exit otherwise).
 
-.PHONY: demo test test-fast venv lint clean
+.PHONY: demo openvino-demo test test-fast venv lint clean
 
 venv: $(STAMP)
 
@@ -28,6 +28,12 @@ demo: $(STAMP)
 	    --out demo_stream.wav
 	$(BIN)/python eval.py --model-path onnx/cpu_int4 --markdown onnx/cpu_int4_report.md
 
+openvino-demo: $(STAMP)  # the tiny model through the OpenVINO runtime: build -> speak -> parity report
+	$(BIN)/python optimize.py --synthetic tiny --device openvino --precision int4
+	$(BIN)/python inference.py --model-path onnx/openvino_int4 --provider openvino \
+	    --text "Hello from the tiny synthetic Higgs model, through OpenVINO." --out demo_openvino.wav
+	$(BIN)/python eval.py --model-path onnx/openvino_int4 --provider openvino --markdown onnx/openvino_int4_report.md
+
 test: $(STAMP)
 	$(BIN)/python -m ruff check .
 	$(BIN)/python -m pytest -q
@@ -40,4 +46,4 @@ lint: $(STAMP)
 	$(BIN)/python -m ruff check .
 
 clean:
-	rm -rf models onnx demo_*.wav
+	rm -rf models onnx demo.wav demo_*.wav

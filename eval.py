@@ -19,6 +19,7 @@ from pathlib import Path
 
 from higgs_onnx.cli import add_log_level, run_main
 from higgs_onnx.evaluation.options import EvalOptions
+from higgs_onnx.providers import PROVIDERS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--plots", type=Path, metavar="DIR",
                     help="write PNG plots here (default with --markdown: <markdown stem>_plots/ beside it)")
     ap.add_argument("--no-plots", action="store_true", help="draw no plots")
+    ap.add_argument("--provider", choices=PROVIDERS, help="execution provider (default: the one the folder was "
+                    "built for; see README, Devices)")
     ap.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the model files")
     add_log_level(ap)
     return ap
@@ -57,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
                           teacher_codes=args.teacher_codes, tolerance=args.tolerance,
                           gates=parse_thresholds(args.threshold))
     outputs = Outputs.resolve(args.json, args.markdown, args.plots, draw=not args.no_plots)
-    report, md = evaluate(args.model_path, args.checkpoint, options, outputs, verify=not args.no_verify)
+    report, md = evaluate(args.model_path, args.checkpoint, options, outputs, verify=not args.no_verify,
+                          provider=args.provider)
     print("\n" + md)
     if report.failures:
         print(f"FAILED: {len(report.failures)} check(s); first: {report.failures[0]}", file=sys.stderr)

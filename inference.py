@@ -151,8 +151,10 @@ def speak(tts, text: str, out: Path, args, voice) -> object:
         log.warning("%s: no end of speech within %d rows; the audio is cut at --max-rows", out, stats.rows)
     first = f"first audio after {stats.first_audio_s:.2f} s ({stats.chunks} chunks)" if args.stream else \
         f"first row after {stats.first_row_s:.2f} s"
+    ran = sorted(set(tts.ran_on().values()))
     print(f"{out}: {stats.audio_s:.2f} s audio in {stats.wall_s:.2f} s (RTF {stats.rtf:.2f}); {first}; "
-          f"{stats.rows} rows; stop: {stats.stop_reason}", file=sys.stderr if args.stream else sys.stdout)
+          f"{stats.rows} rows; stop: {stats.stop_reason}; ran on {', '.join(ran)}",
+          file=sys.stderr if args.stream else sys.stdout)
     return stats
 
 

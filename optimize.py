@@ -6,6 +6,8 @@ Usage:
     python optimize.py --synthetic tiny --device cpu --precision int4  # embedded default, no download
     python optimize.py ... --components llm_decoder audio_heads       # rebuild a subset
     python optimize.py ... --part-precision audio_heads=fp16          # keep a part at higher precision
+    python optimize.py --synthetic tiny --device openvino --precision int4   # OpenVINO runtime, IR decoder
+    python optimize.py --synthetic tiny --device cpu --attention portable    # decoder without contrib attention
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from pathlib import Path
 
 from higgs_onnx.checkpoint import DEFAULT_REPO
 from higgs_onnx.cli import add_log_level, run_main
-from higgs_onnx.export import VALID, Exporter, ExportOptions
+from higgs_onnx.export import Exporter, ExportOptions
 from higgs_onnx.manifest import PART_NAMES
+from higgs_onnx.providers import ATTENTIONS, PROVIDERS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,8 +32,12 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--model-dir", help=f"checkpoint folder or Hub repo id (default {DEFAULT_REPO})")
     src.add_argument("--synthetic", choices=["tiny", "4b"], help="build a synthetic checkpoint instead")
     ap.add_argument("--revision", help="Hub revision (branch, tag or commit)")
-    ap.add_argument("--device", choices=sorted(VALID), default=d.device)
+    ap.add_argument("--device", choices=PROVIDERS, default=d.device, help="target (default %(default)s; "
+                    "README, Devices: which are verified here)")
     ap.add_argument("--precision", choices=["int4", "fp16", "fp32"], default=d.precision)
+    ap.add_argument("--attention", choices=ATTENTIONS, help="decoder graph: gqa (ModelBuilder, contrib "
+                    "GroupQueryAttention) or portable (standard ONNX ops); default: the device's (gqa; portable on "
+                    "openvino). A non-default graph goes to onnx/<device>_<precision>_<attention>/")
     ap.add_argument("--part-precision", nargs="+", default=[], metavar="PART=PREC",
                     help="per-part precision overrides, e.g. audio_heads=fp16 audio_embed=fp32")
     ap.add_argument("--components", nargs="+", default=[], choices=PART_NAMES, metavar="PART",
@@ -55,7 +62,7 @@ def parse_overrides(items: list[str]) -> dict[str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    opts = ExportOptions(device=args.device, precision=args.precision,
+    opts = ExportOptions(device=args.device, precision=args.precision, attention=args.attention,
                          part_precision=parse_overrides(args.part_precision), block_size=args.block_size,
                          accuracy_level=args.accuracy_level, components=tuple(args.components), force=args.force)
     exporter = Exporter(args.model_dir or DEFAULT_REPO, args.output, opts, revision=args.revision,

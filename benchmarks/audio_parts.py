@@ -48,8 +48,9 @@ def build(part: str, prec: str, ckpt: Path, work: Path) -> Path:
     from higgs_onnx.export import ExportOptions
 
     out, d = work / f"{part}-{prec}", ExportOptions()
-    job = parts.BuildJob(ckpt=ckpt, out=out, work=work, precision=prec, device=d.device, block_size=d.block_size,
-                         accuracy_level=d.accuracy, digest=files_digest(ckpt), say=lambda _: None)
+    job = parts.BuildJob(ckpt=ckpt, out=out, work=work, precision=prec, device=d.device,
+                         attention=d.decoder_attention, block_size=d.block_size, accuracy_level=d.accuracy,
+                         digest=files_digest(ckpt), say=lambda _: None)
     return parts.module(part).build(job)
 
 

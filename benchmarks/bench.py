@@ -57,7 +57,8 @@ def bandwidth_gbs(threads: int, mb: int = BANDWIDTH_MB, repeats: int = 10) -> tu
     return best, f"NumPy float32 max over {mb} MB in {n} threads, best of {repeats}"
 
 
-def ensure_export(preset: str, precision: str, root: Path) -> tuple[Path, Path]:
+def ensure_export(preset: str, precision: str, root: Path, device: str = "cpu",
+                  attention: str | None = None) -> tuple[Path, Path]:
     from higgs_onnx.export import Exporter, ExportOptions
     from higgs_onnx.synthetic import build
 
@@ -65,7 +66,7 @@ def ensure_export(preset: str, precision: str, root: Path) -> tuple[Path, Path]:
     if not (ckpt / "config.json").is_file():
         print(f"building the {preset} synthetic checkpoint ...", flush=True)
         build(preset, ckpt, progress=sys.stderr.isatty())
-    return ckpt, Exporter(str(ckpt), root / "onnx", ExportOptions("cpu", precision)).run()
+    return ckpt, Exporter(str(ckpt), root / "onnx", ExportOptions(device, precision, attention=attention)).run()
 
 
 class Timed:

@@ -21,7 +21,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import parts
+from . import parts, providers
 from .checkpoint import ModelFacts, files_digest, resolve, validate
 from .manifest import MANIFEST, PART_NAMES, new_manifest, sha256_file, write_manifest
 from .memory import peak_rss, release_memory, rss
@@ -31,9 +31,6 @@ from .parts.olive import BITS
 log = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parent.parent
-EXECUTION_PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "dml": "DmlExecutionProvider"}
-# Decoder precisions ModelBuilder can build per device. fp16 on cpu builds but its decode step fails (toolchain §2.4).
-VALID = {"cpu": ("int4", "fp32"), "cuda": ("int4", "fp16", "fp32"), "dml": ("int4", "fp16")}
 PART_PRECISIONS = {  # default precision of each part for a global precision
     # voice-critical parts stay above int4 in an int4 build (README, "Voice-critical parts"; 4b preset, one run):
     # the tied audio head's argmax agreement with the exact head is 84.9 % at int4 (one code in seven changes
@@ -57,6 +54,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 class ExportOptions:
     device: str = "cpu"
     precision: str = "int4"
+    attention: str | None = None  # decoder graph: "gqa" or "portable"; None = the device's default (providers.py)
     part_precision: dict = field(default_factory=dict)  # overrides, e.g. {"audio_heads": "fp16"}
     block_size: int = 32
     accuracy_level: int | None = None  # None: 4 on cpu (int8 activations, VNNI), 0 elsewhere
@@ -64,16 +62,12 @@ class ExportOptions:
     force: bool = False
 
     def __post_init__(self) -> None:
-        if self.device not in VALID:
-            raise ValueError(f"unknown device {self.device!r}; choose one of {', '.join(VALID)}")
-        if self.precision not in VALID[self.device]:
-            combos = ", ".join(f"{d}/{p}" for d, ps in VALID.items() for p in ps)
-            raise ValueError(f"--device {self.device} --precision {self.precision} cannot work (ModelBuilder's "
-                             f"{self.precision} decoder on {self.device}); valid combinations: {combos}")
+        provider = providers.get(self.device)
+        provider.check(self.precision, self.attention)
         for part, prec in self.part_precision.items():
             if part not in PART_NAMES:
                 raise ValueError(f"unknown part {part!r} in --part-precision; parts: {', '.join(PART_NAMES)}")
-            allowed = VALID[self.device] if part == "llm_decoder" else ALLOWED[part]
+            allowed = provider.precisions[self.decoder_attention] if part == "llm_decoder" else ALLOWED[part]
             if prec not in allowed:
                 raise ValueError(f"{part} cannot be built at {prec} on {self.device}; allowed: {', '.join(allowed)}")
         if self.block_size not in (16, 32, 64, 128, 256):
@@ -87,12 +81,22 @@ class ExportOptions:
         return {**PART_PRECISIONS[self.precision], **self.part_precision}
 
     @property
+    def provider(self) -> providers.Provider:
+        return providers.get(self.device)
+
+    @property
+    def decoder_attention(self) -> str:
+        return self.attention or self.provider.default_attention
+
+    @property
     def accuracy(self) -> int:
-        return self.accuracy_level if self.accuracy_level is not None else (4 if self.device == "cpu" else 0)
+        return self.accuracy_level if self.accuracy_level is not None else self.provider.int4_accuracy
 
     @property
     def name(self) -> str:
-        return f"{self.device}_{self.precision}"
+        """`<device>_<precision>`, plus `_<attention>` when the decoder graph is not the device's default."""
+        suffix = "" if self.decoder_attention == self.provider.default_attention else f"_{self.decoder_attention}"
+        return f"{self.device}_{self.precision}{suffix}"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -105,9 +109,19 @@ EXPECTED_OPS = {("llm_decoder", "int4"): "MatMulNBits", ("audio_heads", "int4"):
                 ("text_embed", "int8"): "GatherBlockQuantized", ("llm_decoder", "fp32"): "GroupQueryAttention"}
 
 
-def verify_graph(part: str, path: Path, precision: str, block_size: int) -> dict:
-    """ONNX checker + the ops the precision implies (ModelBuilder silently ignores misspelled options, G4)."""
+# the only non-standard op a portable decoder may hold (its int4 weights); OpenVINO and the CPU EP both run it
+PORTABLE_CONTRIB = {"int4": {"MatMulNBits"}, "fp32": set(), "fp16": set()}
+
+
+def verify_graph(part: str, path: Path, precision: str, block_size: int, attention: str = "gqa") -> dict:
+    """ONNX checker + the ops the precision implies (ModelBuilder silently ignores misspelled options, G4); a
+    portable decoder must hold standard ops only; an OpenVINO IR decoder must hold compressed weights at int4."""
     import onnx
+
+    if path.suffix == ".xml":
+        from .runtime.openvino import describe_ir
+
+        return describe_ir(path, precision)
 
     try:
         onnx.checker.check_model(str(path))
@@ -120,7 +134,13 @@ def verify_graph(part: str, path: Path, precision: str, block_size: int) -> dict
         checker = "ORT-only ops: validated by onnxruntime"
     model = onnx.load(str(path), load_external_data=False)
     ops = sorted({n.op_type for n in model.graph.node})
-    want = EXPECTED_OPS.get((part, precision))
+    if part == "llm_decoder" and attention == "portable":
+        contrib = {n.op_type for n in model.graph.node if n.domain not in ("", "ai.onnx")}
+        if contrib - PORTABLE_CONTRIB[precision]:
+            raise RuntimeError(f"the portable decoder holds non-standard ops {sorted(contrib)}")
+        want = "MatMulNBits" if precision == "int4" else None
+    else:
+        want = EXPECTED_OPS.get((part, precision))
     if want and want not in ops:
         raise RuntimeError(f"{part} at {precision} should contain {want} but has only {ops}")
     if want == "MatMulNBits":
@@ -137,6 +157,11 @@ def verify_graph(part: str, path: Path, precision: str, block_size: int) -> dict
 def io_signature(path: Path) -> dict:
     """Names, dtypes and (symbolic) dims of a graph's inputs and outputs, for the manifest."""
     import onnx
+
+    if path.suffix == ".xml":
+        from .runtime.openvino import ir_signature
+
+        return ir_signature(path)
 
     model = onnx.load(str(path), load_external_data=False)
 
@@ -180,7 +205,7 @@ class Exporter:
         key = {"part": part, "precision": o.precisions[part], "block": o.block_size, "accuracy": o.accuracy,
                "checkpoint": ckpt_digest, "version": parts.module(part).BUILD_VERSION}
         if parts.device_specific(part):
-            key["device"] = o.device
+            key["device"], key["attention"] = o.device, o.decoder_attention
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
     def part_dir(self, part: str, stamp: str) -> Path:
@@ -212,19 +237,23 @@ class Exporter:
         shutil.rmtree(tmp, ignore_errors=True)
         self.work.mkdir(parents=True, exist_ok=True)
         job = parts.BuildJob(ckpt=ckpt, out=tmp, work=self.work, precision=precision, device=o.device,
+                             attention=o.decoder_attention,
                              block_size=o.block_size, accuracy_level=o.accuracy, digest=digest, say=say)
         t0 = time.perf_counter()
         path = parts.module(part).build(job)
         seconds = time.perf_counter() - t0
         release_memory()
-        graph = verify_graph(part, path, precision, o.block_size)
+        graph = verify_graph(part, path, precision, o.block_size, o.decoder_attention)
         t0 = time.perf_counter()
-        if parts.device_specific(part) and o.device != "cpu":  # e.g. a cuda decoder graph does not run on the cpu EP
-            parity = {"skipped": f"{o.device} graph"}
+        # a device-specific graph is checked on its own provider, where this project can run that one (e.g. the
+        # openvino decoder on the OpenVINO runtime); a cuda decoder graph does not run on the cpu EP
+        check_on = o.device if parts.device_specific(part) else providers.BUILD_PROVIDER.name
+        if providers.get(check_on).status != providers.VERIFIED:
+            parity = {"skipped": f"{o.device} graph ({providers.BUILT_ONLY})"}
         else:
             ref = ReferenceModel(ckpt, dtype=parity_dtype(facts))
             say(f"built in {seconds:.0f} s; checking against the PyTorch reference ({_holds(part, ref)})")
-            parity = check_part(part, path, ref, precision)
+            parity = check_part(part, path, ref, precision, provider=check_on)
             del ref
             release_memory()
         if not parity.get("ok", True):
@@ -276,8 +305,11 @@ class Exporter:
                   "revision": self.revision, "synthetic": self.synthetic, "path": str(ckpt),
                   "files": {n: _cached_sha256(ckpt / n) for n in ("config.json", "model.safetensors", *TOKENIZER_FILES)
                             if (ckpt / n).is_file()}}
-        return new_manifest(device=self.opts.device, precision=self.opts.precision,
-                            execution_provider=EXECUTION_PROVIDERS[self.opts.device],
+        o = self.opts
+        decoder = {"attention": o.decoder_attention, "cache": providers.CACHE_LAYOUT[o.decoder_attention],
+                   "format": "openvino-ir" if o.provider.ir else "onnx"}
+        return new_manifest(device=o.device, precision=o.precision, decoder=decoder,
+                            execution_provider=o.provider.ort_name or f"OpenVINO {o.provider.ov_device}",
                             model={**asdict(facts), "frame_rate": facts.frame_rate},
                             tokens=asdict(PromptTokens.from_tokenizer(tok, facts.placeholder)), parts=parts,
                             source=source)

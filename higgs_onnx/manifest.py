@@ -23,12 +23,19 @@ OPTIONAL_PARTS = ("audio_tokenizer_stream",)
 REQUIRED_PARTS = tuple(p for p in PART_NAMES if p not in OPTIONAL_PARTS)
 
 
+# what a manifest without a "decoder" entry (written before the portable decoder existed) describes
+DEFAULT_DECODER = {"attention": "gqa", "cache": "shared-buffer", "format": "onnx"}
+
+
 def new_manifest(*, device: str, precision: str, execution_provider: str, model: dict, tokens: dict, parts: dict,
-                 source: dict) -> dict:
-    """The manifest of a finished export: what `load_manifest` checks and the runtime reads."""
+                 source: dict, decoder: dict | None = None) -> dict:
+    """The manifest of a finished export: what `load_manifest` checks and the runtime reads. `decoder` says which
+    decoder graph it holds: attention ("gqa" | "portable"), cache layout ("shared-buffer" | "concat") and format
+    ("onnx" | "openvino-ir")."""
     return {"schema_version": SCHEMA_VERSION, "format": "higgs-onnx",
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": device, "precision": precision,
-            "execution_provider": execution_provider, "model": model, "tokens": tokens, "tokenizer": "tokenizer.json",
+            "execution_provider": execution_provider, "decoder": decoder or dict(DEFAULT_DECODER), "model": model,
+            "tokens": tokens, "tokenizer": "tokenizer.json",
             "genai_config": "genai_config.json", "parts": parts, "source": source, "tools": tool_versions()}
 
 
@@ -44,7 +51,8 @@ def tool_versions() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
     out = {}
-    for pkg in ("onnxruntime", "onnxruntime-genai", "olive-ai", "onnx", "torch", "transformers", "numpy"):
+    for pkg in ("onnxruntime", "onnxruntime-genai", "olive-ai", "onnx", "torch", "transformers", "numpy", "openvino",
+                "nncf"):
         try:
             out[pkg] = version(pkg)
         except PackageNotFoundError:
@@ -87,6 +95,11 @@ class Manifest:
     @property
     def model(self) -> dict:
         return self.data["model"]
+
+    @property
+    def decoder(self) -> dict:
+        """The decoder graph: {"attention", "cache", "format"} (older manifests: ModelBuilder's GQA graph)."""
+        return {**DEFAULT_DECODER, **self.data.get("decoder", {})}
 
     def path(self, name: str) -> Path:
         return safe_member(self.folder, name)
@@ -154,6 +167,10 @@ def check_schema(data: dict, mf: Path) -> None:
         for io in ("inputs", "outputs"):
             _expect(isinstance(entry.get(io), list) and all(isinstance(x, dict) and isinstance(x.get("name"), str)
                                                             for x in entry[io]), mf, f"part {part} '{io}' malformed")
+    decoder = data.get("decoder", DEFAULT_DECODER)
+    _expect(isinstance(decoder, dict) and decoder.get("cache") in ("shared-buffer", "concat")
+            and decoder.get("format") in ("onnx", "openvino-ir"), mf,
+            "'decoder' must give a cache layout (shared-buffer | concat) and a format (onnx | openvino-ir)")
     model = data.get("model")
     _expect(isinstance(model, dict), mf, "'model' must be an object")
     tokens = data.get("tokens")

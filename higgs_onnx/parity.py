@@ -228,6 +228,6 @@ CHECKS = {"text_embed": check_text_embed, "audio_embed": check_audio_embed, "aud
 
 
 def check_part(name: str, path, ref, precision: str, provider: str = "cpu", seed: int = 0) -> dict:
-    from .runtime.session import Part
+    from .runtime.session import open_part
 
-    return CHECKS[name](Part(name, path, provider), ref, precision, np.random.default_rng(seed))
+    return CHECKS[name](open_part(name, path, provider), ref, precision, np.random.default_rng(seed))

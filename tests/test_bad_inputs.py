@@ -258,7 +258,7 @@ def test_checkpoint_rows(capsys, tiny_ckpt, tmp_path, case, mutate, message):
 def test_invalid_device_precision_row(capsys, tmp_path):
     assert optimize.main(["--synthetic", "tiny", "--device", "dml", "--precision", "fp32",
                           "--output", str(tmp_path)]) == 2
-    assert "valid combinations: cpu/int4, cpu/fp32" in capsys.readouterr().err
+    assert "valid precisions on dml: gqa: int4, fp16" in capsys.readouterr().err
 
 
 def test_concurrent_build_row(capsys, tiny_ckpt, tmp_path):

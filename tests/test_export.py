@@ -149,7 +149,8 @@ def test_gpu_graphs_build_here(builds, tiny_ckpt, out_root, device, precision):
     m = load_manifest(folder, verify=True)
     assert m.data["device"] == device
     assert m.data["execution_provider"] == {"cuda": "CUDAExecutionProvider", "dml": "DmlExecutionProvider"}[device]
-    assert m.parts["llm_decoder"]["parity"] == {"skipped": f"{device} graph"}
+    assert m.parts["llm_decoder"]["parity"] == {"skipped": f"{device} graph (built, not run here)"}
+    assert m.decoder == {"attention": "gqa", "cache": "shared-buffer", "format": "onnx"}
     assert m.parts["llm_decoder"]["precision"] == precision
     heads = m.parts["audio_heads"]  # voice-critical: fp32 in an int4 build, fp16 in an fp16 one
     assert heads["precision"] == {"int4": "fp32", "fp16": "fp16"}[precision] and heads["parity"]["ok"]
@@ -157,7 +158,7 @@ def test_gpu_graphs_build_here(builds, tiny_ckpt, out_root, device, precision):
 
 def test_invalid_combination_is_refused_up_front(tmp_path):
     r = optimize("--synthetic", "tiny", "--device", "cpu", "--precision", "fp16", "--output", str(tmp_path))
-    assert r.returncode == 2 and "cpu/int4" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "gqa: int4, fp32" in r.stderr and "Traceback" not in r.stderr
     assert r.stderr.count("\n") == 1 and not (tmp_path / "cpu_fp16").exists()
     r = optimize("--synthetic", "tiny", "--part-precision", "audio_encoder=int4", "--output", str(tmp_path))
     assert r.returncode == 2 and "audio_encoder cannot be built at int4" in r.stderr

@@ -135,13 +135,13 @@ SECTIONS: dict[str, Section] = {
 }
 
 
-def load_models(model_path: Path, checkpoint: str | None, verify: bool = True):
+def load_models(model_path: Path, checkpoint: str | None, verify: bool = True, provider: str | None = None):
     """(HiggsTTS, ReferenceModel): the export and its reference (default: the checkpoint its manifest names)."""
     from ..checkpoint import resolve
     from ..reference.model import ReferenceModel, parity_dtype
     from ..runtime.model import HiggsTTS
 
-    tts = HiggsTTS(model_path, verify=verify)
+    tts = HiggsTTS(model_path, provider=provider, verify=verify)
     source = checkpoint or tts.manifest.data["source"]["path"]
     if not checkpoint and not Path(source).is_dir():
         source = tts.manifest.data["source"]["repo_id"] or source
@@ -176,10 +176,10 @@ def write_reports(report: Report, outputs: Outputs) -> str:
 
 
 def evaluate(model_path: Path, checkpoint: str | None = None, options: EvalOptions | None = None,
-             outputs: Outputs | None = None, verify: bool = True) -> tuple[Report, str]:
+             outputs: Outputs | None = None, verify: bool = True, provider: str | None = None) -> tuple[Report, str]:
     """Load, run every section, write the reports; (report, Markdown text)."""
     outputs = outputs or Outputs()
     outputs.check()
-    tts, ref = load_models(model_path, checkpoint, verify)
+    tts, ref = load_models(model_path, checkpoint, verify, provider)
     report = Evaluator(tts, ref, options).run()
     return report, write_reports(report, outputs)

@@ -25,6 +25,7 @@ class BuildJob:
     work: Path  # scratch space shared by builds (Olive cache, ModelBuilder cache, extracted body)
     precision: str
     device: str
+    attention: str  # decoder graph (providers.ATTENTIONS); only the decoder reads it
     block_size: int
     accuracy_level: int
     digest: str  # cheap identity of the checkpoint files (checkpoint.files_digest)

@@ -1,5 +1,7 @@
 """`llm_decoder`: the Qwen3 body, built by onnxruntime-genai's ModelBuilder (called directly; Olive's ModelBuilder
-pass is broken with genai 0.18, toolchain G7) with `exclude_embeds` and `exclude_lm_head`.
+pass is broken with genai 0.18, toolchain G7) with `exclude_embeds` and `exclude_lm_head` ("gqa" graph), or by
+`portable_decoder` from standard ONNX ops ("portable" graph, concat cache). For a provider whose runtime is
+OpenVINO the portable fp32 graph is converted to OpenVINO IR with OpenVINO's own weight compression.
 
 I/O (cpu fp32/int4 graph, toolchain §2.4):
     inputs_embeds [B, S, D] float, attention_mask [B, total] int64, past_key_values.{i}.key/.value [B, KV, past, hd]
@@ -17,6 +19,7 @@ import logging
 import shutil
 from pathlib import Path
 
+from .. import providers
 from ..memory import DropMappedPages, release_memory
 from . import BuildJob
 
@@ -24,7 +27,6 @@ log = logging.getLogger(__name__)
 
 NAME = "llm_decoder"
 FILE = "llm_decoder.onnx"
-EP_NAMES = {"cpu": "cpu", "cuda": "cuda", "dml": "dml"}  # ModelBuilder execution_provider names
 BUILD_VERSION = 1  # bump to invalidate existing decoder stamps
 DEVICE_SPECIFIC = True  # ModelBuilder makes EP-specific graphs (toolchain G9): one build per device
 EXTRA_FILES = ("genai_config.json",)
@@ -42,8 +44,9 @@ def _model_builder(qwen3_dir: Path, out: Path, precision: str, ep: str, cache: P
 
     weights = qwen3_dir / WEIGHTS
     with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink), DropMappedPages(weights):
-        opts = parse_extra_options(None, str(qwen3_dir), str(out), precision, EP_NAMES[ep], str(cache), kv)
-        create_model(None, str(qwen3_dir), str(out), precision, EP_NAMES[ep], str(cache), **opts)
+        builder_ep = providers.get(ep).builder_ep
+        opts = parse_extra_options(None, str(qwen3_dir), str(out), precision, builder_ep, str(cache), kv)
+        create_model(None, str(qwen3_dir), str(out), precision, builder_ep, str(cache), **opts)
     log.debug("ModelBuilder output:\n%s", sink.getvalue())
     # ModelBuilder's objects form reference cycles that keep the HF model (a memory map of the whole checkpoint,
     # 5.6 GB resident on the 4b geometry) alive until the next collection: free them before anything else runs
@@ -68,9 +71,17 @@ def build(job: BuildJob) -> Path:
                                     f"{need / 2**30:.1f} GB (the previous build is left as it is)")
     job.say("extracting the Qwen3 body (tensor by tensor: RAM holds one)")
     qwen3 = extract_qwen3(job.ckpt, job.work / f"qwen3-{job.digest[:16]}")
+    provider = providers.get(job.device)
+    if provider.ir:
+        return build_openvino(qwen3, job)
+    if job.attention == "portable":
+        from .portable_decoder import build_portable_decoder
+
+        job.say(f"portable decoder (standard ONNX ops, concat cache): {job.precision}")
+        return build_portable_decoder(qwen3, job.out, job.precision, job.block_size, job.accuracy_level)
     job.say(f"ModelBuilder: {job.precision} decoder for {job.device}"
             + (" (fp32 graph, streamed to disk, then quantized one weight at a time)"
-               if job.precision == "int4" and job.device == "cpu" else ""))
+               if job.precision == "int4" and provider.memory == providers.HOST_MEMORY else ""))
     build_from_qwen3(qwen3, job.out, job.precision, job.device, job.work / "mb", job.block_size, job.accuracy_level)
     return job.out / FILE
 
@@ -80,7 +91,8 @@ def build_from_qwen3(qwen3_dir: Path, out: Path, precision: str, ep: str, work: 
     """Build `out/llm_decoder.onnx` (+ `.data`) and `out/genai_config.json` from an extracted Qwen3 folder."""
     from ..quantize import quantize_model_int4
 
-    if precision == "int4" and ep == "cpu" and streaming:
+    # the CPU-memory path of ModelBuilder's int4 holds an fp32 copy of every weight (G8): quantize ourselves
+    if precision == "int4" and providers.get(ep).builder_ep == providers.BUILD_PROVIDER.builder_ep and streaming:
         fp32 = work / "fp32"
         _model_builder(qwen3_dir, fp32, "fp32", ep, work / "mb_cache")
         n = quantize_model_int4(fp32 / FILE, out / FILE, block_size=block_size, accuracy_level=accuracy_level)
@@ -90,3 +102,20 @@ def build_from_qwen3(qwen3_dir: Path, out: Path, precision: str, ep: str, work: 
         return
     options = {"block_size": block_size, "accuracy_level": accuracy_level} if precision == "int4" else {}
     _model_builder(qwen3_dir, out, precision, ep, work / "mb_cache", **options)
+
+
+def build_openvino(qwen3: Path, job: BuildJob) -> Path:
+    """The portable fp32 graph, converted to OpenVINO IR at `job.precision` (int4: OpenVINO's weight compression
+    with group size `job.block_size`; fp16: fp16 weights) -> `job.out/llm_decoder.xml` + `.bin`."""
+    from ..runtime.openvino import to_ir
+    from .portable_decoder import build_portable_decoder
+
+    scratch = job.work / f"ov-fp32-{job.digest[:16]}"
+    shutil.rmtree(scratch, ignore_errors=True)
+    job.say("portable fp32 decoder (standard ONNX ops), then OpenVINO IR")
+    onnx_path = build_portable_decoder(qwen3, scratch, "fp32", job.block_size, job.accuracy_level)
+    job.say(f"converting to OpenVINO IR at {job.precision}")
+    xml = to_ir(onnx_path, job.out / "llm_decoder.xml", job.precision, job.block_size)
+    shutil.copyfile(scratch / "genai_config.json", job.out / "genai_config.json")
+    shutil.rmtree(scratch, ignore_errors=True)
+    return xml

@@ -13,6 +13,7 @@ import shutil
 import warnings
 from pathlib import Path
 
+from ..providers import BUILD_PROVIDER
 from . import BuildJob
 from .common import write_source
 
@@ -56,8 +57,9 @@ def build(part: str, job: BuildJob, opset: int = 17, fp16_in_torch: bool = False
         "input_model": {"type": "PyTorchModel", "model_path": str(source),
                         "model_script": str(ROOT / "user_script.py"), "model_loader": f"get_{part}_model",
                         "dummy_inputs_func": f"get_{part}_dummy_inputs", "io_config": f"get_{part}_io_config"},
-        "systems": {"local": {"type": "LocalSystem",
-                              "accelerators": [{"device": "cpu", "execution_providers": ["CPUExecutionProvider"]}]}},
+        "systems": {"local": {"type": "LocalSystem",  # parts other than the decoder are built (and run) on the CPU EP
+                              "accelerators": [{"device": BUILD_PROVIDER.name,
+                                                "execution_providers": [BUILD_PROVIDER.ort_name]}]}},
         "passes": dict(final),
         "host": "local", "target": "local", "cache_dir": str(work / "olive_cache"),
         "output_dir": str(work / "olive_out"), "log_severity_level": 3, "clean_cache": True,

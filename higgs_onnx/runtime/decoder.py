@@ -1,17 +1,27 @@
-"""The exported Qwen3 decoder (ModelBuilder GQA graph) with its KV cache.
+"""The exported Qwen3 decoder with its KV cache.
 
 Positions come from `attention_mask` (no position_ids in the cpu graph, toolchain G10); past/present names and
-shapes are read from the session and the model facts, never hard-coded.
+shapes are read from the session and the model facts, never hard-coded. Feeds take the dtypes the graph declares
+(an fp16 decoder gets fp16 embeddings and cache).
 
-- `BoundDecoder` (default): one preallocated buffer per layer and key/value, bound through IOBinding as both
-  `past_key_values.{i}.*` and `present.{i}.*`; GroupQueryAttention writes the new rows in place (toolchain §8).
-  No cache crosses NumPy per step; per-step host work is binding the new row and a growing mask view.
-- `SimpleDecoder`: growing caches fed back through NumPy; the plain path the bound one is tested against.
+- `BoundDecoder` (ModelBuilder's GQA graph, "shared-buffer" cache; the default): one preallocated buffer per layer
+  and key/value, bound through IOBinding as both `past_key_values.{i}.*` and `present.{i}.*`; GroupQueryAttention
+  writes the new rows in place (toolchain §8). The buffers live where the decoder runs (`providers.Provider.memory`):
+  NumPy-backed host memory on the CPU (zero-copy), `OrtValue`s in device memory on cuda/dml, so a GPU step never
+  moves the cache across the bus; only the new row's embedding goes in and its hidden state comes out.
+- `ConcatDecoder` (the portable graph, "concat" cache): present = past + the new rows; the presents stay
+  `OrtValue`s on the provider's device and are bound as the next step's past (no NumPy round trip).
+- `SimpleDecoder`: growing caches fed back through NumPy; the plain path the others are tested against, and the
+  one the OpenVINO runtime drives.
+- `SerialPool`: the batching interface (`acquire`, `run_batch`) for decoders without a batched graph path: rows
+  are stepped one after another.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from .. import providers
 
 PAST, PRESENT = "past_key_values.", "present."
 
@@ -25,7 +35,18 @@ def _check(hidden: np.ndarray) -> np.ndarray:
     return hidden.astype(np.float32, copy=False)
 
 
-class SimpleCache:
+class _Pooled:
+    """A cache that a `SerialPool` may hand out as a slot: `free()` gives it back."""
+
+    pool = None
+
+    def free(self) -> None:
+        if self.pool is not None:
+            self.pool.release(self)
+            self.pool = None
+
+
+class SimpleCache(_Pooled):
     """One request's growing cache (NumPy arrays per past input)."""
 
     def __init__(self, arrays: dict[str, np.ndarray]):
@@ -51,6 +72,9 @@ class SimpleDecoder:
     def snapshot(self, cache: SimpleCache) -> dict[str, np.ndarray]:
         return {n: c.copy() for n, c in cache.arrays.items()}
 
+    def pool(self, slots: int, max_len: int) -> SerialPool:
+        return SerialPool(self, slots, max_len)
+
     def run(self, cache: SimpleCache, embeds: np.ndarray) -> np.ndarray:
         """(S, D) new positions appended to `cache` -> (S, D) hidden states."""
         cache.length += len(embeds)
@@ -61,23 +85,70 @@ class SimpleDecoder:
         return _check(outs["hidden_states"][0])
 
 
-class BoundCache:
-    """One request's KV buffers: one (1, KV heads, max_len, head dim) array per layer and key/value, wrapped
-    without a copy as the `OrtValue` bound as both past and present, plus its own IOBinding and step output."""
+class DeviceCopy:
+    """Writes host arrays into device buffers at a byte offset, through an Identity graph whose output is bound
+    to the destination (ONNX Runtime's Python API has no memcpy into a slice of an `OrtValue`). Used to put a saved
+    prompt prefix into a device-resident cache; one run per (layer, KV head) of the prefix, once per request."""
 
-    def __init__(self, session, arrays: dict[str, np.ndarray], embed_dtype, hidden: int):
+    def __init__(self, provider_ort: list[str], memory: str):
+        import onnx
+        import onnxruntime as ort
+        from onnx import helper
+
+        self.memory, self._sessions, self._ort = memory, {}, ort
+        self._providers, self._onnx, self._helper = provider_ort, onnx, helper
+
+    def _session(self, dtype):
+        key = np.dtype(dtype)
+        if key not in self._sessions:
+            h = self._helper
+            elem = h.np_dtype_to_tensor_dtype(key)
+            graph = h.make_graph([h.make_node("Identity", ["x"], ["y"])], "copy",
+                                 [h.make_tensor_value_info("x", elem, ["n"])],
+                                 [h.make_tensor_value_info("y", elem, ["n"])])
+            model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17)], ir_version=10)
+            self._sessions[key] = self._ort.InferenceSession(model.SerializeToString(), providers=self._providers)
+        return self._sessions[key]
+
+    def write(self, dst_ptr: int, src: np.ndarray) -> None:
+        """Copy the contiguous `src` to the device address `dst_ptr` (as one flat run of elements)."""
+        src = np.ascontiguousarray(src).reshape(-1)
+        sess = self._session(src.dtype)
+        io = sess.io_binding()
+        io.bind_cpu_input("x", src)
+        io.bind_output("y", self.memory, 0, src.dtype, [src.size], dst_ptr)
+        sess.run_with_iobinding(io)
+
+
+def _write_rows(copy: DeviceCopy, buf, index: int, rows: np.ndarray) -> None:
+    """Put `rows` (KV heads, L, head dim) at positions [0, L) of slot `index` of a device buffer
+    (slots, KV heads, capacity, head dim): one contiguous run per KV head."""
+    _, heads, capacity, hd = buf.shape()
+    item = np.dtype(rows.dtype).itemsize
+    base = buf.data_ptr() + index * heads * capacity * hd * item
+    for h in range(heads):
+        copy.write(base + h * capacity * hd * item, rows[h])
+
+
+class BoundCache:
+    """One request's KV buffers: one (1, KV heads, max_len, head dim) buffer per layer and key/value, bound as both
+    past and present, plus its own IOBinding and step output. Host memory: NumPy arrays wrapped without a copy as
+    `OrtValue`s; device memory: `OrtValue`s allocated on the device (`arrays` is then None)."""
+
+    def __init__(self, session, buffers: dict, embed_dtype, hidden: int, memory: str = "cpu",
+                 arrays: dict[str, np.ndarray] | None = None):
         import onnxruntime as ort
 
-        self.arrays = arrays  # ORT writes the new rows into these in place
-        self.buffers = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in arrays.items()}
-        self.capacity = next(iter(arrays.values())).shape[2]
+        self.arrays = arrays  # host memory: ORT writes the new rows into these in place
+        self.buffers, self.memory = buffers, memory
+        self.capacity = next(iter(buffers.values())).shape()[2]
         self.mask = np.ones((1, self.capacity), np.int64)
         self.length = 0
         self.io = session.io_binding()
         for n, buf in self.buffers.items():
             self.io.bind_ortvalue_input(n, buf)
             self.io.bind_ortvalue_output(n.replace(PAST, PRESENT), buf)
-        self.step_out = ort.OrtValue.ortvalue_from_shape_and_type((1, 1, hidden), embed_dtype, "cpu")
+        self.step_out = ort.OrtValue.ortvalue_from_shape_and_type((1, 1, hidden), embed_dtype, memory, 0)
 
 
 class BoundDecoder:
@@ -87,29 +158,58 @@ class BoundDecoder:
     rows; the decoder itself keeps nothing between calls (ORT sessions allow concurrent `run` calls).
     """
 
-    def __init__(self, part, facts, device: str = "cpu"):
-        self.part, self.facts, self.device = part, facts, device
+    def __init__(self, part, facts, memory: str = "cpu", offset_binding: bool = True, device_resident: bool = False):
+        """`memory`: where the buffers live (`providers.Provider.memory`). On "cpu" they are NumPy-backed unless
+        `device_resident` asks for ORT-allocated `OrtValue`s as on a GPU (the same code path, testable here)."""
+        self.part, self.facts, self.memory = part, facts, memory
+        self.host = memory == providers.HOST_MEMORY and not device_resident
+        self.offset_binding = offset_binding
         self.session = part.session
         self.past = [n for n in part.input_types if n.startswith(PAST)]
         self.embed_dtype = part.input_types["inputs_embeds"]
+        self._copy: DeviceCopy | None = None
+
+    @property
+    def copier(self) -> DeviceCopy:
+        if self._copy is None:
+            self._copy = DeviceCopy(self.session.get_providers(), self.memory)
+        return self._copy
+
+    def allocate(self, shape: tuple, name: str):
+        """One KV buffer: (host array or None, OrtValue). np.zeros maps untouched pages lazily, so only the
+        positions written cost memory; device buffers are left uninitialised (GQA reads only written rows)."""
+        import onnxruntime as ort
+
+        dtype = self.part.input_types[name]
+        if self.host:
+            a = np.zeros(shape, dtype)
+            return a, ort.OrtValue.ortvalue_from_numpy(a)
+        return None, ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, self.memory, 0)
 
     def new_cache(self, max_len: int, state: dict[str, np.ndarray] | None = None) -> BoundCache:
-        """Buffers for `max_len` positions (prompt + generated rows), empty or holding a `snapshot`'s prefix.
-        np.zeros maps untouched pages lazily, so only the positions written cost memory."""
+        """Buffers for `max_len` positions (prompt + generated rows), empty or holding a `snapshot`'s prefix."""
         f = self.facts
         length = 0 if state is None else next(iter(state.values())).shape[2]
         if length > max_len:
             raise ValueError(f"a saved prefix of {length} positions does not fit a cache of {max_len}")
-        arrays = {n: np.zeros((1, f.kv_heads, max_len, f.head_dim), self.part.input_types[n]) for n in self.past}
+        made = {n: self.allocate((1, f.kv_heads, max_len, f.head_dim), n) for n in self.past}
+        buffers = {n: v for n, (_, v) in made.items()}
+        arrays = {n: a for n, (a, _) in made.items()} if self.host else None
         if state is not None:
-            for n, a in arrays.items():
-                a[:, :, :length] = state[n]
-        cache = BoundCache(self.session, arrays, self.embed_dtype, f.hidden)
+            for n in self.past:
+                rows = np.asarray(state[n][0], self.part.input_types[n])
+                if self.host:
+                    arrays[n][0, :, :length] = rows
+                else:
+                    _write_rows(self.copier, buffers[n], 0, rows)
+        cache = BoundCache(self.session, buffers, self.embed_dtype, f.hidden, self.memory, arrays)
         cache.length = length
         return cache
 
     def snapshot(self, cache: BoundCache) -> dict[str, np.ndarray]:
         """A copy of the cache rows written so far: the reusable prefill state of a prompt prefix."""
+        if cache.arrays is None:  # device memory: one copy of each buffer to the host
+            return {n: b.numpy()[:, :, :cache.length].copy() for n, b in cache.buffers.items()}
         return {n: a[:, :, :cache.length].copy() for n, a in cache.arrays.items()}
 
     def pool(self, slots: int, max_len: int) -> SlotPool:
@@ -134,7 +234,7 @@ class BoundDecoder:
             out = cache.step_out
         else:  # prefill: a one-off buffer
             out = ort.OrtValue.ortvalue_from_shape_and_type((1, len(embeds), self.facts.hidden), self.embed_dtype,
-                                                            "cpu")
+                                                            self.memory, 0)
         io.bind_ortvalue_output("hidden_states", out)
         self.session.run_with_iobinding(io)
         return _check(out.numpy()[0])  # only the new rows' hidden states cross to NumPy, never the cache
@@ -174,12 +274,15 @@ class SlotPool:
 
         if slots < 1:
             raise ValueError(f"a slot pool needs >= 1 slot, got {slots}")
+        if slots > 1 and not decoder.offset_binding:
+            raise ValueError(f"batched decoding with {slots} slots needs KV buffers bound at an offset, which "
+                             f"{decoder.memory} memory does not allow; use one slot (--max-batch 1)")
         f, self.decoder = decoder.facts, decoder
         self.session, self.embed_dtype, self.hidden = decoder.session, decoder.embed_dtype, f.hidden
-        self.slots, self.capacity = slots, max_len
-        # np.zeros maps pages lazily: only positions a request writes cost memory
-        self.arrays = {n: np.zeros((slots, f.kv_heads, max_len, f.head_dim), decoder.part.input_types[n])
-                       for n in decoder.past}
+        self.slots, self.capacity, self.memory = slots, max_len, decoder.memory
+        made = {n: decoder.allocate((slots, f.kv_heads, max_len, f.head_dim), n) for n in decoder.past}
+        self.buffers = {n: v for n, (_, v) in made.items()}
+        self.arrays = {n: a for n, (a, _) in made.items()} if decoder.host else None
         self.lengths = [0] * slots
         self.free_slots = list(range(slots))
         self.mask = np.ones((slots, max_len), np.int64)
@@ -196,8 +299,12 @@ class SlotPool:
         length = 0
         if state is not None:
             length = next(iter(state.values())).shape[2]
-            for n, a in self.arrays.items():
-                a[i, :, :length] = state[n][0]
+            for n, buf in self.buffers.items():
+                rows = np.asarray(state[n][0], self.decoder.part.input_types[n])
+                if self.arrays is not None:
+                    self.arrays[n][i, :, :length] = rows
+                else:
+                    _write_rows(self.decoder.copier, buf, i, rows)
         self.lengths[i] = length
         return Slot(self, i)
 
@@ -215,11 +322,20 @@ class SlotPool:
         key = (first, rows)
         if key not in self._views:
             io = self.session.io_binding()
-            for n, a in self.arrays.items():  # a contiguous view: ORT reads and writes the pool's memory
-                buf = self._ort.OrtValue.ortvalue_from_numpy(a[first:first + rows])
-                io.bind_ortvalue_input(n, buf)
-                io.bind_ortvalue_output(n.replace(PAST, PRESENT), buf)
-            out = self._ort.OrtValue.ortvalue_from_shape_and_type((rows, 1, self.hidden), self.embed_dtype, "cpu")
+            for n, buf in self.buffers.items():  # a contiguous view: ORT reads and writes the pool's memory
+                present = n.replace(PAST, PRESENT)
+                if (first, rows) == (0, self.slots):
+                    io.bind_ortvalue_input(n, buf)
+                    io.bind_ortvalue_output(present, buf)
+                    continue
+                shape = buf.shape()
+                dtype = self.decoder.part.input_types[n]
+                ptr = buf.data_ptr() + first * int(np.prod(shape[1:])) * np.dtype(dtype).itemsize
+                view = [rows, *shape[1:]]
+                io.bind_input(n, self.memory, 0, dtype, view, ptr)
+                io.bind_output(present, self.memory, 0, dtype, view, ptr)
+            out = self._ort.OrtValue.ortvalue_from_shape_and_type((rows, 1, self.hidden), self.embed_dtype,
+                                                                  self.memory, 0)
             self._views[key] = (io, out)
         return self._views[key]
 
@@ -232,7 +348,7 @@ class SlotPool:
         io.bind_cpu_input("inputs_embeds", np.ascontiguousarray(embeds[None], self.embed_dtype))
         io.bind_cpu_input("attention_mask", self.mask[:1, :start + len(embeds)])
         out = step_out if len(embeds) == 1 else self._ort.OrtValue.ortvalue_from_shape_and_type(
-            (1, len(embeds), self.hidden), self.embed_dtype, "cpu")
+            (1, len(embeds), self.hidden), self.embed_dtype, self.memory, 0)
         io.bind_ortvalue_output("hidden_states", out)
         self.session.run_with_iobinding(io)
         self.lengths[i] = start + len(embeds)
@@ -259,3 +375,94 @@ class SlotPool:
             self.lengths[i] += 1
         hidden = out.numpy()[idx, 0]
         return _check(hidden)
+
+
+class ConcatCache(_Pooled):
+    """One request's growing cache for the portable graph: the last presents, kept as `OrtValue`s where the
+    decoder runs, bound as the next step's past."""
+
+    def __init__(self, values: dict, length: int, capacity: int):
+        self.values, self.length, self.capacity = values, length, capacity
+
+
+class ConcatDecoder:
+    """The portable decoder ("concat" cache): present = past + the new rows, a new tensor every step. The presents
+    never cross to NumPy: ORT allocates them on the provider's device and they are bound as the next past; only
+    the new rows' hidden states come back. Each step copies the cache once inside the graph (its Concat), the
+    price of standard ops; the GQA graph writes in place instead."""
+
+    def __init__(self, part, facts, memory: str = "cpu"):
+        self.part, self.facts, self.memory = part, facts, memory
+        self.session = part.session
+        self.past = [n for n in part.input_types if n.startswith(PAST)]
+        self.embed_dtype = part.input_types["inputs_embeds"]
+        self.outputs = part.output_names
+
+    def new_cache(self, max_len: int, state: dict[str, np.ndarray] | None = None) -> ConcatCache:
+        import onnxruntime as ort
+
+        f = self.facts
+        arrays = {n: (np.zeros((1, f.kv_heads, 0, f.head_dim)) if state is None else state[n]) for n in self.past}
+        values = {n: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a, self.part.input_types[n]), self.memory, 0)
+                  for n, a in arrays.items()}
+        length = next(iter(arrays.values())).shape[2]
+        if length > max_len:
+            raise ValueError(f"a saved prefix of {length} positions does not fit a cache of {max_len}")
+        return ConcatCache(values, length, max_len)
+
+    def snapshot(self, cache: ConcatCache) -> dict[str, np.ndarray]:
+        return {n: v.numpy() for n, v in cache.values.items()}
+
+    def pool(self, slots: int, max_len: int) -> SerialPool:
+        return SerialPool(self, slots, max_len)
+
+    def run(self, cache: ConcatCache, embeds: np.ndarray) -> np.ndarray:
+        """(S, D) new positions appended to `cache` -> (S, D) hidden states."""
+        if cache.length + len(embeds) > cache.capacity:
+            raise ValueError(f"sequence of {cache.length + len(embeds)} positions exceeds the cache of "
+                             f"{cache.capacity}")
+        io = self.session.io_binding()
+        io.bind_cpu_input("inputs_embeds", np.ascontiguousarray(embeds[None], self.embed_dtype))
+        io.bind_cpu_input("attention_mask", np.ones((1, cache.length + len(embeds)), np.int64))
+        for n, v in cache.values.items():
+            io.bind_ortvalue_input(n, v)
+        for name in self.outputs:
+            io.bind_output(name, self.memory, 0)
+        self.session.run_with_iobinding(io)
+        outs = dict(zip(self.outputs, io.get_outputs(), strict=True))
+        cache.values = {n: outs[n.replace(PAST, PRESENT)] for n in self.past}
+        cache.length += len(embeds)
+        return _check(outs["hidden_states"].numpy()[0])
+
+
+class SerialPool:
+    """The batching interface over a decoder without a batched cache (`ConcatDecoder`, `SimpleDecoder`): each slot
+    is an ordinary cache of its own and a batched step runs the rows one after another. Correct everywhere; the
+    speed of batching needs the GQA graph's `SlotPool`."""
+
+    def __init__(self, decoder, slots: int, max_len: int):
+        if slots < 1:
+            raise ValueError(f"a slot pool needs >= 1 slot, got {slots}")
+        self.decoder, self.slots, self.capacity = decoder, slots, max_len
+        self.taken: list = []
+
+    def acquire(self, capacity: int, state: dict[str, np.ndarray] | None = None):
+        if capacity > self.capacity:
+            raise ValueError(f"a request of {capacity} positions does not fit the pool's {self.capacity}")
+        if len(self.taken) >= self.slots:
+            raise RuntimeError(f"all {self.slots} slots are in use")
+        cache = self.decoder.new_cache(capacity, state)
+        cache.pool = self
+        self.taken.append(cache)
+        return cache
+
+    def release(self, cache) -> None:
+        if cache in self.taken:
+            self.taken.remove(cache)
+
+    @property
+    def in_use(self) -> int:
+        return len(self.taken)
+
+    def run_batch(self, caches: list, embeds: np.ndarray) -> np.ndarray:
+        return np.stack([self.decoder.run(c, embeds[i:i + 1])[-1] for i, c in enumerate(caches)])

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import providers
 from ..audio import load_reference, prepare_reference
 from ..checkpoint import ModelFacts
 from ..generation.engine import Request, prompt_embeddings
@@ -37,15 +38,13 @@ from ..generation.pipeline import Speech, Synthesizer, reference_rows
 from ..generation.prompt import PromptTokens, build_prefix, check_text
 from ..generation.stream import AudioChunk, stream_request
 from ..manifest import ManifestError, load_manifest
-from .decoder import BoundDecoder, SimpleDecoder
-from .session import Part, check_threads
+from .decoder import BoundDecoder, ConcatDecoder, SimpleDecoder
+from .session import Part, check_threads, open_part
 from .stream import CodecStream, StatefulCodecStream, StreamOptions
 
 log = logging.getLogger(__name__)
 
 STATEFUL_CODEC = "audio_tokenizer_stream"
-# which runtime providers can run a folder built for each device
-COMPATIBLE = {"cpu": ("cpu", "openvino"), "cuda": ("cuda",), "dml": ("dml",)}
 
 
 VOICE_FILE = "a voice file is the .npz written by inference.py --save-voice (or HiggsTTS.make_voice(...).save(path))"
@@ -138,7 +137,13 @@ class OnnxBackend:
     def __init__(self, tts: HiggsTTS, kv_cache: str = "bound"):
         self.tts = tts
         part = tts.part("llm_decoder")
-        self.decoder = BoundDecoder(part, tts.facts) if kv_cache == "bound" else SimpleDecoder(part, tts.facts)
+        p = providers.get(tts.provider)
+        if kv_cache != "bound" or p.ort_name is None:  # the OpenVINO runtime: host arrays in and out
+            self.decoder = SimpleDecoder(part, tts.facts)
+        elif tts.manifest.decoder["cache"] == "concat":
+            self.decoder = ConcatDecoder(part, tts.facts, p.memory)
+        else:
+            self.decoder = BoundDecoder(part, tts.facts, p.memory, p.offset_binding)
 
     def embed_text(self, ids: np.ndarray) -> np.ndarray:
         return self.tts.part("text_embed")(input_ids=ids[None])["embeddings"][0].astype(np.float32, copy=False)
@@ -160,8 +165,8 @@ class OnnxBackend:
         return self.tts.part("audio_heads")(hidden_states=hidden[None])["logits"][0].astype(np.float32, copy=False)
 
     def pool(self, slots: int, max_len: int):
-        if not isinstance(self.decoder, BoundDecoder):
-            raise ValueError("batched decoding needs the bound KV cache (kv_cache='bound')")
+        """Slots for continuous batching: one batched decoder call per step on the GQA graph (`SlotPool`), rows
+        stepped one by one otherwise (`SerialPool`)."""
         return self.decoder.pool(slots, max_len)
 
     def decode_batch(self, caches: list, embeds: np.ndarray) -> np.ndarray:
@@ -179,7 +184,7 @@ class HiggsTTS:
         self.manifest = load_manifest(model_path, verify=verify)
         built_for = self.manifest.data["device"]
         self.provider = provider or built_for
-        if self.provider not in COMPATIBLE.get(built_for, ()):
+        if self.provider not in providers.runners(built_for):
             raise ValueError(f"{model_path} was built for {self.manifest.data['execution_provider']} "
                              f"(device {built_for}); run it with --provider {built_for}, or build a "
                              f"{self.provider} export: python optimize.py --device {self.provider} ...")
@@ -219,10 +224,15 @@ class HiggsTTS:
         if name not in self._parts:
             with self._lock:
                 if name not in self._parts:
-                    part = Part(name, self.manifest.part_file(name), self.provider, self.threads)
+                    part = open_part(name, self.manifest.part_file(name), self.provider, self.threads)
                     self._check_io(name, part)
                     self._parts[name] = part
         return self._parts[name]
+
+    def ran_on(self) -> dict[str, str]:
+        """{part: the provider/device its session runs on} for the parts loaded so far (each was checked at load:
+        a part that would fall back to another device is an error, never a silent fallback)."""
+        return {n: p.session.get_providers()[0] for n, p in sorted(self._parts.items())}
 
     def _check_io(self, name: str, part: Part) -> None:
         """The session's I/O must be what the manifest recorded and fit the model facts (readable diff if not)."""

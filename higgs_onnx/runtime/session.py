@@ -7,10 +7,11 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import providers
+
 log = logging.getLogger(__name__)
 
-PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "dml": "DmlExecutionProvider",
-             "openvino": "OpenVINOExecutionProvider"}
+PROVIDERS = tuple(providers.PROVIDERS)  # what --provider takes
 ORT_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
               "tensor(int32)": np.int32, "tensor(bool)": np.bool_}
 
@@ -39,25 +40,58 @@ def session_options(threads: int = 0, spin: bool = False):
     return so
 
 
-def create_session(path: Path, provider: str = "cpu", threads: int = 0, spin: bool = False):
-    """An InferenceSession on `provider`; a requested accelerator that silently fell back to CPU is an error."""
+def check_assignment(name: str, assigned, wanted: str) -> None:
+    """Every node of part `name` must run on `wanted`: a node the session put on the CPU EP beside it is a fallback,
+    and a fallback is an error naming the part and the op (shape arithmetic the EP leaves on the host by design,
+    `providers.SHAPE_OPS`, is allowed). `assigned`: the session's `get_provider_graph_assignment_info()`."""
+    if wanted == providers.BUILD_PROVIDER.ort_name:
+        return
+    fallen = [(n.op_type, n.name) for sg in assigned if sg.ep_name != wanted for n in sg.get_nodes()
+              if n.op_type not in providers.SHAPE_OPS]
+    if fallen:
+        ops = sorted({op for op, _ in fallen})
+        raise ProviderError(f"{name}: {wanted} does not run {', '.join(ops)} (e.g. node {fallen[0][1]}); "
+                            f"{len(fallen)} node(s) would fall back to the CPU")
+
+
+def create_session(path: Path, provider: str = "cpu", threads: int = 0, spin: bool = False, name: str | None = None):
+    """An InferenceSession on `provider`; a requested accelerator that is missing, or that leaves any node of the
+    graph to the CPU EP, is a ProviderError naming the part (and the op)."""
     import onnxruntime as ort
 
-    wanted = PROVIDERS[provider]
+    p = providers.get(provider)
+    name = name or path.stem
+    if p.ort_name is None:
+        raise ProviderError(f"{name}: provider {provider} is not run by ONNX Runtime (use open_part)")
+    wanted = p.ort_name
     if wanted not in ort.get_available_providers():
-        raise ProviderError(f"execution provider {wanted} is not available in this onnxruntime build "
-                            f"(available: {', '.join(ort.get_available_providers())}); install the matching "
-                            f"onnxruntime package (e.g. onnxruntime-gpu, onnxruntime-directml)")
-    providers = [wanted] if wanted == "CPUExecutionProvider" else [wanted, "CPUExecutionProvider"]
+        raise ProviderError(f"{name}: execution provider {wanted} is not available in this onnxruntime build "
+                            f"(available: {', '.join(ort.get_available_providers())}); install {p.install}")
+    cpu = providers.BUILD_PROVIDER.ort_name
     options = session_options(threads, spin)
+    if wanted != cpu:
+        options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
     try:
-        sess = ort.InferenceSession(str(path), options, providers=providers)
+        sess = ort.InferenceSession(str(path), options, providers=[wanted] if wanted == cpu else [wanted, cpu])
     except Exception as e:  # noqa: BLE001 - a damaged graph raises ORT's Fail/InvalidProtobuf or even UnicodeDecodeError
         raise RuntimeError(f"ONNX Runtime cannot load {path.name}: {e} (a damaged file? the sha256 check at load, "
                            f"skipped with --no-verify, finds those)") from None
     if sess.get_providers()[0] != wanted:
-        raise ProviderError(f"{path.name}: asked for {wanted} but the session runs on {sess.get_providers()[0]}")
+        raise ProviderError(f"{name}: asked for {wanted} but the session runs on {sess.get_providers()[0]}")
+    if wanted != cpu:
+        check_assignment(name, sess.get_provider_graph_assignment_info(), wanted)
     return sess
+
+
+def open_part(name: str, path: Path, provider: str = "cpu", threads: int = 0):
+    """A part on `provider`'s runtime: an ONNX Runtime `Part`, or an `OvPart` on the OpenVINO runtime; both take
+    keyword inputs and return {output name: array}."""
+    p = providers.get(provider)
+    if p.ort_name is None:  # not ONNX Runtime: the OpenVINO runtime
+        from .openvino import OvPart
+
+        return OvPart(name, path, threads, device=p.ov_device)
+    return Part(name, path, provider, threads)
 
 
 class Part:
@@ -66,7 +100,7 @@ class Part:
     def __init__(self, name: str, path: Path, provider: str = "cpu", threads: int = 0):
         self.name, self.path = name, path
         # only the decoder's pool may spin (it runs most of the time); see session_options
-        self.session = create_session(path, provider, threads, spin=name == "llm_decoder")
+        self.session = create_session(path, provider, threads, spin=name == "llm_decoder", name=name)
         self.input_types = {i.name: ORT_DTYPES.get(i.type, np.float32) for i in self.session.get_inputs()}
         self.output_names = [o.name for o in self.session.get_outputs()]
 
