@@ -154,15 +154,47 @@ def check_llm_decoder(part, ref, precision: str, rng: np.random.Generator) -> di
     return fig
 
 
-def dequantized_body(ref, onnx_path):
-    """A fresh reference body whose projection weights are the export's int4 weights, dequantized (streamed layer
-    by layer like the reference's own body when that is large)."""
+class IrWeights:
+    """The compressed weights of an OpenVINO IR decoder (OpenVINO's int4 weight compression), dequantized by
+    OpenVINO itself: `get(name)` -> (K, N) float32 for the ONNX initializer name the constant kept (e.g.
+    `model.layers.3.attn.qkv_proj.MatMul.weight`). Each weight's decompression subgraph is compiled and run on its
+    own, so RAM holds one at a time."""
+
+    def __init__(self, path):
+        import openvino as ov
+
+        self.core, self.ov = ov.Core(), ov
+        self.model = self.core.read_model(str(path))
+        self.inputs = {}
+        for op in self.model.get_ordered_ops():
+            if op.get_type_name() != "MatMul":
+                continue
+            src = op.input_value(1).get_node()
+            while src.get_input_size():
+                src = src.input_value(0).get_node()
+            if src.get_type_name() == "Constant" and src.get_output_element_type(0).bitwidth == 4:
+                self.inputs[src.get_friendly_name()] = (op.input_value(1), op.get_attributes().get("transpose_b"))
+
+    def names(self) -> list[str]:
+        return list(self.inputs)
+
+    def get(self, name: str) -> np.ndarray:
+        value, transposed = self.inputs[name]
+        compiled = self.core.compile_model(self.ov.Model([value], [], name), "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+        w = compiled.create_infer_request().infer()[0].astype(np.float32, copy=False)
+        return np.ascontiguousarray(w.T) if transposed else w
+
+
+def dequantized_body(ref, path):
+    """A fresh reference body whose projection weights are the export's int4 weights (MatMulNBits in ONNX, or
+    OpenVINO's compressed constants in IR), dequantized (streamed layer by layer like the reference's own body when
+    that is large)."""
     import torch
 
     from .quantize import DequantizedWeights
     from .reference.body import load_body
 
-    weights, f = DequantizedWeights(onnx_path), ref.facts
+    weights, f = (IrWeights if str(path).endswith(".xml") else DequantizedWeights)(path), ref.facts
     q, kv = f.heads * f.head_dim, f.kv_heads * f.head_dim
     by_layer: dict[int, list[str]] = {}
     for name in weights.names():  # e.g. model.layers.3.attn.qkv_proj.MatMul.weight

@@ -83,11 +83,11 @@ class Provider:
 PROVIDERS: dict[str, Provider] = {p.name: p for p in (
     # fp16 on cpu builds but ModelBuilder's fp16 decode step fails on the CPU EP (toolchain §2.4)
     Provider("cpu", "onnxruntime", "CPUExecutionProvider", "cpu",
-             {"gqa": ("int4", "fp32"), "portable": ("int4", "fp32")},
+             {"gqa": ("int4", "fp32"), "portable": ("int4", "fp16", "fp32")},
              memory="cpu", offset_binding=True, runs=("cpu",), status=VERIFIED, install="onnxruntime",
              int4_accuracy=4),
     Provider("cuda", "onnxruntime", "CUDAExecutionProvider", "cuda",
-             {"gqa": ("int4", "fp16", "fp32"), "portable": ("int4", "fp32")},
+             {"gqa": ("int4", "fp16", "fp32"), "portable": ("int4", "fp16", "fp32")},
              memory="cuda", offset_binding=True, runs=("cuda",), status=BUILT_ONLY,
              install="onnxruntime-gpu (same version as onnxruntime, replacing it)"),
     Provider("dml", "onnxruntime", "DmlExecutionProvider", "dml",

@@ -52,6 +52,7 @@ def test_the_registry_is_consistent():
 @pytest.mark.parametrize("device, precision, attention, message", [
     ("dml", "fp32", None, "valid precisions on dml"),
     ("cpu", "fp16", None, "cannot work with the gqa decoder"),
+    ("dml", "fp16", "portable", "cannot work with the portable decoder"),
     ("openvino", "int4", "gqa", "does not build for --device openvino"),
     ("cpu", "int4", "flash", "unknown attention"),
     ("tpu", "int4", None, "unknown device/provider 'tpu'"),

@@ -1,0 +1,111 @@
+"""Exports for other decoder graphs and runtimes, end to end on the tiny checkpoint: the portable decoder on the
+CPU EP and the OpenVINO runtime (openvino_<precision>), against the default cpu exports."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from higgs_onnx.export import Exporter, ExportOptions
+from higgs_onnx.manifest import load_manifest
+
+pytestmark = pytest.mark.slow
+TEXT = "Hello there, from another device."
+
+
+@pytest.fixture(scope="module")
+def exports(builds, tiny_ckpt, out_root):
+    made = {}
+    for device, precision, attention in (("cpu", "fp32", "portable"), ("cpu", "int4", "portable"),
+                                         ("cpu", "fp16", "portable"),
+                                         ("openvino", "fp32", None), ("openvino", "int4", None)):
+        opts = ExportOptions(device, precision, attention=attention)
+        made[opts.name] = Exporter(str(tiny_ckpt), out_root, opts).run()
+    return {**made, "cpu_fp32": builds["fp32"], "cpu_int4": builds["int4"]}
+
+
+def _greedy(folder, provider=None, text=TEXT):
+    from higgs_onnx.runtime.model import HiggsTTS
+
+    tts = HiggsTTS(folder, provider=provider, verify=False)
+    return tts, tts.generate(text, temperature=0, max_rows=40)
+
+
+def test_manifests_name_the_decoder_graph_and_cache_layout(exports):
+    want = {"cpu_fp32": ("gqa", "shared-buffer", "onnx"), "cpu_fp32_portable": ("portable", "concat", "onnx"),
+            "openvino_int4": ("portable", "concat", "openvino-ir")}
+    for name, (attention, cache, fmt) in want.items():
+        m = load_manifest(exports[name], verify=True)
+        assert m.decoder == {"attention": attention, "cache": cache, "format": fmt}
+        assert m.parts["llm_decoder"]["parity"]["ok"], name
+    fp16 = load_manifest(exports["cpu_fp16_portable"], verify=False)
+    assert fp16.parts["llm_decoder"]["parity"]["ok"] and fp16.parts["llm_decoder"]["inputs"][0]["dtype"] == "float16"
+    ops = load_manifest(exports["cpu_int4_portable"], verify=False).parts["llm_decoder"]["ops"]
+    assert "GroupQueryAttention" not in ops and "MatMulNBits" in ops
+    ir = load_manifest(exports["openvino_int4"], verify=False).parts["llm_decoder"]
+    assert ir["file"] == "llm_decoder.xml" and ir["parity"]["ok"]
+
+
+def test_portable_decoder_speaks_the_gqa_decoders_codes(exports):
+    """fp32 greedy: the portable graph (concat cache, ConcatDecoder on the CPU EP) gives the GQA graph's codes."""
+    from higgs_onnx.runtime.decoder import ConcatDecoder
+
+    tts, portable = _greedy(exports["cpu_fp32_portable"])
+    assert isinstance(tts.backend.decoder, ConcatDecoder)
+    _, gqa = _greedy(exports["cpu_fp32"])
+    np.testing.assert_array_equal(portable.rows, gqa.rows)
+    tts16, half = _greedy(exports["cpu_fp16_portable"])  # fp16 embeddings and cache in, as the graph declares
+    assert tts16.backend.decoder.embed_dtype == np.float16 and half.waveform.size > 0
+    assert (half.rows[:10] == gqa.rows[:10]).mean() > 0.9
+
+
+@pytest.mark.parametrize("name", ["cpu_fp32_portable", "openvino_fp32"])
+def test_decoders_without_a_batched_cache_serve_batches_row_by_row(exports, name):
+    """The server's slot pool over a concat cache (ORT) or host arrays (OpenVINO): each request of a batch gets the
+    codes it gets alone, and every slot comes back."""
+    from higgs_onnx.generation.engine import Engine
+    from higgs_onnx.generation.options import GenerationOptions
+
+    texts = [TEXT, "A second, longer request that keeps going for a little while.", "Third."]
+    options = GenerationOptions(temperature=0, max_rows=40)
+    tts, _ = _greedy(exports[name])
+    alone = [tts.generate(t, options=options).rows for t in texts]
+    engine = Engine(tts.backend, tts.backend.pool(2, 256))
+    made = [tts.request(t, options=options) for t in texts]
+    waiting, active, widest = list(made), [], 0
+    while waiting or active:
+        while waiting and len(active) < 2:
+            active.append(waiting.pop(0))
+            engine.start(active[-1])
+        widest = max(widest, len(active))
+        engine.step(active)
+        active = [r for r in active if not r.done]
+    assert engine.pool.in_use == 0 and widest == 2
+    for want, req in zip(alone, made, strict=True):
+        np.testing.assert_array_equal(req.generated, want)
+
+
+def test_openvino_runs_every_part_and_matches_the_cpu_codes(exports):
+    tts, ov = _greedy(exports["openvino_fp32"])
+    assert tts.provider == "openvino"
+    assert set(tts.ran_on().values()) == {"OpenVINO:CPU"} and len(tts.ran_on()) >= 4
+    _, cpu = _greedy(exports["cpu_fp32"])
+    np.testing.assert_array_equal(ov.rows, cpu.rows)
+    _, ov4 = _greedy(exports["openvino_int4"])
+    _, cpu4 = _greedy(exports["cpu_int4_portable"])
+    assert ov4.rows.shape[1] == cpu4.rows.shape[1] and ov4.waveform.size > 0
+
+
+def test_the_openvino_runtime_also_runs_a_cpu_export(exports):
+    tts, speech = _greedy(exports["cpu_fp32"], provider="openvino")
+    _, cpu = _greedy(exports["cpu_fp32"])
+    assert set(tts.ran_on().values()) == {"OpenVINO:CPU"}
+    np.testing.assert_array_equal(speech.rows, cpu.rows)
+
+
+def test_an_openvino_export_refuses_the_cpu_ep(exports):
+    from higgs_onnx.runtime.model import HiggsTTS
+
+    with pytest.raises(ValueError, match=r"built for OpenVINO CPU \(device openvino\); run it with --provider "
+                                         r"openvino"):
+        HiggsTTS(exports["openvino_int4"], provider="cpu", verify=False)
