@@ -28,6 +28,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("CI", "1")
+
+from higgs_onnx import providers  # noqa: E402
+from higgs_onnx.manifest import load_manifest  # noqa: E402
+
 TEXT = "The quick brown fox jumps over the lazy dog while the speech synthesizer keeps talking."
 
 
@@ -194,8 +198,9 @@ def stream_figures(model_path: Path, seconds: float, threads: int, voice: bool, 
 
 
 def _kv_buffers(tts):
+    """The preallocated KV buffers of a bound cache (none for a concat or host-array cache)."""
     cache = tts.backend.decoder.new_cache(1)
-    return list(cache.buffers.values())
+    return list(getattr(cache, "buffers", {}).values())
 
 
 def codec_schemes(tts, frames: np.ndarray) -> list[dict]:
@@ -302,10 +307,11 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def child(*args: str) -> tuple[dict, float]:
-    """Run this script in a child mode (a clean process for peak RSS); returns (its JSON, wall seconds)."""
+def child(*args: str, script: str = __file__) -> tuple[dict, float]:
+    """Run `script` (this one by default) in a child mode (a clean process for peak RSS); returns (its JSON, wall
+    seconds)."""
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, str(Path(__file__).resolve()), *args], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, str(Path(script).resolve()), *args], capture_output=True, text=True,
                        cwd=ROOT)
     if r.returncode:
         raise RuntimeError(f"child {args[0]} failed:\n{r.stderr[-3000:]}")
@@ -370,8 +376,11 @@ def export_figures(ckpt: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", choices=["tiny", "4b"], default="tiny")
-    ap.add_argument("--device", choices=["cpu"], default="cpu")
-    ap.add_argument("--precision", choices=["int4", "fp32"], default="int4")
+    ap.add_argument("--device", choices=[p.name for p in providers.PROVIDERS.values()
+                                         if p.status == providers.VERIFIED], default="cpu",
+                    help="the export's device (openvino: run by the OpenVINO runtime)")
+    ap.add_argument("--attention", choices=providers.ATTENTIONS, help="decoder graph (default: the device's)")
+    ap.add_argument("--precision", choices=["int4", "fp16", "fp32"], default="int4")
     ap.add_argument("--frames", type=int, default=64, help="rows generated for the end-to-end figures")
     ap.add_argument("--steps", type=int, default=50, help="decode steps for the decoder median")
     ap.add_argument("--context", type=int, default=128, help="context length for the decoder step")
@@ -419,10 +428,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from higgs_onnx.runtime.model import HiggsTTS
 
-    ckpt, export = ensure_export(args.preset, args.precision, args.work / args.preset)
-    out = {"preset": args.preset, "precision": args.precision, "threads": args.threads, "cpus": os.cpu_count()}
+    ckpt, export = ensure_export(args.preset, args.precision, args.work / args.preset, args.device, args.attention)
+    out = {"preset": args.preset, "export": export.name, "precision": args.precision, "threads": args.threads,
+           "cpus": os.cpu_count()}
     out["bandwidth_gbs"], out["bandwidth_probe"] = bandwidth_gbs(args.threads)
-    data = sum(p.stat().st_size for p in export.glob("llm_decoder.onnx*"))
+    data = sum(f["size"] for f in load_manifest(export, verify=False).parts["llm_decoder"]["files"].values())
     out["decoder_weight_mb"] = data / 2**20
     out["floor_ms"] = data / (out["bandwidth_gbs"] * 1e9) * 1e3
     tts = HiggsTTS(export, threads=args.threads, verify=False)
@@ -457,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def batch_main(args) -> int:
     """`--batch B ...`: the batched-decoding table (each B in a fresh process for its peak RSS)."""
-    _, export = ensure_export(args.preset, args.precision, args.work / args.preset)
+    _, export = ensure_export(args.preset, args.precision, args.work / args.preset, args.device, args.attention)
     for b in args.batch:
         if b < 1:
             raise SystemExit(f"error: --batch sizes must be >= 1, got {b}")

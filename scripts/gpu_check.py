@@ -59,14 +59,15 @@ def require_gpu_provider() -> None:
 
 def speed(folder: Path, provider: str, steps: int, rows: int) -> dict:
     from benchmarks.bench import decoder_figures
+    from higgs_onnx.generation.options import GenerationOptions
     from higgs_onnx.runtime.model import HiggsTTS
 
     tts = HiggsTTS(folder, provider=provider, verify=False)
     tts.generate("Warm up.", max_rows=8)
     figs = decoder_figures(tts, context=128, steps=steps)
     t0 = time.perf_counter()
-    speech = tts.generate("The quick brown fox jumps over the lazy dog.", max_rows=rows, ignore_eoc=True,
-                          temperature=0)
+    speech = tts.generate("The quick brown fox jumps over the lazy dog.",
+                          options=GenerationOptions(temperature=0, max_rows=rows, ignore_eoc=True))
     wall = time.perf_counter() - t0
     return {**figs, "rows": speech.rows.shape[0], "rows_per_s": speech.rows.shape[0] / wall,
             "rtf": wall / max(speech.waveform.size / speech.sample_rate, 1e-9),

@@ -107,6 +107,7 @@ def fake_evaluator(monkeypatch, sections: dict[str, Section]) -> Evaluator:
     ev = object.__new__(Evaluator)
     ev.options, ev.gates = EvalOptions(runs=0), GATES["fp32"]
     ev.meta = lambda: {**META, "seconds": {}}
+    ev.ran_on = lambda: {"llm_decoder": "CPUExecutionProvider"}
     return ev
 
 

@@ -173,6 +173,8 @@ def to_markdown(report: Report, plots: dict[str, str] | None = None) -> str:
     lines = [f"# Parity report: `{m['model_path']}` ({m['precision']})", "",
              f"Reference: `{m['checkpoint']}` (PyTorch). Result: **{'PASS' if report.passed else 'FAIL'}** "
              f"({len(report.checks) - failed} of {len(report.checks)} checks passed).", "",
+             f"Provider: `{m.get('provider', m.get('device', '-'))}`; the parts ran on "
+             f"{', '.join(sorted(set(m.get('ran_on', {}).values()))) or '-'}.", "",
              "| section | check | ok |", "|---|---|---|"]
     lines += [f"| {c.section} | {_cell(c.detail)} | {'yes' if c.ok else 'NO'} |" for c in report.checks]
     for name, figures in report.sections.items():

@@ -67,6 +67,7 @@ class Evaluator:
     def meta(self) -> dict:
         o, m = self.options, self.tts.manifest.data
         return {"model_path": str(self.tts.manifest.folder), "precision": self.precision, "device": m["device"],
+                "provider": self.tts.provider,
                 "checkpoint": str(self.ref.folder), "gates": self.gates, "prompts": list(o.prompts), "runs": o.runs,
                 "max_rows": o.max_rows, "recordings": [Path(p).name for p in o.recordings], "seconds": {}}
 
@@ -101,7 +102,12 @@ class Evaluator:
             report.add(name, figures)
             report.meta["seconds"][name] = round(time.perf_counter() - t0, 2)
         report.checks = apply_gates(report.sections, self.gates)
+        report.meta["ran_on"] = self.ran_on()
         return report
+
+    def ran_on(self) -> dict[str, str]:
+        """part -> the provider/device its session ran on (each checked at load: no silent fallback)."""
+        return self.tts.ran_on()
 
 
 def _not_asked_sampled(o: EvalOptions) -> str | None:
