@@ -53,7 +53,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .session import ProviderError, check_threads
+from .session import ProviderError, check_finite, check_threads
 
 log = logging.getLogger(__name__)
 
@@ -336,10 +336,7 @@ class OvPart:
             self._detach(req)
             with self._lock:
                 self._idle.append(req)
-        for k, v in outs.items():
-            if v.dtype.kind == "f" and not np.isfinite(v).all():
-                raise FloatingPointError(f"{self.name} produced NaN/Inf in output {k}")
-        return outs
+        return check_finite(self.name, outs)
 
 
 def _empty(port):
