@@ -8,6 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .outputs import set_mode
+
 MAX_REF_SECONDS = 100.0  # SGO `_MAX_REF_AUDIO_SEC`
 MIN_REF_SECONDS = 1.0  # shorter clips are zero-padded to this before encoding (SGO)
 WRITE_FORMATS = {".wav": ("WAV", "PCM_16"), ".flac": ("FLAC", "PCM_16"), ".ogg": ("OGG", "VORBIS")}
@@ -86,6 +88,7 @@ def write_audio(path: str | os.PathLike, wav: np.ndarray, sr: int) -> Path:
     os.close(fd)
     try:
         sf.write(tmp, np.clip(wav, -1.0, 1.0), sr, format=fmt[0], subtype=fmt[1])
+        set_mode(tmp, path)  # mkstemp makes 0600: follow the umask (or keep an overwritten file's mode)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

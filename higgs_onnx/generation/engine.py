@@ -25,8 +25,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from .contract import ContractError
 from .delay import reverse_delay
-from .options import GenerationOptions
+from .options import DEFAULT_MAX_ROWS, GenerationOptions
 from .sampling import sample_codes
 
 
@@ -147,7 +148,7 @@ class Request:
         self.prompt, self.rules, self.options, self.placeholder = list(prompt), rules, options, placeholder
         self.history_rows = history_rows  # rows of earlier turns (long-form), after the reference's placeholders
         self.ref_rows, self.prefix, self.teacher_rows, self.keep_logits = ref_rows, prefix, teacher_rows, keep_logits
-        self.max_rows = options.max_rows
+        self.max_rows = DEFAULT_MAX_ROWS if options.max_rows is None else options.max_rows
         self.rng = np.random.default_rng(options.seed)
         self.rows = np.empty((self.max_rows, rules.num_codebooks), dtype=np.int64)
         self.n = 0  # rows generated
@@ -245,10 +246,10 @@ class Engine:
         """Prefill the request's prompt into a fresh cache of its own; afterwards its next row can be sampled."""
         t0 = time.perf_counter()
         if self.pool is not None and len(req.prompt) + req.max_rows > self.pool.capacity:
-            if len(req.prompt) >= self.pool.capacity:
-                raise ValueError(f"the prompt is {len(req.prompt)} positions long; this engine's cache holds "
-                                 f"{self.pool.capacity}")
-            req.max_rows = self.pool.capacity - len(req.prompt)  # the pool's slots bound prompt + rows
+            # never cut to fit: the request should have been made for this slot (`HiggsTTS.request(slot=...)`)
+            raise ContractError(f"the prompt is {len(req.prompt)} positions and the request asks for {req.max_rows} "
+                                f"rows, but this engine's slots hold {self.pool.capacity} positions", "max_rows",
+                                "context_length_exceeded")
         be, capacity = self.backend, len(req.prompt) + req.max_rows
         rows = [r for r in (req.ref_rows if req.prefix is None else None, req.history_rows) if r is not None]
         rows = np.concatenate(rows) if rows else None

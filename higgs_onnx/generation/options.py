@@ -28,15 +28,23 @@ class GenerationOptions:
     top_k: int = _DEFAULT_SAMPLING.top_k  # 0 = off
     top_p: float = _DEFAULT_SAMPLING.top_p  # 1 = off
     seed: int = 0  # the request's own sampler RNG: same seed, same codes, whatever else runs in the process
-    max_rows: int = DEFAULT_MAX_ROWS  # most decoder steps (delayed rows) to generate; also bounded by the context
+    # most decoder steps (delayed rows) to generate. None (the default): DEFAULT_MAX_ROWS or what fits after the
+    # prompt, and a text too long for that is refused; a number: that budget, refused if it does not fit (contract)
+    max_rows: int | None = None
     ignore_eoc: bool = False  # benchmarks: run to max_rows whatever the model says (sglang/vLLM's ignore_eos)
 
     def __post_init__(self) -> None:
         for name in ("top_k", "seed", "max_rows"):
+            if name == "max_rows" and self.max_rows is None:
+                continue
+            if isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
             try:
                 object.__setattr__(self, name, operator.index(getattr(self, name)))
             except TypeError:
                 raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}") from None
+        if isinstance(self.temperature, (bool, str)) or isinstance(self.top_p, (bool, str)):
+            raise ValueError(f"temperature and top_p must be numbers, got {self.temperature!r}, {self.top_p!r}")
         try:
             object.__setattr__(self, "temperature", float(self.temperature))
             object.__setattr__(self, "top_p", float(self.top_p))
@@ -48,7 +56,7 @@ class GenerationOptions:
             raise ValueError(f"ignore_eoc must be True or False, got {self.ignore_eoc!r}")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
-        if self.max_rows < 1:
+        if self.max_rows is not None and self.max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {self.max_rows}")
 
     @property

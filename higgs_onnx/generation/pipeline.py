@@ -16,6 +16,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from ..checkpoint import ModelFacts
+from .contract import Limits, NoAudioError, check_max_rows, row_budget
 from .delay import apply_delay, codes_for_codec
 from .engine import Backend, Engine, GenerationStats, Request, StopRules
 from .options import DEFAULT_MAX_ROWS, GenerationOptions  # noqa: F401 - DEFAULT_MAX_ROWS re-exported
@@ -50,12 +51,6 @@ def reference_rows(codec: Codec, facts: ModelFacts, ref_wav: np.ndarray) -> np.n
     return apply_delay(codec.encode_audio(ref_wav), facts.boc, facts.eoc)
 
 
-def check_max_rows(facts: ModelFacts, max_rows: int) -> None:
-    limit = facts.max_positions
-    if not 1 <= max_rows < limit:
-        raise ValueError(f"max_rows must be in [1, {limit}) (the model's context), got {max_rows}")
-
-
 class Synthesizer:
     """A backend, a codec and the prompt vocabulary: text -> `Request` -> `Speech`."""
 
@@ -66,25 +61,28 @@ class Synthesizer:
 
     def request(self, text: str, options: GenerationOptions, ref_rows: np.ndarray | None = None,
                 ref_text: str | None = None, prefix: tuple[int, dict] | None = None, voice_s: float = 0.0,
-                started: float | None = None, history: list[tuple[str, np.ndarray]] = ()) -> Request:
+                started: float | None = None, history: list[tuple[str, np.ndarray]] = (),
+                slot: int | None = None) -> Request:
         """A request for `text`; `ref_rows` (delayed reference rows) clone a voice whose transcript is `ref_text`;
-        `prefix` is a voice's saved prefill state (see `Request`). The row limit is cut to what the context holds."""
+        `prefix` is a voice's saved prefill state (see `Request`); `slot` is the positions of the batching pool's
+        slot that will run it (None: a cache of its own, the model's context). The contract (`contract`) is checked
+        here, before any work: a request that does not fit is refused, never cut."""
+        import dataclasses
+
         f = self.facts
-        check_max_rows(f, options.max_rows)
+        limits = self.limits(slot)
+        check_max_rows(options.max_rows, f.num_codebooks, limits)
         n_ref = 0 if ref_rows is None else len(ref_rows)
         prompt = build_prompt(self.tokenizer, self.tokens, text, ref_rows=n_ref, ref_text=ref_text,
                               history=[(t, len(r)) for t, r in history])
-        limit = f.max_positions
-        if len(prompt) + f.num_codebooks >= limit:
-            raise ValueError(f"the prompt is {len(prompt)} positions long; the model's context is {limit}: shorten "
-                             f"the text or the reference audio")
-        if options.max_rows > limit - len(prompt):  # the context bounds prompt + generated rows
-            import dataclasses
-
-            options = dataclasses.replace(options, max_rows=limit - len(prompt))
+        budget = row_budget(len(prompt), options.max_rows, text, limits, f.num_codebooks, f.frame_rate)
+        options = dataclasses.replace(options, max_rows=budget)
         return Request(prompt, self.rules, options, f.placeholder, ref_rows=ref_rows, prefix=prefix,
                        voice_s=voice_s, started=started,
                        history_rows=np.concatenate([r for _, r in history]) if history else None)
+
+    def limits(self, slot: int | None = None) -> Limits:
+        return Limits(self.facts.max_positions, slot)
 
     def speak(self, req: Request, on_row: Callable[[int], None] | None = None) -> Speech:
         """Run `req` to its end, then decode its codes in one codec call."""
@@ -94,7 +92,9 @@ class Synthesizer:
         raw = req.new_frames()  # every frame (the request is done)
         codes = codes_for_codec(raw, self.facts.codebook_size)
         t0 = time.perf_counter()
-        wav = self.codec.decode_audio(codes) if codes.shape[-1] else np.zeros(0, np.float32)
+        if not codes.shape[-1]:
+            raise NoAudioError(f"the generation ended after {req.n} rows without one audio frame")
+        wav = self.codec.decode_audio(codes)
         req.codec_s += time.perf_counter() - t0
         req.audio_out(wav.size)
         return Speech(waveform=wav, sample_rate=self.facts.sample_rate, rows=req.generated.copy(), codes=codes[0].T,

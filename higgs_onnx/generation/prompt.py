@@ -54,7 +54,9 @@ def check_text(text: str, what: str = "text") -> str:
     """Refuse text that cannot be spoken: not a string, empty, control characters, or nothing but tags."""
     if not isinstance(text, str):
         raise ValueError(f"{what} must be a string, got {type(text).__name__}")
-    bad = sorted({c for c in text if unicodedata.category(c) in ("Cc", "Cs") and c not in "\n\t\r"})
+    if any(unicodedata.category(c) == "Cs" for c in text):  # what Python makes of bytes that are not UTF-8
+        raise ValueError(f"{what} holds bytes that are not UTF-8 text (check the terminal's or the file's encoding)")
+    bad = sorted({c for c in text if unicodedata.category(c) == "Cc" and c not in "\n\t\r"})
     if bad:
         raise ValueError(f"{what} contains control characters ({', '.join(f'U+{ord(c):04X}' for c in bad)}); "
                          f"remove them")
@@ -75,8 +77,6 @@ def build_prompt(tok: Tokenizer, ids: PromptTokens, text: str, ref_rows: int = 0
     if ref_text is not None and ref_rows == 0:
         raise ValueError("a reference transcript needs reference audio")
     check_text(text)
-    if ref_text is not None:
-        check_text(ref_text, "the reference transcript")
     unknown = ids.unknown_tags(text, tok)
     if unknown:
         log.warning("unknown tag(s) %s will be read as plain text", ", ".join(unknown))
@@ -88,11 +88,29 @@ def build_prefix(tok: Tokenizer, ids: PromptTokens, ref_rows: int = 0, ref_text:
     """The part of a prompt that depends only on the voice: everything before <|text|>."""
     prefix = [ids.tts]
     if ref_text is not None:
-        prefix += [ids.ref_text, *tok.encode(ref_text, add_special_tokens=False).ids]
+        prefix += [ids.ref_text, *encode_user_text(tok, ids, ref_text, "the reference transcript",
+                                                                "ref_text")]
     if ref_rows:
         prefix += [ids.ref_audio, *([ids.placeholder] * ref_rows)]
     return prefix
 
 
 def build_suffix(tok: Tokenizer, ids: PromptTokens, text: str) -> list[int]:
-    return [ids.text, *tok.encode(text, add_special_tokens=False).ids, ids.audio]
+    return [ids.text, *encode_user_text(tok, ids, text), ids.audio]
+
+
+def encode_user_text(tok: Tokenizer, ids: PromptTokens, text: str, what: str = "text", param: str = "input"
+                     ) -> list[int]:
+    """The token ids of text a user wrote: checked (`check_text`), and refused when the tokenizer would make any
+    added/special token of it other than a documented control tag (they would enter the prompt as structure)."""
+    from .contract import ContractError, special_tokens_in
+
+    check_text(text, what)
+    encoded = tok.encode(text, add_special_tokens=False).ids
+    special = {i: t.content for i, t in tok.get_added_tokens_decoder().items()}
+    bad = special_tokens_in(encoded, special, set(ids.control_tags.values()))
+    if bad:
+        raise ContractError(f"{what} contains the special token{'s' if len(bad) > 1 else ''} {', '.join(bad)}, "
+                            f"which only the toolkit may place; inline control tags such as <|emotion:elation|> "
+                            f"are allowed (remove or rephrase the rest)", param, "special_token")
+    return encoded

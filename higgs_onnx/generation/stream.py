@@ -14,6 +14,7 @@ from typing import Protocol
 
 import numpy as np
 
+from .contract import NoAudioError
 from .delay import reverse_delay
 from .engine import Engine, GenerationStats, Request
 
@@ -65,6 +66,8 @@ class AudioStreamer:
         pieces = [p for p in pieces if p.size]
         if req.done:
             self.finished = True
+            if not self.samples and not pieces:  # the contract makes this unreachable; never a silent success
+                raise NoAudioError(f"the generation ended after {req.n} rows without one audio frame")
             pieces = pieces or [np.zeros(0, np.float32)]
         return [self._chunk(p, req.done and i == len(pieces) - 1) for i, p in enumerate(pieces)]
 

@@ -32,6 +32,7 @@ import numpy as np
 from .. import providers
 from ..audio import load_reference, prepare_reference
 from ..checkpoint import ModelFacts
+from ..generation.contract import ContractError, Limits, check_max_rows, min_rows
 from ..generation.engine import Request, prompt_embeddings
 from ..generation.options import GenerationOptions
 from ..generation.pipeline import Speech, Synthesizer, reference_rows
@@ -287,15 +288,19 @@ class HiggsTTS:
     # -- generation ----------------------------------------------------------------------------------------------
     def request(self, text: str, ref_audio=None, ref_text: str | None = None, voice: Voice | None = None,
                 options: GenerationOptions | None = None, history: list[tuple[str, np.ndarray]] = (),
-                **keywords) -> Request:
+                slot: int | None = None, **keywords) -> Request:
         """The `Request` for one utterance (validated: bad options, text or reference raise here, before any work).
 
         `ref_audio` (a path or (waveform, rate)) clones a voice, `ref_text` is its transcript; `voice` (from
         `make_voice` / `Voice.load`) reuses an encoded reference and its prefill state. `options` and the plain
-        keywords (`temperature`, `top_k`, `top_p`, `seed`, `max_rows`) choose sampling and the row limit.
+        keywords (`temperature`, `top_k`, `top_p`, `seed`, `max_rows`) choose sampling and the row limit. `slot` is
+        the positions of the batching pool's slot that will run it (None: a cache of its own). Everything the
+        request contract (`generation.contract`) says is checked here: nothing is cut to fit later.
         """
         started = time.perf_counter()
         options = GenerationOptions.make(options, **keywords)
+        check_max_rows(options.max_rows, self.facts.num_codebooks, self.limits(slot))  # before a voice is made
+        check_text(text)
         if ref_text is not None and ref_audio is None:
             raise ValueError("ref_text (a transcript of the reference) needs ref_audio")
         if voice is not None and ref_audio is not None:
@@ -306,7 +311,11 @@ class HiggsTTS:
         kwargs = {} if voice is None else {"ref_rows": voice.rows, "ref_text": voice.ref_text,
                                            "prefix": (len(voice.prefix), voice.state)}
         return self.synthesizer.request(text, options, voice_s=voice_s, started=time.perf_counter(),
-                                        history=list(history), **kwargs)
+                                        history=list(history), slot=slot, **kwargs)
+
+    def limits(self, slot: int | None = None) -> Limits:
+        """The positions a request may use: the model's context, and the batching slot's when it runs in one."""
+        return Limits(self.facts.max_positions, slot)
 
     def generate(self, text: str, ref_audio=None, ref_text: str | None = None, voice: Voice | None = None,
                  options: GenerationOptions | None = None, *, temperature: float | None = None,
@@ -380,6 +389,12 @@ class HiggsTTS:
         if voice is None:
             rows = make_rows()
             prefix = build_prefix(self.tokenizer, self.tokens, len(rows), ref_text)
+            room = self.facts.max_positions - len(prefix)
+            if room < min_rows(self.facts.num_codebooks) + 3:  # + <|text|>, one token, <|audio|>
+                raise ContractError(f"the voice's prompt is {len(prefix)} positions ({len(rows)} reference rows and "
+                                    f"its transcript), but the model's context holds {self.facts.max_positions}: "
+                                    f"use a shorter reference clip or transcript", "ref_text" if ref_text else "file",
+                                    "context_length_exceeded")
             be = self.backend
             embeds = prompt_embeddings(be, prefix, self.facts.placeholder, rows)
             cache = be.new_cache(len(prefix))
