@@ -51,9 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--top-k", type=int, default=d.top_k, help="0 = off (default %(default)s)")
     ap.add_argument("--top-p", type=float, default=d.top_p, help="1 = off (default %(default)s)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-rows", "--max-frames", dest="max_rows", type=int, default=DEFAULT_MAX_ROWS,
+    ap.add_argument("--max-rows", "--max-frames", dest="max_rows", type=int, default=None,
                     help="most code rows to generate: one per decoder step, 25 per second of audio, plus "
-                    "codebooks - 1 at the start (default %(default)s; --max-frames is its old name)")
+                    f"codebooks - 1 at the start (default: {DEFAULT_MAX_ROWS} or what fits after the prompt; a text "
+                    "too long for that is refused; --max-frames is its old name)")
     ap.add_argument("--stream", action="store_true", help="write audio while it is generated: the file grows "
                     "under NAME.partial and is renamed at the end; with --out - raw PCM goes to stdout as it is made")
     ap.add_argument("--first-frames", type=int, default=so.first_frames, help="--stream: frames in the first "
@@ -101,43 +102,33 @@ def check_args(args: argparse.Namespace) -> tuple[GenerationOptions, StreamOptio
         raise ValueError("--save-codes is for single utterances (long-form keeps each piece's codes in OUT.work/)")
     if (args.text is not None or args.codes is not None) and args.out is None:
         raise ValueError("--out is required (e.g. --out hello.wav)")
-    for out in [args.out] if args.out and str(args.out) != "-" else []:
-        from higgs_onnx.audio import WRITE_FORMATS
+    from higgs_onnx.audio import WRITE_FORMATS
+    from higgs_onnx.outputs import check_output_dir, check_output_file
 
-        if out.is_dir():
-            raise IsADirectoryError(f"--out {out} is a folder, not an audio file: name a file in it (e.g. "
-                                    f"{out / 'hello.wav'}), or use --text-file with --out-dir for one file per line")
-        if out.suffix.lower() not in WRITE_FORMATS:
-            raise ValueError(f"unsupported output format {out.suffix!r}; use one of {', '.join(WRITE_FORMATS)}")
-        if not out.parent.is_dir():
-            raise FileNotFoundError(f"output folder {out.parent} does not exist")
-        if not os.access(out.parent, os.W_OK):
-            raise PermissionError(f"output folder {out.parent} is not writable")
-    for flag, path, example in (("--save-voice", args.save_voice, "voice.npz"), ("--save-codes", args.save_codes,
-                                                                                  "rows.npy")):
-        check_save_target(flag, path, example)
+    if args.out is not None and str(args.out) != "-":  # every output is checked before the model is loaded
+        if args.out.is_dir():
+            raise IsADirectoryError(f"--out {args.out} is a folder, not an audio file: name a file in it (e.g. "
+                                    f"{args.out / 'hello.wav'}), or use --text-file with --out-dir for one file per "
+                                    f"line")
+        check_output_file(args.out, "--out", WRITE_FORMATS, "hello.wav")
+    if args.out_dir is not None:
+        check_output_dir(args.out_dir, "--out-dir")
+    if args.save_voice is not None:
+        check_output_file(args.save_voice, "--save-voice", (".npz",), "voice.npz")
+    if args.save_codes is not None:
+        check_output_file(args.save_codes, "--save-codes", (".npy",), "rows.npy")
     if args.text is not None:
-        check_text(args.text)
+        check_text(args.text, "--text")
     if args.ref_text is not None:
         check_text(args.ref_text, "--ref-text")
     return options, stream
-
-
-def check_save_target(flag: str, path: Path | None, example: str) -> None:
-    """A file the run will write at its end: refused before anything is generated if it cannot be written."""
-    if path is None:
-        return
-    if path.is_dir():
-        raise IsADirectoryError(f"{flag} {path} is a folder: name a file in it (e.g. {path / example})")
-    if not path.parent.is_dir():
-        raise FileNotFoundError(f"{flag}: folder {path.parent} does not exist")
 
 
 def speak(tts, text: str, out: Path, args, voice) -> object:
     """One utterance to `out` (a file, or '-' for PCM on stdout); returns its `GenerationStats`."""
     from tqdm import tqdm
 
-    bar = tqdm(total=args.options.max_rows, unit="row", desc=out.name or "stdout", leave=False,
+    bar = tqdm(total=args.options.max_rows or DEFAULT_MAX_ROWS, unit="row", desc=out.name or "stdout", leave=False,
                disable=not sys.stderr.isatty())
     progress = lambda n: bar.update(n - bar.n)  # noqa: E731
     try:
@@ -148,7 +139,8 @@ def speak(tts, text: str, out: Path, args, voice) -> object:
     finally:
         bar.close()
     if stats.stop_reason != "eoc":
-        log.warning("%s: no end of speech within %d rows; the audio is cut at --max-rows", out, stats.rows)
+        limit = "--max-rows" if args.max_rows is not None else "the default row limit"
+        log.warning("%s: no end of speech within %d rows; the audio is cut at %s", out, stats.rows, limit)
     first = f"first audio after {stats.first_audio_s:.2f} s ({stats.chunks} chunks)" if args.stream else \
         f"first row after {stats.first_row_s:.2f} s"
     ran = sorted(set(tts.ran_on().values()))
@@ -159,16 +151,29 @@ def speak(tts, text: str, out: Path, args, voice) -> object:
 
 
 def speak_once(tts, text: str, out: Path, args, voice, progress):
-    import numpy as np
 
     from higgs_onnx.audio import write_audio
+    from higgs_onnx.outputs import write_or_keep
 
     speech = tts.generate(text, voice=voice, options=args.options, on_row=progress)
-    write_audio(out, speech.waveform, speech.sample_rate)
+    write_or_keep(lambda: write_audio(out, speech.waveform, speech.sample_rate), speech.waveform, speech.sample_rate,
+                  out)
     if args.save_codes:
-        np.save(args.save_codes, speech.rows)
-        np.save(args.save_codes.with_suffix(".raw.npy"), speech.codes)
+        save_codes(args.save_codes, speech.rows, speech.codes)
     return speech.stats
+
+
+def save_codes(path: Path, rows, codes) -> None:
+    import numpy as np
+
+    from higgs_onnx.outputs import OutputError
+
+    try:
+        np.save(path, rows)
+        np.save(path.with_suffix(".raw.npy"), codes)
+    except OSError as e:
+        raise OutputError(f"cannot write --save-codes {path} ({e.strerror or type(e).__name__}); the audio was "
+                          f"written") from None
 
 
 def speak_streaming(tts, text: str, out: Path, args, voice, progress):
@@ -199,10 +204,7 @@ def speak_streaming(tts, text: str, out: Path, args, voice, progress):
     if sink is not None:
         sink.commit()
     if args.save_codes:
-        import numpy as np
-
-        np.save(args.save_codes, last.rows)
-        np.save(args.save_codes.with_suffix(".raw.npy"), last.codes)
+        save_codes(args.save_codes, last.rows, last.codes)
     return last.stats
 
 
@@ -215,6 +217,14 @@ def run(args: argparse.Namespace) -> int:
         return selftest(tts)
     if args.codes is not None:
         return decode_codes(tts, args.codes, args.out)
+    if args.text is not None:  # the text's tokens too, before a reference is encoded
+        from higgs_onnx.generation.prompt import encode_user_text
+
+        encode_user_text(tts.tokenizer, tts.tokens, args.text, "--text")
+    if args.ref_text is not None:
+        from higgs_onnx.generation.prompt import encode_user_text
+
+        encode_user_text(tts.tokenizer, tts.tokens, args.ref_text, "--ref-text")
     voice = None
     t0 = time.perf_counter()
     if args.voice is not None:

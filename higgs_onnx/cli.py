@@ -1,6 +1,7 @@
 """What every command shares: logging setup and turning errors into one clear line and an exit code.
 
-Exit codes: 0 success, 1 runtime failure, 2 usage error (bad arguments, missing or invalid inputs), 130 Ctrl-C.
+Exit codes: 0 success, 1 runtime failure (an output that could not be written: the message says where the audio
+was kept), 2 usage error (bad arguments, missing or invalid inputs, a request that breaks the contract), 130 Ctrl-C.
 The full traceback is printed only with `--log-level DEBUG` (or LOG_LEVEL=DEBUG).
 """
 
@@ -11,6 +12,9 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+
+from .generation.contract import NoAudioError
+from .outputs import OutputError
 
 USAGE_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
                 PermissionError)
@@ -40,6 +44,11 @@ def run_main(fn: Callable[[argparse.Namespace], int], ap: argparse.ArgumentParse
             raise
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except (OutputError, NoAudioError) as e:  # failures at the end whose message already says all
+        if debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except Exception as e:  # noqa: BLE001 - the one place that turns any failure into a clear line
         if debug:
             raise

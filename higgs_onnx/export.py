@@ -23,7 +23,7 @@ from pathlib import Path
 
 from . import parts, providers
 from .checkpoint import ModelFacts, files_digest, resolve, validate
-from .manifest import MANIFEST, PART_NAMES, new_manifest, sha256_file, write_manifest
+from .manifest import MANIFEST, PART_NAMES, check_digest, new_manifest, sha256_file, write_manifest
 from .memory import peak_rss, release_memory, rss
 from .parity import summary
 from .parts.olive import BITS
@@ -303,7 +303,8 @@ class Exporter:
 
         tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
         source = {"repo_id": None if self.synthetic or Path(self.model_arg).exists() else self.model_arg,
-                  "revision": self.revision, "synthetic": self.synthetic, "path": str(ckpt),
+                  # absolute: eval.py finds the reference from any folder, not only the one the build ran in
+                  "revision": self.revision, "synthetic": self.synthetic, "path": os.path.abspath(ckpt),
                   "files": {n: _cached_sha256(ckpt / n) for n in ("config.json", "model.safetensors", *TOKENIZER_FILES)
                             if (ckpt / n).is_file()}}
         o = self.opts
@@ -355,7 +356,9 @@ class Exporter:
         manifest_path = self.final / MANIFEST
         if manifest_path.is_file() and all(e["skipped"] for e in entries.values()):
             try:
-                old = json.loads(manifest_path.read_text()).get("parts", {})
+                data = json.loads(manifest_path.read_text())
+                check_digest(data, manifest_path)  # edited or damaged since it was written: assemble it again
+                old = data.get("parts", {})
             except (ValueError, AttributeError):  # a damaged manifest: assemble the folder again
                 old = {}
             if all(isinstance(old.get(p), dict) and old[p].get("stamp") == e["stamp"] for p, e in entries.items()):

@@ -1,21 +1,31 @@
 """`manifest.json`: the single contract between `optimize.py` and the runtime / eval.
 
 Written last by the exporter (its presence marks a complete folder), read first by inference and eval through
-`load_manifest`, which checks the schema version, that every file entry is a plain name inside the folder, and
-(unless told not to) each file's size and sha256.
+`load_manifest`, which checks the schema version, the manifest's own digest, that every file entry is a plain name
+inside the folder, and (unless told not to) each file's size and sha256.
+
+The digest (`manifest_sha256`: sha256 of the canonical JSON of every other field, see `manifest_digest`) makes a
+manifest that was edited by hand or damaged since it was written an error at load, with the command that rebuilds
+it; it is checked always (hashing a few kB costs nothing, unlike the part files' sha256 that `--no-verify` skips).
+Manifests written before the digest existed load as before. Tests that edit a manifest on purpose (to exercise the
+other checks) write it back with `rewrite_manifest`, which recomputes the digest.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+log = logging.getLogger(__name__)
+
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
+DIGEST = "manifest_sha256"  # the manifest's own digest (see `manifest_digest`)
 PART_NAMES = ("llm_decoder", "text_embed", "audio_embed", "audio_heads", "audio_encoder", "audio_tokenizer",
               "audio_tokenizer_stream")
 # parts an export may lack: folders built before they existed still run (streaming then decodes overlapping windows)
@@ -39,12 +49,34 @@ def new_manifest(*, device: str, precision: str, execution_provider: str, model:
             "genai_config": "genai_config.json", "parts": parts, "source": source, "tools": tool_versions()}
 
 
-def write_manifest(folder: Path, data: dict) -> Path:
-    """Write `folder/manifest.json`; the exporter calls this last, so its presence marks a complete folder."""
-    check_schema(data, folder / MANIFEST)
-    path = folder / MANIFEST
-    path.write_text(json.dumps(data, indent=2) + "\n")
+def manifest_digest(data: dict) -> str:
+    """sha256 of the canonical JSON (sorted keys, no spaces, ASCII) of every field but the digest itself: the same
+    for the dict that was written and the one read back, whatever the indentation."""
+    body = {k: v for k, v in data.items() if k != DIGEST}
+    canon = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    return hashlib.sha256(canon.encode("ascii")).hexdigest()
+
+
+def _dump(path: Path, data: dict) -> Path:
+    """`data` with its digest, written whole or not at all (a temporary file renamed over `path`)."""
+    data = {**{k: v for k, v in data.items() if k != DIGEST}, DIGEST: manifest_digest(data)}
+    tmp = path.with_name(path.name + ".partial")
+    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
     return path
+
+
+def write_manifest(folder: Path, data: dict) -> Path:
+    """Write `folder/manifest.json` with its digest; the exporter calls this last, so its presence marks a complete
+    folder."""
+    check_schema(data, folder / MANIFEST)
+    return _dump(folder / MANIFEST, data)
+
+
+def rewrite_manifest(folder: str | os.PathLike, data: dict) -> Path:
+    """Write `data` as `folder/manifest.json` with a fresh digest and no schema check: for tests (and tools) that
+    change a manifest on purpose. A manifest edited any other way is refused at load."""
+    return _dump(Path(folder) / MANIFEST, data)
 
 
 def tool_versions() -> dict:
@@ -128,6 +160,7 @@ def load_manifest(folder: str | os.PathLike, verify: bool = True) -> Manifest:
                             f"understands ({SCHEMA_VERSION}); update higgs-onnx")
     if data["schema_version"] < SCHEMA_VERSION:
         raise ManifestError(f"{mf} has old schema version {data['schema_version']}; rebuild with optimize.py --force")
+    check_digest(data, mf)
     check_schema(data, mf)
     for part, entry in data["parts"].items():
         for name, meta in entry["files"].items():
@@ -141,6 +174,29 @@ def load_manifest(folder: str | os.PathLike, verify: bool = True) -> Manifest:
                 raise ManifestError(f"{part}: file {name} does not match its sha256 in the manifest (corrupt or "
                                     f"modified; rebuild, or pass --no-verify to skip this check)")
     return Manifest(folder=folder, data=data)
+
+
+def rebuild_hint(data: dict) -> str:
+    """The optimize.py command that makes the folder again (device and precision from the manifest when it has
+    them)."""
+    device, precision = data.get("device"), data.get("precision")
+    args = " ".join(f"--{k} {v}" for k, v in (("device", device), ("precision", precision)) if isinstance(v, str)
+                    and v.replace("_", "").isalnum())
+    return f"python optimize.py {args + ' ' if args else ''}--force, with the --model-dir and --output it was built with"
+
+
+def check_digest(data: dict, mf: Path) -> None:
+    """The manifest must be what the exporter wrote: its digest must match its content (absent: an older export)."""
+    if DIGEST not in data:
+        log.debug("%s has no %s (written before manifests carried one): its content is not checked", mf, DIGEST)
+        return
+    try:
+        ok = data[DIGEST] == manifest_digest(data)
+    except (TypeError, ValueError):  # a value JSON cannot write back (NaN ...): not what the exporter wrote
+        ok = False
+    if not ok:
+        raise ManifestError(f"{mf} was changed after it was written (edited by hand or damaged: its {DIGEST} does "
+                            f"not match its content); rebuild the folder: {rebuild_hint(data)}")
 
 
 def _expect(ok: bool, mf: Path, what: str) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,18 +87,24 @@ class Outputs:
         return cls(json, markdown, plots if draw else None)
 
     def check(self) -> None:
-        """Refuse before the (long) evaluation: output folders must exist and be writable."""
-        for path in (self.json, self.markdown, self.plots):
-            if path is None:
-                continue
-            folder = Path(path).parent
-            if not folder.is_dir():
-                raise FileNotFoundError(f"output folder {folder} does not exist")
-            if not os.access(folder, os.W_OK):
-                raise PermissionError(f"output folder {folder} is not writable")
-            if path in (self.json, self.markdown) and Path(path).is_dir():
-                raise IsADirectoryError(f"{path} is a folder; name a file")
+        """Refuse before the (long) evaluation: each report file's folder must exist and be writable (probed by
+        writing, not `os.access`), a report file must not be a folder, and the plots folder, where it exists
+        already, must be a writable folder (else its parent must be one: `write_plots` makes it)."""
+        from ..outputs import check_output_dir, check_output_file, probe_writable
+
+        for flag, path, example in (("--json", self.json, "report.json"), ("--markdown", self.markdown, "report.md")):
+            if path is not None:
+                check_output_file(path, flag, example=example)
         if self.plots is not None:
+            plots = Path(self.plots)
+            if plots.exists():
+                check_output_dir(plots, "--plots", create=False)
+            elif plots.parent.exists() and not plots.parent.is_dir():
+                raise NotADirectoryError(f"--plots {plots}: {plots.parent} is a file, not a folder")
+            elif not plots.parent.is_dir():
+                raise FileNotFoundError(f"--plots {plots}: folder {plots.parent} does not exist")
+            else:
+                probe_writable(plots.parent, f"--plots {plots}")
             from .plots import require_matplotlib
 
             require_matplotlib()

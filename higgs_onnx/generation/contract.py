@@ -114,9 +114,9 @@ def row_budget(prompt_len: int, max_rows: int | None, text: str, limits: Limits,
     budget = min(DEFAULT_MAX_ROWS, room)
     need = needed_rows(text, frame_rate, num_codebooks)
     if need > budget:
-        fit = "the default limit of" if budget == DEFAULT_MAX_ROWS else "the room after its prompt:"
-        raise ContractError(f"the text is {spoken_chars(text)} characters: at least {need} rows "
-                            f"(~{need / frame_rate:.0f} s of speech), but {fit} {budget} rows (prompt "
-                            f"{prompt_len} positions; {limits.describe()}); {LONG_FORM_HINT}", "input",
+        fit = f"a request makes at most {budget} rows (the default limit)" if budget == DEFAULT_MAX_ROWS else \
+            f"only {budget} rows fit after its {prompt_len}-position prompt ({limits.describe()})"
+        raise ContractError(f"the text is {spoken_chars(text)} characters, which needs at least {need} rows "
+                            f"(~{need / frame_rate:.0f} s of speech), but {fit}; {LONG_FORM_HINT}", "input",
                             "context_length_exceeded", 413)
     return budget

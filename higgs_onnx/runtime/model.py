@@ -36,7 +36,7 @@ from ..generation.contract import ContractError, Limits, check_max_rows, min_row
 from ..generation.engine import Request, prompt_embeddings
 from ..generation.options import GenerationOptions
 from ..generation.pipeline import Speech, Synthesizer, reference_rows
-from ..generation.prompt import PromptTokens, build_prefix, check_text
+from ..generation.prompt import PromptTokens, build_prefix, encode_user_text
 from ..generation.stream import AudioChunk, stream_request
 from ..manifest import ManifestError, load_manifest
 from .decoder import BoundDecoder, ConcatDecoder, SimpleDecoder
@@ -300,7 +300,7 @@ class HiggsTTS:
         started = time.perf_counter()
         options = GenerationOptions.make(options, **keywords)
         check_max_rows(options.max_rows, self.facts.num_codebooks, self.limits(slot))  # before a voice is made
-        check_text(text)
+        encode_user_text(self.tokenizer, self.tokens, text)  # before a voice is made
         if ref_text is not None and ref_audio is None:
             raise ValueError("ref_text (a transcript of the reference) needs ref_audio")
         if voice is not None and ref_audio is not None:
@@ -369,9 +369,9 @@ class HiggsTTS:
 
     def make_voice(self, ref_audio, ref_text: str | None = None) -> Voice:
         """Encode a reference and prefill its prompt prefix once; kept in memory for later calls."""
+        if ref_text is not None:  # before the (slow) encoding
+            encode_user_text(self.tokenizer, self.tokens, ref_text, "the reference transcript", "ref_text")
         wav = self.reference(ref_audio)
-        if ref_text is not None:
-            check_text(ref_text, "the reference transcript")
         return self._voice(("wav", hashlib.sha256(wav.tobytes()).hexdigest(), ref_text),
                            lambda: reference_rows(self, self.facts, wav), ref_text)
 
