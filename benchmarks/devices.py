@@ -35,7 +35,7 @@ def measure(folder: Path, threads: int, context: int, steps: int, rows: int) -> 
 
     t0 = time.perf_counter()
     tts = HiggsTTS(folder, threads=threads, verify=False)
-    tts.generate("Warm up.", max_rows=4)
+    tts.generate("Warm up.", max_rows=8)
     load_s = time.perf_counter() - t0
     figs = decoder_figures(tts, context, steps)
     t0 = time.perf_counter()

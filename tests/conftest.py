@@ -51,3 +51,31 @@ def builds(tiny_ckpt: Path, out_root: Path) -> dict[str, Path]:
     from higgs_onnx.export import Exporter, ExportOptions
 
     return {p: Exporter(str(tiny_ckpt), out_root, ExportOptions("cpu", p)).run() for p in ("int4", "fp32")}
+
+
+# -- the fast tier (`make test-fast`: -m "not slow") must not build an export ---------------------------------------
+EXPORT_FIXTURE = "builds"
+
+
+def _needs_export_unmarked(item: pytest.Item) -> bool:
+    """A test that requests `builds`, directly or through other fixtures (`fixturenames` is the transitive
+    closure), without being marked slow: it would build both exports inside the fast tier."""
+    return EXPORT_FIXTURE in getattr(item, "fixturenames", ()) and item.get_closest_marker("slow") is None
+
+
+def _guard_message(item: pytest.Item) -> str:
+    return (f"{item.nodeid} needs the `{EXPORT_FIXTURE}` fixture (it exports the tiny checkpoint, minutes) but is not "
+            f"marked slow: mark it @pytest.mark.slow, or make it not need an export (make test-fast must build none)")
+
+
+@pytest.hookimpl(trylast=True)  # after -m/-k deselection: only the tests that will run
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    offenders = [item for item in items if _needs_export_unmarked(item)]
+    if offenders and config.option.collectonly:  # `--co` runs no setup: refuse the listing instead
+        raise pytest.UsageError("\n".join(_guard_message(item) for item in offenders))
+
+
+@pytest.hookimpl(tryfirst=True)  # before any fixture is set up, so the export is never started
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if _needs_export_unmarked(item):
+        pytest.fail(_guard_message(item), pytrace=False)

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.slow
 
 
 def bench(*args, **kw):
@@ -17,6 +16,7 @@ def bench(*args, **kw):
                           text=True, cwd=ROOT, env={**os.environ, "CI": "1"}, **kw)
 
 
+@pytest.mark.slow  # builds and benchmarks the tiny preset
 def test_bench_tiny_smoke(tmp_path):
     r = bench("--preset", "tiny", "--frames", 16, "--steps", 10, "--work", tmp_path, "--json", tmp_path / "b.json",
               timeout=900)
@@ -33,12 +33,13 @@ def test_bench_tiny_smoke(tmp_path):
     assert "decoder step (median)" in r.stdout and "x floor" in r.stdout
 
 
-def test_bench_refuses_negative_threads(tmp_path):
+def test_bench_refuses_negative_threads(tmp_path):  # fast: refused before anything is built
     r = bench("--preset", "tiny", "--threads", -1, "--work", tmp_path, timeout=120)
     assert r.returncode == 2 and "threads must be >= 0" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not any(tmp_path.iterdir())  # refused before anything was built
 
 
+@pytest.mark.slow
 def test_bench_batch_table_tiny(tmp_path):
     r = bench("--preset", "tiny", "--batch", 1, 2, "--frames", 24, "--work", tmp_path, "--json", tmp_path / "b.json",
               timeout=600)
@@ -46,5 +47,5 @@ def test_bench_batch_table_tiny(tmp_path):
     b = json.loads((tmp_path / "b.json").read_text())
     assert [x["batch"] for x in b["batches"]] == [1, 2]
     for x in b["batches"]:
-        assert x["step_ms"] > x["decoder_ms"] > 0 and x["rows_per_s"] > 0 and x["peak_rss_mb"] > 0
+        assert x["step_ms"] >= x["decoder_ms"] > 0 and x["rows_per_s"] > 0 and x["peak_rss_mb"] > 0
     assert "batched decoding" in r.stdout and "RTF/request" in r.stdout

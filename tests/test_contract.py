@@ -145,7 +145,7 @@ def test_a_generation_without_frames_is_an_error(tts, monkeypatch):
         pipeline.Synthesizer.speak(tts.synthesizer, req)
 
 
-# -- class 4: outputs checked before the work, audio kept when the final write fails ------------------------------------
+# -- class 4: outputs checked before the work, audio kept when the final write fails ------------------------------
 @pytest.mark.parametrize("out, message", [
     ("/proc/x.wav", "cannot write in /proc"),
     ("{tmp}/missing/x.wav", "does not exist"),

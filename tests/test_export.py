@@ -14,7 +14,7 @@ import onnx
 import pytest
 
 from higgs_onnx.export import Exporter, ExportOptions
-from higgs_onnx.manifest import PART_NAMES, ManifestError, load_manifest, safe_member
+from higgs_onnx.manifest import DIGEST, PART_NAMES, ManifestError, load_manifest, safe_member
 from higgs_onnx.parity import check_part
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -224,6 +224,7 @@ def test_an_export_without_the_optional_stream_codec_still_loads_and_streams(bui
     data = json.loads(mf.read_text())
     for name in data["parts"].pop("audio_tokenizer_stream")["files"]:
         (old / name).unlink()
+    data.pop(DIGEST)  # such folders also predate the manifest's own digest
     mf.write_text(json.dumps(data))
     tts = HiggsTTS(old)
     assert not tts.has_stateful_codec and isinstance(tts.codec_stream(StreamOptions()), CodecStream)

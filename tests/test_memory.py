@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-import time
+import threading
 
 import numpy as np
 import pytest
@@ -24,14 +24,27 @@ def test_mapped_pages_are_reclaimed_and_their_contents_kept(tmp_path):
     mapped = np.memmap(path, dtype=np.uint8, mode="c")  # private and writable, like safetensors' maps
     assert int(mapped.sum(dtype=np.int64)) == int(data.sum(dtype=np.int64))  # every page touched
     before = _rss_file()
-    with DropMappedPages(path, interval=0.05) as dropper:
-        if dropper.madvise is None or dropper.drop() == 0:
-            pytest.skip("this kernel refuses MADV_PAGEOUT")
-        time.sleep(0.3)
-        after = _rss_file()
+    dropper = DropMappedPages(path, interval=0.05)
+    if dropper.madvise is None or dropper.drop() == 0:
+        pytest.skip("this kernel refuses MADV_PAGEOUT")
+    after = _rss_file()  # the kernel reclaims the pages inside the madvise call: nothing to wait for
     assert before - after > 48 << 20, (before, after)  # the 64 MB map left the resident set
     assert np.array_equal(mapped, data)  # and reads back unchanged
-    assert dropper.thread is not None and not dropper.thread.is_alive()
+    # the thread: a spy on `drop` (not a sleep) shows it advises the map again while the block runs, then stops
+    dropped, real_drop = threading.Event(), dropper.drop
+    calls = []
+
+    def spy() -> int:
+        calls.append(real_drop())
+        dropped.set()
+        return calls[-1]
+
+    dropper.drop = spy
+    with dropper:
+        assert mapped.sum(dtype=np.int64) > 0  # touch every page again
+        assert dropped.wait(timeout=60), "the thread never called drop()"  # a hang guard, not a timing check
+    assert calls and calls[0] > 0  # the kernel accepted the advice for the map
+    assert dropper.thread is not None and not dropper.thread.is_alive()  # stopped with the block
 
 
 def test_memory_figures():

@@ -146,6 +146,7 @@ def test_device_resident_buffers_give_the_host_numbers(tts32):
     np.testing.assert_array_equal(rows[1], rows[0])
 
 
+@pytest.mark.slow
 def test_a_device_without_offset_binding_refuses_a_multi_slot_pool(tts32):
     from higgs_onnx.runtime.decoder import BoundDecoder
 

@@ -75,6 +75,7 @@ def test_streamed_body_equals_the_resident_one(tiny_ckpt):
     assert np.array_equal(a.codes, b.codes)
 
 
+@pytest.mark.slow
 def test_dequantized_body_streams_too(builds, tiny_ckpt):
     from higgs_onnx.manifest import load_manifest
     from higgs_onnx.parity import dequantized_body

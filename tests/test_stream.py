@@ -7,8 +7,6 @@ import pytest
 
 from higgs_onnx.runtime.stream import CodecStream, StreamOptions
 
-pytestmark = pytest.mark.slow  # needs the tiny export
-
 
 @pytest.fixture(scope="module")
 def tts(builds):
@@ -17,6 +15,7 @@ def tts(builds):
     return HiggsTTS(builds["int4"], verify=False)
 
 
+@pytest.mark.slow  # needs the tiny export
 @pytest.mark.parametrize("pieces", [[1] * 70, [3, 17, 1, 30, 19], [70]])
 def test_chunks_equal_the_one_shot_waveform(tts, pieces):
     f = tts.facts
@@ -37,6 +36,7 @@ def test_chunks_equal_the_one_shot_waveform(tts, pieces):
     assert stream.flush().size == 0
 
 
+@pytest.mark.slow
 def test_first_chunk_waits_only_for_its_right_context(tts):
     f, o = tts.facts, StreamOptions(first_frames=4, chunk_frames=10, left_context=24, holdback=12)
     stream = CodecStream(tts.decode_audio, f.hop, f.codebook_size, o)
