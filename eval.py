@@ -8,7 +8,9 @@ Usage:
     python eval.py --model-path onnx/cpu_int4 --teacher-codes rows.npy   # code rows from another implementation
     python eval.py --model-path onnx/cpu_fp32 --threshold greedy_near_tie=none eoc_rate=0.9
 
-Both reports are written whatever failed; the exit code says pass (0) or fail (1).
+Both reports are written whatever failed; the exit code says pass (0) or fail (1). The report targets are checked
+before anything is loaded. eval.py runs from any folder: the manifest records the checkpoint's absolute path (older
+manifests' relative ones are looked up from here, from the export folder and from its parents).
 """
 
 from __future__ import annotations
@@ -54,12 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from higgs_onnx.evaluation import Outputs, evaluate, parse_thresholds, read_prompts
 
+    outputs = Outputs.resolve(args.json, args.markdown, args.plots, draw=not args.no_plots)
+    outputs.check()  # every report target, before the (long) evaluation
     options = EvalOptions(prompts=read_prompts(args.prompts) if args.prompts else EvalOptions.prompts,
                           runs=args.runs, max_rows=args.max_rows,
                           recordings=tuple(args.recordings) if args.recordings else EvalOptions.recordings,
                           teacher_codes=args.teacher_codes, tolerance=args.tolerance,
                           gates=parse_thresholds(args.threshold))
-    outputs = Outputs.resolve(args.json, args.markdown, args.plots, draw=not args.no_plots)
     report, md = evaluate(args.model_path, args.checkpoint, options, outputs, verify=not args.no_verify,
                           provider=args.provider)
     print("\n" + md)

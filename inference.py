@@ -111,6 +111,10 @@ def check_args(args: argparse.Namespace) -> tuple[GenerationOptions, StreamOptio
                                     f"{args.out / 'hello.wav'}), or use --text-file with --out-dir for one file per "
                                     f"line")
         check_output_file(args.out, "--out", WRITE_FORMATS, "hello.wav")
+    if args.text_file is not None and args.out is not None and str(args.out) != "-":
+        from higgs_onnx.longform.render import check_outputs
+
+        check_outputs(args.out)  # OUT and its work folder OUT.work, before the model loads (creates nothing)
     if args.out_dir is not None:
         check_output_dir(args.out_dir, "--out-dir")
     if args.save_voice is not None:
@@ -261,13 +265,20 @@ def speak_long(tts, text: str, args, voice) -> int:
     """The whole text as one recording: pieces in one voice, each saved to OUT.work/ as it finishes."""
     import tempfile
 
+    with tempfile.TemporaryDirectory() as tmp:  # stdout: nothing to resume, the work goes here (removed however)
+        return _speak_long(tts, text, args, voice, Path(tmp))
+
+
+def _speak_long(tts, text: str, args, voice, tmp: Path) -> int:
     from higgs_onnx.audio import pcm16
+    from higgs_onnx.generation.contract import ContractError
     from higgs_onnx.longform.render import LongForm, LongFormOptions
+    from higgs_onnx.outputs import OutputError
 
     to_stdout = str(args.out) == "-"
-    tmp = tempfile.TemporaryDirectory() if to_stdout else None  # stdout: nothing to resume, the work goes here
-    out = Path(tmp.name) / "stdout.wav" if to_stdout else args.out
-    job = LongForm(tts, text, out, voice, args.options, LongFormOptions(history=args.history), resume=args.resume)
+    out = tmp / "stdout.wav" if to_stdout else args.out
+    job = LongForm(tts, text, out, voice, args.options, LongFormOptions(history=args.history), resume=args.resume,
+                   stream_options=args.stream_options)
     n = len(job.pieces)
     print(f"{args.text_file}: {n} pieces of {sum(len(p.text) for p in job.pieces) / n:.0f} characters on average"
           f"{' (resuming)' if args.resume else ''}", file=sys.stderr)
@@ -283,14 +294,22 @@ def speak_long(tts, text: str, args, voice) -> int:
         if p.stop_reason != "eoc" and not p.resumed:
             log.warning("piece %d did not end on its own within its row budget (kept, cut at the limit)", p.index + 1)
 
-    if to_stdout:
-        for p in job.run():
-            sys.stdout.buffer.write(pcm16(p.waveform))
-            sys.stdout.buffer.flush()
-            progress(p)
+    if to_stdout:  # audio goes out while each piece is generated
+        chunks = job.stream(progress)
+        try:
+            for samples in chunks:
+                sys.stdout.buffer.write(pcm16(samples))
+                sys.stdout.buffer.flush()
+        except BrokenPipeError:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+            raise RuntimeError("stdout was closed by the reader; generation stopped") from None
+        finally:
+            chunks.close()
     else:
         try:
             job.write(progress)  # grows OUT.partial piece by piece, renames it at the end, removes OUT.work/
+        except (OutputError, ContractError):
+            raise  # their message says what to do (and resuming cannot make a piece fit)
         except BaseException:
             print(f"the finished pieces are kept in {job.work}: run again with --resume to continue",
                   file=sys.stderr)
@@ -298,8 +317,6 @@ def speak_long(tts, text: str, args, voice) -> int:
     wall = time.perf_counter() - t0
     print(f"{args.out}: {seconds:.1f} s audio from {n} pieces in {wall:.1f} s (RTF {wall / max(seconds, 1e-9):.2f})",
           file=sys.stderr if args.stream else sys.stdout)
-    if tmp is not None:
-        tmp.cleanup()
     return 0
 
 

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
                                capture_output=True, text=True, cwd=ROOT)
             wall = time.perf_counter() - t0
             if r.returncode:
-                raise SystemExit(f"layout {layout} failed:\n{r.stderr[-3000:]}")
+                raise SystemExit(f"layout {layout} failed (exit {r.returncode}):\n{r.stderr[-3000:]}{r.stdout[-1000:]}")
             entries = [json.loads(x) for x in (out / "manifest.jsonl").read_text().splitlines()]
             audio = sum(e["duration_s"] for e in entries)
             busy = sum(e["seconds"] for e in entries)  # row time inside the workers (overlaps within a batch)

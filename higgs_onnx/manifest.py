@@ -143,6 +143,9 @@ class Manifest:
 def load_manifest(folder: str | os.PathLike, verify: bool = True) -> Manifest:
     """Read and check `folder/manifest.json`; `verify` also checks every file's size and sha256."""
     folder = Path(folder)
+    if folder.is_file():
+        raise NotADirectoryError(f"model folder {folder} is a file, not an export folder (an onnx/<device>_<precision> "
+                                 f"folder made by optimize.py)")
     if not folder.is_dir():
         raise FileNotFoundError(f"model folder {folder} does not exist; build it with: python optimize.py "
                                 f"--device cpu --precision int4")
@@ -182,7 +185,8 @@ def rebuild_hint(data: dict) -> str:
     device, precision = data.get("device"), data.get("precision")
     args = " ".join(f"--{k} {v}" for k, v in (("device", device), ("precision", precision)) if isinstance(v, str)
                     and v.replace("_", "").isalnum())
-    return f"python optimize.py {args + ' ' if args else ''}--force, with the --model-dir and --output it was built with"
+    return (f"python optimize.py {args + ' ' if args else ''}--force, with the --model-dir and --output it was "
+            f"built with")
 
 
 def check_digest(data: dict, mf: Path) -> None:

@@ -123,7 +123,7 @@ def test_teacher_codes_from_elsewhere(builds, reference, tmp_path):
 def test_broken_decoder_is_pointed_at(builds, tiny_ckpt, tmp_path):
     """A decoder built from a checkpoint whose weights were changed, swapped into a good export."""
     from higgs_onnx.checkpoint import TensorFile, extract_qwen3
-    from higgs_onnx.manifest import sha256_file
+    from higgs_onnx.manifest import rewrite_manifest, sha256_file
     from higgs_onnx.parts.llm_decoder import build_from_qwen3 as build
     from higgs_onnx.st_stream import write_streaming
 
@@ -146,7 +146,7 @@ def test_broken_decoder_is_pointed_at(builds, tiny_ckpt, tmp_path):
     for name, meta in manifest["parts"]["llm_decoder"]["files"].items():
         shutil.copyfile(tmp_path / "dec" / name, export / name)
         meta.update(size=(export / name).stat().st_size, sha256=sha256_file(export / name))
-    (export / "manifest.json").write_text(json.dumps(manifest))
+    rewrite_manifest(export, manifest)  # a deliberate edit: the manifest's digest is recomputed
     r = eval_cli("--model-path", export, "--checkpoint", tiny_ckpt, "--runs", "1", "--json", tmp_path / "r.json",
                  "--markdown", tmp_path / "r.md", "--no-plots")
     assert r.returncode == 1 and "Traceback" not in r.stderr
@@ -186,7 +186,7 @@ def test_a_checkpoint_with_other_dimensions(tmp_path, capsys):
 def test_bad_arguments(builds, tmp_path, capsys):
     for args, message in ((["--threshold", "nonsense=1"], "GATE=VALUE"),
                           (["--recordings", str(tmp_path / "none.wav")], "none.wav does not exist"),
-                          (["--json", str(tmp_path / "missing" / "r.json")], "output folder"),
+                          (["--json", str(tmp_path / "missing" / "r.json")], "missing does not exist"),
                           (["--runs", "-1"], "--runs must be >= 0")):
         assert eval_script.main(["--model-path", str(builds["fp32"]), *args]) == 2, args
         err = capsys.readouterr().err

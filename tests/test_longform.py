@@ -1,8 +1,13 @@
-"""Long-form: a text file becomes one recording in one voice; resumable after a kill; bad files refused."""
+"""Long-form: a text file becomes one recording in one voice; resumable after a kill, and after damaged pieces; one
+job per output; the final write failing says where the audio is; streamed audio equals the file's; every piece's
+fit in the context is known before any work; bad files refused."""
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,7 +18,11 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from higgs_onnx.longform.render import LongForm, LongFormOptions, generate_long
+from higgs_onnx.audio import GrowingAudioFile, pcm16
+from higgs_onnx.generation.contract import ContractError
+from higgs_onnx.generation.options import GenerationOptions
+from higgs_onnx.longform.render import JobLockedError, LongForm, LongFormOptions, generate_long
+from higgs_onnx.outputs import OutputError
 from higgs_onnx.runtime.model import HiggsTTS
 
 pytestmark = pytest.mark.slow
@@ -125,3 +134,290 @@ def test_only_tags_is_refused(builds, tmp_path):
     path.write_text("<|emotion:elation|> <|prosody:pause|>")
     r = cli("--model-path", builds["int4"], "--text-file", path, "--out", tmp_path / "o.wav")
     assert r.returncode == 2 and "only control tags" in r.stderr, r.stderr
+
+
+# -- resume after damage, the lock, the output, streaming, the context ------------------------------------------------
+def whole_file(tts, tmp_path, name="ref.wav", **kw) -> bytes:
+    """The file an uninterrupted job writes for CHAPTER / SMALL (seed 0)."""
+    return generate_long(tts, CHAPTER, tmp_path / name, lf=SMALL, **kw).read_bytes()
+
+
+class RequestCounter:
+    """Counts (and records) tts.request calls while installed."""
+
+    def __init__(self, tts):
+        self.tts, self.calls, self.original = tts, [], tts.request
+
+    def __enter__(self):
+        def spy(text, **kw):
+            self.calls.append((text, [t for t, _ in kw.get("history", [])]))
+            return self.original(text, **kw)
+
+        self.tts.request = spy
+        return self
+
+    def __exit__(self, *exc):
+        del self.tts.request
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated", "garbage", "wrong-shape"])
+def test_a_damaged_piece_is_made_again_on_resume(tts, tmp_path, damage):
+    want = whole_file(tts, tmp_path)
+    out = tmp_path / "cut.wav"
+    job = LongForm(tts, CHAPTER, out, lf=SMALL)
+    for p in job.run():  # stop after three pieces, as a kill would
+        if p.index == 2:
+            break
+    job.close()
+    pieces = sorted(job.work.glob("piece-*.npz"))
+    assert len(pieces) == 3
+    victim = pieces[1]
+    if damage == "empty":
+        victim.write_bytes(b"")  # a full disk
+    elif damage == "truncated":
+        victim.write_bytes(victim.read_bytes()[:len(victim.read_bytes()) // 2])  # a crash mid-write
+    elif damage == "garbage":
+        victim.write_bytes(b"PK\x03\x04" + os.urandom(300))
+    else:
+        np.savez(victim, codes=np.zeros((3, 2), np.int64), rows=3, stop="eoc", retried=False)
+    with RequestCounter(tts) as spy:
+        path = LongForm(tts, CHAPTER, out, lf=SMALL, resume=True).write()
+    assert path.read_bytes() == want  # the same file as an uninterrupted run
+    assert [t for t, _ in spy.calls] == [p.text for p in job.pieces[1:2] + job.pieces[3:]]  # only the damaged and
+    assert not job.work.exists()  # the missing pieces were made
+
+
+def test_a_damaged_plan_is_written_again_and_its_pieces_kept(tts, tmp_path):
+    want = whole_file(tts, tmp_path)
+    out = tmp_path / "cut.wav"
+    job = LongForm(tts, CHAPTER, out, lf=SMALL)
+    for p in job.run():
+        if p.index == 1:
+            break
+    job.close()
+    (job.work / "plan.json").write_bytes(b'{"version": 1, "text_sha')  # cut off
+    with RequestCounter(tts) as spy:
+        path = LongForm(tts, CHAPTER, out, lf=SMALL, resume=True).write()
+    assert path.read_bytes() == want and len(spy.calls) == len(job.pieces) - 2  # pieces 1-2 carried this job's stamp
+
+
+HOLDER = """
+import sys
+from higgs_onnx.longform.render import LongForm, LongFormOptions
+from higgs_onnx.runtime.model import HiggsTTS
+job = LongForm(HiggsTTS(sys.argv[1], verify=False), open(sys.argv[2]).read(), sys.argv[3],
+               lf=LongFormOptions(target_chars=80, max_chars=160))
+print("locked", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_two_jobs_on_one_output(builds, tts, tmp_path):
+    text = tmp_path / "chapter.txt"
+    text.write_text(CHAPTER)
+    out = tmp_path / "o.wav"
+    # in one process: a second job object on the same output refuses, the first one's close lets it go
+    first = LongForm(tts, CHAPTER, out, lf=SMALL)
+    with pytest.raises(JobLockedError, match="another long-form job is writing"):
+        LongForm(tts, CHAPTER, out, lf=SMALL, resume=True)
+    first.close()
+    LongForm(tts, CHAPTER, out, lf=SMALL, resume=True).close()
+    shutil.rmtree(out.with_name("o.wav.work"))
+    # across processes: another process holds the job; then it is SIGKILLed, and the lock goes with it
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(builds["int4"]), str(text), str(out)], cwd=ROOT,
+                              env={**os.environ, "CI": "1"}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with RequestCounter(tts) as spy, pytest.raises(JobLockedError, match=r"o\.wav right now"):
+            LongForm(tts, CHAPTER, out, lf=SMALL, resume=True)
+        assert not spy.calls
+        r = cli("--model-path", builds["int4"], "--text-file", text, "--out", out, "--resume")
+        assert r.returncode == 2 and "another long-form job is writing" in r.stderr, r.stderr
+        assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    assert (out.with_name("o.wav.work") / "lock").exists()  # left behind by the kill, but no longer held
+    job = LongForm(tts, CHAPTER, out, lf=SMALL, resume=True)
+    assert job.write() == out and out.is_file()
+
+
+def test_the_final_rename_failing_says_where_the_audio_is(tts, tmp_path):
+    want = whole_file(tts, tmp_path)
+    out = tmp_path / "o.wav"
+    job = LongForm(tts, CHAPTER, out, lf=SMALL)
+
+    def sabotage(p):  # the output's name is taken by a folder while the job runs
+        if p.index == p.total - 1:
+            out.mkdir()
+
+    with pytest.raises(OutputError) as e:
+        job.write(sabotage)
+    message = str(e.value)
+    partial = tmp_path / "o.wav.partial"
+    assert f"cannot write {out} (" in message and str(partial) in message and str(job.work) in message, message
+    assert "--resume" in message and "[Errno" not in message and "\n" not in message
+    assert partial.read_bytes() == want  # the whole recording, under the partial name
+    out.rmdir()
+    assert LongForm(tts, CHAPTER, out, lf=SMALL, resume=True).write().read_bytes() == want
+
+
+def test_a_full_disk_while_writing_keeps_the_pieces(tts, tmp_path, monkeypatch):
+    want = whole_file(tts, tmp_path)
+    out = tmp_path / "o.wav"
+    calls = []
+    original = GrowingAudioFile.write
+
+    def full(self, samples):
+        calls.append(1)
+        if len(calls) == 3:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        original(self, samples)
+
+    monkeypatch.setattr(GrowingAudioFile, "write", full)
+    with pytest.raises(OutputError) as e:
+        LongForm(tts, CHAPTER, out, lf=SMALL).write()
+    message = str(e.value)
+    assert f"cannot write {out} (No space left on device) after " in message and "o.wav.partial" in message
+    assert "o.wav.work" in message and "--resume" in message and "[Errno" not in message, message
+    assert len(list((tmp_path / "o.wav.work").glob("piece-*.npz"))) == 3 and not out.exists()
+    monkeypatch.setattr(GrowingAudioFile, "write", original)
+    with RequestCounter(tts) as spy:
+        assert LongForm(tts, CHAPTER, out, lf=SMALL, resume=True).write().read_bytes() == want
+    assert len(spy.calls) == 2  # pieces 4 and 5 only
+
+
+def test_output_and_work_folder_are_checked_before_any_work(tts, tmp_path):
+    cases = []
+    (tmp_path / "w.wav.work").write_text("a file where the work folder goes")
+    cases.append((tmp_path / "w.wav", NotADirectoryError, "work folder"))
+    cases.append((tmp_path / "missing" / "o.wav", FileNotFoundError, "does not exist"))
+    cases.append((tmp_path / "o.mp3", ValueError, "unsupported format"))
+    (tmp_path / "d.wav").mkdir()
+    cases.append((tmp_path / "d.wav", IsADirectoryError, "is a folder"))
+    with RequestCounter(tts) as spy:
+        for out, error, message in cases:
+            with pytest.raises(error, match=message):
+                LongForm(tts, CHAPTER, out, lf=SMALL)
+    assert not spy.calls and not (tmp_path / "missing").exists() and not (tmp_path / "o.mp3.work").exists()
+
+
+def test_stream_comes_early_and_equals_the_file(tts, tmp_path):
+    engine = tts.synthesizer.engine
+    rows_seen, original = [], engine.rows
+
+    def spy(req):  # every decoder row of every piece, in order
+        for n in original(req):
+            rows_seen.append(n)
+            yield n
+
+    done: list = []
+    engine.rows = spy
+    try:
+        chunks = LongForm(tts, CHAPTER, tmp_path / "s.wav", lf=SMALL).stream(done.append)
+        first = next(chunks)
+        rows_at_first = len(rows_seen)
+        rest = list(chunks)
+    finally:
+        del engine.rows
+    assert first.size and rows_at_first < done[0].rows  # audio before the first piece's last row
+    assert len(rest) > 2 * len(done) and len(done) == 5  # several chunks per piece
+    streamed = np.concatenate([first, *rest])
+    assert not (tmp_path / "s.wav.work").exists()  # a finished stream cleans up
+    # the same job written to a file: the same pieces, the same float samples, the file its PCM16 (±1 LSB)
+    out = tmp_path / "f.wav"
+    job = LongForm(tts, CHAPTER, out, lf=SMALL)
+    pieces = []
+    job.write(pieces.append)
+    assert [p.rows for p in pieces] == [p.rows for p in done]
+    assert np.array_equal(streamed, np.concatenate([p.waveform for p in pieces]))
+    for a, b in zip(done, pieces, strict=True):
+        assert np.array_equal(a.waveform, b.waveform)
+    written, _ = sf.read(out, dtype="int16")
+    assert np.abs(written.astype(int) - np.frombuffer(pcm16(streamed), "<i2")).max() <= 1
+
+
+def test_stream_fades_each_piece_like_the_file():
+    from higgs_onnx.longform.render import _Edges, _fade
+
+    rng = np.random.default_rng(0)
+    for size, k, cuts in ((1000, 50, [7, 300, 301, 999]), (60, 50, [10, 30]), (3, 2, [1]), (500, 0, [100])):
+        wav = rng.standard_normal(size).astype(np.float32)
+        edges, out = _Edges(k), []
+        for part in np.split(wav, cuts):
+            out.append(edges.push(part))
+        out.append(edges.finish())
+        assert np.array_equal(np.concatenate(out), _fade(wav.copy(), k)), (size, k)
+
+
+def small_context(builds, positions: int) -> HiggsTTS:
+    """The tiny export with a smaller context (the graphs take any length; the contract reads facts)."""
+    t = HiggsTTS(builds["int4"], verify=False)
+    t.facts = dataclasses.replace(t.facts, max_positions=positions)
+    return t
+
+
+def test_history_is_dropped_while_it_does_not_fit(builds, tmp_path):
+    """800 positions: every piece fits with its voice, but not always with the piece before it."""
+    t = small_context(builds, 800)
+    fits, original = [], t.request
+
+    def spy(text, **kw):
+        try:
+            req = original(text, **kw)
+        except ContractError as e:
+            fits.append((len(kw.get("history", [])), e.code))
+            raise
+        fits.append((len(kw.get("history", [])), len(req.prompt) + req.max_rows))
+        return req
+
+    t.request = spy
+    path = LongForm(t, CHAPTER, tmp_path / "h.wav", lf=SMALL).write()
+    assert sf.info(path).duration > 1
+    refused = [f for f in fits if f[1] == "context_length_exceeded"]
+    assert refused and all(h == 1 for h, _ in refused)  # a turn of history that did not fit ...
+    made = [f for f in fits if isinstance(f[1], int)]
+    assert len(made) == 5 and all(n <= 800 for _, n in made)  # ... was dropped, and every request fits
+
+
+def test_a_piece_that_cannot_fit_is_refused_before_any_work(builds, tts, tmp_path):
+    voice = tts.make_voice(DATA / "ref_en_24k.wav", (DATA / "ref_en_24k.txt").read_text().strip())
+    t = small_context(builds, 400)
+    with RequestCounter(t) as spy, pytest.raises(ContractError, match="piece 2 of 5 .* does not fit even without "
+                                                                      "history") as e:
+        LongForm(t, CHAPTER, tmp_path / "o.wav", voice=voice, lf=SMALL)
+    assert e.value.code == "context_length_exceeded" and "400 positions" in str(e.value)
+    assert not spy.calls and not (tmp_path / "o.wav.work").exists()
+    # zero-shot, the later pieces' voice is the first piece's audio: checked as soon as it exists
+    t = small_context(builds, 300)
+    with RequestCounter(t) as spy, pytest.raises(ContractError, match="piece 2 of 5 .* does not fit even without "
+                                                                      "history"):
+        LongForm(t, CHAPTER, tmp_path / "z.wav", lf=SMALL).write()
+    assert len(spy.calls) == 1  # piece 1 only
+    # a --max-rows below what a piece needs: refused up front too
+    with pytest.raises(ContractError, match="needs at least .* rows, but max_rows is 40"):
+        LongForm(tts, CHAPTER, tmp_path / "m.wav", options=GenerationOptions(max_rows=40), lf=SMALL)
+
+
+def test_a_utf16_text_file(builds, tmp_path):
+    """What Windows Notepad saves as "Unicode": read by the CLI (every encoding is tested in
+    test_longform_text.py)."""
+    path = tmp_path / "t.txt"
+    path.write_bytes("Caf\u00e9 au lait. A short line.".encode("utf-16"))  # with its byte-order mark
+    r = cli("--model-path", builds["int4"], "--text-file", path, "--out", tmp_path / "o.wav")
+    assert r.returncode == 0, r.stderr
+    assert sf.info(tmp_path / "o.wav").duration > 0.1
+
+
+def test_cli_stdout_is_the_stream(builds, tts, tmp_path):
+    """`--text-file F --out -`: raw PCM16 on stdout, the same samples `LongForm.stream` hands out (and `write` puts
+    in a file) for the same seed and settings."""
+    text = tmp_path / "chapter.txt"
+    text.write_text(CHAPTER)
+    r = subprocess.run([sys.executable, str(ROOT / "inference.py"), "--model-path", str(builds["int4"]),
+                        "--text-file", str(text), "--out", "-", "--seed", "2"], capture_output=True, cwd=ROOT,
+                       env={**os.environ, "CI": "1"}, timeout=600)
+    assert r.returncode == 0, r.stderr.decode()
+    job = LongForm(tts, CHAPTER, tmp_path / "s.wav", options=GenerationOptions(seed=2, max_rows=2048))
+    assert r.stdout == b"".join(pcm16(c) for c in job.stream())

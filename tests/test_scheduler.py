@@ -1,5 +1,7 @@
 """The server's scheduler without HTTP: concurrent jobs share decoder calls, each gets its own codes and audio,
-a full queue refuses, a cancelled job frees its slot."""
+a full queue refuses, a cancelled job frees its slot, requests are built for the pool's slot, and an exclusive
+(deterministic) job runs alone and equals the request made alone, to the bit. Waits are bounded polls of the
+scheduler's counters, never wall-clock assertions."""
 
 from __future__ import annotations
 
@@ -8,7 +10,8 @@ import asyncio
 import numpy as np
 import pytest
 
-from higgs_onnx.generation.options import GenerationOptions
+from higgs_onnx.generation.contract import ContractError
+from higgs_onnx.generation.options import POOL_POSITIONS, GenerationOptions
 from higgs_onnx.runtime.model import HiggsTTS
 from higgs_onnx.serve.scheduler import QueueFull, Scheduler
 
@@ -19,6 +22,20 @@ TEXTS = [f"Request number {i} asks for its own words, {'and a few more ' * i}the
 @pytest.fixture(scope="module")
 def tts(builds):
     return HiggsTTS(builds["fp32"], verify=False)
+
+
+@pytest.fixture(scope="module")
+def tts4(builds):
+    return HiggsTTS(builds["int4"], verify=False)
+
+
+async def until(check, what: str, polls: int = 1200):
+    """Poll `check()` (0.05 s apart) until truthy; fail after `polls` polls instead of hanging."""
+    for _ in range(polls):
+        if value := check():
+            return value
+        await asyncio.sleep(0.05)
+    pytest.fail(f"{what}: not reached")
 
 
 async def collect(job):
@@ -66,13 +83,95 @@ def test_full_queue_refuses_and_cancel_frees(tts):
             for job in (a, b):
                 async for _ in job:
                     pass
-            for _ in range(100):
-                if sched.stats()["in_flight"] == 0:
-                    break
-                await asyncio.sleep(0.05)
-            return sched.stats()
+            return await until(lambda: (s := sched.stats())["in_flight"] == 0 and s, "nothing in flight")
 
         stats = asyncio.run(main())
     finally:
         sched.stop()
-    assert stats["in_flight"] == 0
+    assert stats["in_flight"] == 0 and stats["active"] == 0
+    assert stats["cancelled"] == 2 and stats["finished"] == 0 and stats["started"] == 1  # b never got a slot
+
+
+def test_requests_are_built_for_the_pool_slot(tts, monkeypatch):
+    """The pool is made with `slot_positions` and every request is checked against it: a request that fits the
+    model's 4096 positions but not a 3072-position slot is refused at submit, not cut."""
+    made = []
+    pool = tts.backend.pool
+    monkeypatch.setattr(tts.backend, "pool", lambda slots, max_len: made.append((slots, max_len)) or
+                        pool(slots, max_len))
+    sched = Scheduler(tts, max_batch=2, max_queue=1)
+    assert sched.slot_positions == min(tts.facts.max_positions, POOL_POSITIONS) == 3072
+    sched.start()
+    try:
+        async def main():
+            with pytest.raises(ContractError, match="batch slot here holds 3072") as e:
+                sched.submit(TEXTS[0], options=GenerationOptions(max_rows=3500))
+            assert e.value.code == "context_length_exceeded" and e.value.param == "max_rows"
+            tts.request(TEXTS[0], options=GenerationOptions(max_rows=3500))  # fine with a cache of its own
+            job = sched.submit(TEXTS[0], options=GenerationOptions(seed=1, max_rows=50))
+            return [c async for c in job]
+
+        chunks = asyncio.run(main())
+    finally:
+        sched.stop()
+    assert made == [(2, 3072)] and chunks[-1].is_last
+    assert sched.stats()["submitted"] == 1  # the refused one never entered
+
+
+def test_exclusive_job_runs_alone_and_equals_the_lone_request(tts4):
+    """int4 (MatMulNBits kernels can round differently for several rows than for one): a deterministic job made
+    while others run waits for the batch to drain, runs alone, and its rows equal `tts.generate`'s and its samples
+    `tts.stream`'s exactly; the jobs behind it run after it, batched again."""
+    text, opts = TEXTS[2], GenerationOptions(seed=7)
+    want = tts4.generate(text, options=opts)
+    want_samples = np.concatenate([c.samples for c in tts4.stream(text, options=opts)])
+    sched = Scheduler(tts4, max_batch=4, max_queue=8)
+    sched.start()
+    try:
+        async def main():
+            long = {"max_rows": 600, "ignore_eoc": True}  # still running when the exclusive job comes
+            before = [sched.submit(t, options=GenerationOptions(seed=i, **long)) for i, t in enumerate(TEXTS[:3])]
+            await until(lambda: sched.stats()["active"] >= 2, "a batch running")
+            det = sched.submit(text, options=opts, exclusive=True)
+            after = [sched.submit(t, options=GenerationOptions(seed=10 + i, max_rows=400))
+                     for i, t in enumerate(TEXTS[3:])]
+            results = await asyncio.gather(*(collect(j) for j in [*before, det, *after]))
+            return before, det, after, results
+
+        before, det, after, results = asyncio.run(main())
+        stats = sched.stats()
+    finally:
+        sched.stop()
+    rows, samples = results[len(before)]
+    assert det.widest == 1 and stats["exclusive"] == 1 and stats["exclusive_widest_batch"] == 1, stats
+    np.testing.assert_array_equal(rows, want.rows)
+    np.testing.assert_array_equal(samples, want_samples)  # the same incremental codec: bit for bit
+    assert samples.shape == want.waveform.shape  # the one-shot decode: same length, equal to float noise
+    assert np.abs(samples - want.waveform).max() <= 2e-4 * np.abs(want.waveform).max()
+    assert max(j.widest for j in before) >= 2 and max(j.widest for j in after) >= 2  # the others still batched
+    assert stats["in_flight"] == 0 and stats["finished"] == len(TEXTS) + 1
+
+
+def test_a_cancelled_exclusive_job_does_not_hold_the_queue(tts4):
+    sched = Scheduler(tts4, max_batch=2, max_queue=4)
+    sched.start()
+    try:
+        async def main():
+            running = sched.submit(TEXTS[5], options=GenerationOptions(max_rows=2000, ignore_eoc=True))
+            await until(lambda: sched.stats()["active"] == 1, "the first job running")
+            det = sched.submit(TEXTS[0], options=GenerationOptions(max_rows=50), exclusive=True)
+            behind = sched.submit(TEXTS[1], options=GenerationOptions(max_rows=50))
+            assert sched.stats()["waiting"] == 2  # the exclusive job waits for the drain, the next one behind it
+            det.cancel()
+            chunks = [c async for c in behind]  # admitted beside the running job once the exclusive one is gone
+            running.cancel()
+            async for _ in det:
+                pass
+            async for _ in running:
+                pass
+            return chunks, await until(lambda: (s := sched.stats())["in_flight"] == 0 and s, "nothing in flight")
+
+        chunks, stats = asyncio.run(main())
+    finally:
+        sched.stop()
+    assert chunks[-1].is_last and stats["exclusive"] == 0 and stats["cancelled"] == 2 and stats["finished"] == 1

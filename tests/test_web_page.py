@@ -1,7 +1,9 @@
 """The web page in a real browser: headless Chromium (Debian's, driven by Playwright) on a running server (tiny int4
 export). Types text, clicks a tag and Speak, waits until streamed audio arrived and the <audio> element holds the
 whole utterance, creates a voice through the upload form; no page errors. A screenshot lands in the test's tmp dir
-and in tests/output/web_page.png.
+and in tests/output/web_page.png. Also: the built-in default voice cannot be deleted (the button says so), a wrong
+API key is named as such (a second server, with a key), and a 64-character voice name does not push a 360-pixel
+wide (phone) page sideways.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from playwright.sync_api import sync_playwright
 
 pytestmark = pytest.mark.slow
 
@@ -35,14 +38,14 @@ def need_chromium() -> None:
     pytest.skip(f"{CHROMIUM} is missing (apt-get install chromium)")
 
 
-@pytest.fixture(scope="module")
-def url(builds, tmp_path_factory):
-    need_chromium()
-    pytest.importorskip("playwright")
-    tmp = tmp_path_factory.mktemp("web")
+KEY = "page-key-42"
+
+
+def start_server(model: Path, tmp: Path, *args: str):
+    """A server subprocess; yields its URL, stops it after."""
     log = tmp / "server.log"
-    proc = subprocess.Popen([sys.executable, "-m", "higgs_onnx.serve", "--model-path", str(builds["int4"]),
-                             "--port", "0", "--voices", str(tmp / "voices")], cwd=REPO, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "higgs_onnx.serve", "--model-path", str(model),
+                             "--port", "0", "--voices", str(tmp / "voices"), *args], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=log.open("w"), text=True, env={**os.environ, "CI": "1"})
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
@@ -63,9 +66,19 @@ def url(builds, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def browser(url):
-    from playwright.sync_api import sync_playwright
+def url(builds, tmp_path_factory):
+    need_chromium()
+    yield from start_server(builds["int4"], tmp_path_factory.mktemp("web"))
 
+
+@pytest.fixture(scope="module")
+def keyed_url(builds, tmp_path_factory):
+    need_chromium()
+    yield from start_server(builds["int4"], tmp_path_factory.mktemp("web_key"), "--api-key", KEY)
+
+
+@pytest.fixture(scope="module")
+def browser(url):
     with sync_playwright() as p:
         b = p.chromium.launch(executable_path=str(CHROMIUM),
                               args=["--no-sandbox", "--autoplay-policy=no-user-gesture-required"])
@@ -142,4 +155,77 @@ def test_bad_input_shows_the_error(url, browser):
     wait_until(page, "document.getElementById('status').dataset.state === 'error'")
     assert "only control tags" in page.locator("#status").text_content()
     assert not errors, errors
+    page.close()
+
+
+def test_default_voice_cannot_be_deleted(url, browser):
+    page = browser.new_page()
+    page.goto(url)
+    page.wait_for_selector("button.tag")
+    assert page.input_value("#voice") == "default"
+    button = page.locator("#voice-delete")
+    assert button.is_disabled() and "cannot be deleted" in button.get_attribute("title")
+    page.evaluate("document.getElementById('voice-delete').disabled = false")  # even if forced: a clear message
+    page.click("#voice-delete")
+    status = page.locator("#status")
+    assert status.get_attribute("data-state") == "error" and "cannot be deleted" in status.text_content()
+    page.close()
+
+
+def test_wrong_api_key_is_named(keyed_url, browser):
+    page = browser.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(keyed_url)
+    wait_until(page, "!document.getElementById('key-box').hidden")  # no key yet: the page asks for one
+    assert "needs an API key" in page.locator("#key-status").text_content()
+    page.fill("#api-key", "not-the-key")
+    page.click("#key-save")
+    wait_until(page, "/refused/.test(document.getElementById('key-status').textContent)")
+    text = page.locator("#key-status").text_content()
+    assert "incorrect API key" in text and page.locator("#key-box").is_visible(), text
+    page.fill("#api-key", KEY)
+    page.click("#key-save")
+    page.wait_for_selector("button.tag")  # the tags load with the right key
+    assert page.locator("#key-box").is_hidden() and page.locator("#key-status").text_content() == ""
+    assert not errors, errors
+    page.evaluate("localStorage.clear()")
+    page.close()
+
+
+def overflow(page) -> list[str]:
+    """Elements whose right edge is past the viewport, and whether the page scrolls sideways."""
+    return page.evaluate("""(() => {
+      const w = document.documentElement.clientWidth, out = [];
+      if (document.documentElement.scrollWidth > w) out.push(`page ${document.documentElement.scrollWidth} > ${w}`);
+      for (const el of document.querySelectorAll('main *')) {
+        const r = el.getBoundingClientRect();
+        if (r.width && r.right > w + 0.5) out.push(`${el.tagName}#${el.id}.${el.className} right ${r.right} > ${w}`);
+      }
+      return out;
+    })()""")
+
+
+def test_long_voice_name_on_a_phone(url, browser):
+    name = "a_very_long_voice_name_without_any_spaces_" + "x" * 22
+    assert len(name) == 64
+    page = browser.new_page(viewport={"width": 360, "height": 740})
+    page.goto(url)
+    page.wait_for_selector("button.tag")
+    assert overflow(page) == []
+    page.locator("details", has_text="New voice").locator("summary").click()
+    page.fill("input[name=name]", name)
+    page.set_input_files("input[name=file]", str(DATA / "ref_en_24k.wav"))
+    page.click("#voice-form button[type=submit]")
+    wait_until(page, "/created|error/.test(document.getElementById('voice-status').textContent)")
+    assert name in page.locator("#voice-status").text_content()
+    assert page.input_value("#voice") == name and page.locator("#voice-delete").is_enabled()
+    assert overflow(page) == [], overflow(page)
+    OUTPUT.mkdir(exist_ok=True)
+    page.screenshot(path=str(OUTPUT / "web_page_phone.png"), full_page=True)
+    page.on("dialog", lambda d: d.accept())
+    page.click("#voice-delete")
+    wait_until(page, "/deleted/.test(document.getElementById('status').textContent)")
+    assert name in page.locator("#status").text_content() and overflow(page) == [], overflow(page)
+    assert page.input_value("#voice") == "default" and page.locator("#voice-delete").is_disabled()
     page.close()

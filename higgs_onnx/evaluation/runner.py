@@ -148,13 +148,44 @@ def load_models(model_path: Path, checkpoint: str | None, verify: bool = True, p
     from ..runtime.model import HiggsTTS
 
     tts = HiggsTTS(model_path, provider=provider, verify=verify)
-    source = checkpoint or tts.manifest.data["source"]["path"]
-    if not checkpoint and not Path(source).is_dir():
-        source = tts.manifest.data["source"]["repo_id"] or source
+    source = checkpoint or manifest_checkpoint(tts.manifest)
     ref = ReferenceModel(resolve(source), dtype=parity_dtype(tts.facts))
     if ref.facts != tts.facts:
         raise ValueError(f"checkpoint {source} does not match the export (different dims or ids)")
     return tts, ref
+
+
+def checkpoint_candidates(path: str, folder: Path, cwd: Path | None = None) -> list[Path]:
+    """Where the checkpoint of a manifest's `source.path` may be: the path itself when absolute (new manifests);
+    an older, relative one is relative to the folder optimize.py ran in, which is unknown: the current folder, the
+    export folder, and the export folder's parents (`--output onnx` puts exports in `onnx/<name>/`, so a build run
+    in the project folder has it two levels up) are tried in that order."""
+    p = Path(path).expanduser()
+    if p.is_absolute():
+        return [p]
+    cwd = Path.cwd() if cwd is None else cwd
+    folder = Path(os.path.abspath(folder))
+    bases = [cwd, folder, folder.parent, folder.parent.parent]
+    return list(dict.fromkeys(Path(os.path.normpath(b / p)) for b in bases))
+
+
+def manifest_checkpoint(manifest) -> str:
+    """The reference checkpoint an export was built from: its folder (see `checkpoint_candidates`) if it is still
+    there, else its Hub repo id; a clear error naming both (and --checkpoint) when neither is available."""
+    src = manifest.data.get("source") or {}
+    path, repo = src.get("path"), src.get("repo_id")
+    tried = checkpoint_candidates(path, manifest.folder) if isinstance(path, str) and path else []
+    for cand in tried:
+        if Path(path).is_absolute() and cand.is_dir():
+            return str(cand)
+        if (cand / "config.json").is_file():  # a relative guess must look like a checkpoint
+            log.info("checkpoint %s of an older manifest (a relative path) found at %s", path, cand)
+            return str(cand)
+    if isinstance(repo, str) and repo:
+        return repo
+    where = ", ".join(map(str, tried)) or "none recorded"
+    raise FileNotFoundError(f"the checkpoint {manifest.folder} was built from is not found (looked in {where}); "
+                            f"pass it with --checkpoint DIR")
 
 
 def _write(path: Path, text: str) -> None:

@@ -260,7 +260,11 @@ class Engine:
             n, state = req.prefix
             embeds = prompt_embeddings(be, req.prompt[n:], req.placeholder, rows)
         req.cache = be.new_cache(capacity, state) if self.pool is None else self.pool.acquire(capacity, state)
-        req.hidden = be.prefill(req.cache, embeds)
+        try:
+            req.hidden = be.prefill(req.cache, embeds)
+        except BaseException:
+            req.release()  # a failed prefill gives its pool slot back
+            raise
         req.prefill_s += time.perf_counter() - t0
 
     def step(self, requests: list[Request]) -> None:

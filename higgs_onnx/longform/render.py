@@ -9,38 +9,67 @@ the model was trained on utterances up to ~80 s and sampling drifts on long draw
 
 The voice is the given reference or cached voice; zero-shot, it is the first piece's own text and codes, so every
 later piece is cloned from the voice the first one chose. The previous pieces follow as finished turns, so the
-model continues the recording (pace, loudness, prosody) rather than starting a new one; they are dropped, oldest
-first, when the prompt plus the piece's row budget would not fit the model's context. A piece that reaches its
-row limit without EOC is generated again once with another seed, then reported.
+model continues the recording (pace, loudness, prosody) rather than starting a new one.
 
-Every finished piece's codes go to a work folder beside the output (`<out>.work/piece-NNNN.npz`, with
-`plan.json`): a job that is interrupted (Ctrl-C, SIGKILL) and run again with `resume=True` skips the finished
-pieces and, with the same seed, gives the same file as an uninterrupted run. Pieces are joined with a short pause
-(longer at paragraph ends) and short fades, so no join clicks; the output is written atomically at the end.
+Fitting the context (the request contract, `generation.contract`): a piece's row budget is
+`min(chars * rows_per_char + 100, max_rows or DEFAULT_MAX_ROWS)`, capped by the room its voice and text leave in
+the model's context. History is dropped, oldest first, while the contract says the prompt plus that budget does not
+fit (`ContractError` code `context_length_exceeded`). A piece that cannot fit even without history (its budget would
+be below the rows its text needs) is refused when the job is planned, before any work: every piece is checked up
+front against the given voice; zero-shot, piece 1 is checked up front and the others, whose voice is piece 1's own
+audio, as soon as piece 1 exists (before piece 2 starts). A piece that reaches its row limit without EOC is
+generated again once with another seed, then reported (`write`/`run`; `stream` keeps it: its audio is already out).
+
+Every finished piece's codes go to a work folder beside the output (`<out>.work/piece-NNNN.npz`, with `plan.json`):
+a job that is interrupted (Ctrl-C, SIGKILL, a full disk) and run again with `resume=True` skips the finished pieces
+and, with the same seed, gives the same file as an uninterrupted run. A damaged piece file (cut off by a crash,
+emptied by a full disk) is made again; a damaged `plan.json` is written again, and only pieces stamped with this
+job's plan are kept. One job at a time per output: the work folder's `lock` (an flock, released by the kernel when
+the process dies, even by SIGKILL) makes a second job on the same output refuse with one line.
+
+Pieces are joined with a short pause (longer at paragraph ends) and short fades, so no join clicks. `write` grows
+`<out>.partial` piece by piece and renames it at the end; `stream` hands out each piece's audio while the piece is
+generated (the fade-in on its first samples, the last `fade_ms` held back for the fade-out, then the pause). Both
+decode with the same incremental codec calls, so the streamed samples equal the file's (before PCM16 quantization)
+for the same seed.
 """
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import shutil
 import time
+import zipfile
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from ..generation.contract import ContractError, check_max_rows, min_rows, needed_rows
 from ..generation.delay import apply_delay
-from ..generation.options import GenerationOptions
+from ..generation.options import DEFAULT_MAX_ROWS, GenerationOptions
+from ..outputs import OutputError, check_output_file, probe_writable
 from .split import Piece, split_text
+
+log = logging.getLogger(__name__)
 
 PLAN = "plan.json"
 PLAN_VERSION = 1
+LOCK = "lock"  # in the work folder: held (flock) while a job runs on this output
 RETRY_SEED = 1_000_003  # added to a piece's seed for its one retry
-CODEC_WINDOW = 250  # frames (10 s) per codec call when a piece is decoded
+STOP_REASONS = ("eoc", "max_rows")
+# what np.load / reading an archive member raises on a file that is not an intact .npz (empty, cut off, garbage)
+NPZ_ERRORS = (OSError, ValueError, EOFError, KeyError, TypeError, zipfile.BadZipFile, zlib.error)
+# what soundfile raises when the output cannot be written (libsndfile errors are RuntimeErrors; a short write on a
+# full disk trips soundfile's own `assert written == frames`)
+WRITE_ERRORS = (OSError, RuntimeError, AssertionError)
 
 
 @dataclass(frozen=True)
@@ -78,84 +107,332 @@ class PieceResult:
     seconds: float = 0.0  # this piece's audio, pause included
 
 
+class JobLockedError(FileExistsError):
+    """Another long-form job is working on the same output right now."""
+
+
+# -- the text file ---------------------------------------------------------------------------------------------------
+# byte-order marks, longest first (the UTF-32-LE mark starts with the UTF-16-LE one)
+_BOMS = ((codecs.BOM_UTF32_LE, "utf-32", "UTF-32"), (codecs.BOM_UTF32_BE, "utf-32", "UTF-32"),
+         (codecs.BOM_UTF8, "utf-8-sig", "UTF-8"), (codecs.BOM_UTF16_LE, "utf-16", "UTF-16"),
+         (codecs.BOM_UTF16_BE, "utf-16", "UTF-16"))
+
+
+def _utf16_without_bom(data: bytes) -> str | None:
+    """"UTF-16LE"/"UTF-16BE" when `data` looks like mostly-ASCII UTF-16 without a byte-order mark, else None."""
+    if len(data) < 4 or len(data) % 2:
+        return None
+    even, odd = data[0::2], data[1::2]
+    for name, zeros, chars in (("UTF-16LE", odd, even), ("UTF-16BE", even, odd)):
+        if zeros.count(0) >= 0.9 * len(zeros) and chars.count(0) <= 0.1 * len(chars):
+            return name
+    return None
+
+
 def read_text_file(path: str | os.PathLike) -> str:
-    """A text file for long-form, refused with one clear line when it is empty, binary or not UTF-8."""
+    """A text file for long-form: UTF-8 (with or without a byte-order mark), or UTF-16 / UTF-32 with one. Refused
+    with one clear line when it is empty, binary, or in another encoding (naming the likely one and the command that
+    converts it)."""
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(f"--text-file {path} is a folder")
     if not path.is_file():
         raise FileNotFoundError(f"--text-file {path} does not exist")
-    data = path.read_bytes()
-    if b"\x00" in data:
-        raise ValueError(f"{path} is a binary file, not text")
     try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path} is not UTF-8 text (byte {e.start}: {data[e.start:e.start + 1]!r}); convert it, "
-                         f"e.g. iconv -f latin1 -t utf-8") from None
+        data = path.read_bytes()
+    except OSError as e:
+        raise PermissionError(f"--text-file {path} cannot be read ({e.strerror or type(e).__name__})") from None
+    bom = next(((enc, label) for mark, enc, label in _BOMS if data.startswith(mark)), None)
+    if bom is not None:
+        enc, label = bom
+        try:
+            text = data.decode(enc)
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path} starts with a {label} byte-order mark but is not valid {label} text (byte "
+                             f"{e.start}); convert it, e.g. iconv -f {label} -t UTF-8") from None
+    else:
+        if b"\x00" in data:
+            guess = _utf16_without_bom(data)
+            if guess:
+                raise ValueError(f"{path} looks like {guess} text without a byte-order mark; convert it, e.g. "
+                                 f"iconv -f {guess} -t UTF-8")
+            raise ValueError(f"{path} is a binary file, not text")
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path} is not UTF-8 text (byte {e.start}: {data[e.start:e.start + 1]!r}); convert "
+                             f"it, e.g. iconv -f latin1 -t utf-8") from None
+    if "\x00" in text:
+        raise ValueError(f"{path} is a binary file, not text")
     if not text.strip():
         raise ValueError(f"{path} is empty")
     return text
 
 
+def check_outputs(out: str | os.PathLike, flag: str = "--out") -> Path:
+    """What a long-form job on `out` needs, checked before the model is loaded: `out` a writable audio file name,
+    and its work folder (`<out>.work`) creatable or a writable folder. Nothing is created."""
+    from ..audio import WRITE_FORMATS
+
+    out = check_output_file(out, flag, suffixes=tuple(WRITE_FORMATS))
+    work = work_folder(out)
+    if work.exists() and not work.is_dir():
+        raise NotADirectoryError(f"{flag} {out}: its work folder {work} is a file; move it away")
+    if work.is_dir():
+        probe_writable(work, f"{flag} {out}: work folder")
+    return out
+
+
+def work_folder(out: Path) -> Path:
+    return out.with_name(out.name + ".work")
+
+
+def _reason(e: BaseException) -> str:
+    """An error's own words, without errno numbers or paths (the message names the paths itself)."""
+    if isinstance(e, OSError):
+        return e.strerror or type(e).__name__
+    if isinstance(e, AssertionError):
+        return "a short write: the disk may be full"
+    text = str(e).splitlines()[-1] if str(e) else type(e).__name__
+    return text.split(": ", 1)[-1] if text.startswith("Error ") else text
+
+
+class _Edges:
+    """One piece's samples as they are made: the first `k` faded in, the last `k` held back and faded out at the
+    end, the same samples `_fade` gives the whole waveform (k shrinks to half the piece for a very short one, so
+    nothing is handed out before 2k samples exist)."""
+
+    def __init__(self, k: int):
+        self.k, self.buf, self.size, self.started = k, [], 0, False
+
+    def push(self, samples: np.ndarray) -> np.ndarray:
+        self.buf.append(np.array(samples, np.float32))
+        self.size += samples.size
+        if not self.k:
+            return self._take(0)
+        if not self.started:
+            if self.size < 2 * self.k:
+                return np.zeros(0, np.float32)
+            self.started = True
+            wav = self._take(0)
+            wav[:self.k] *= _ramp(self.k)
+            self.buf = [wav]
+        return self._take(self.k)
+
+    def finish(self) -> np.ndarray:
+        wav = self._take(0)
+        if not self.started:
+            return _fade(wav, self.k)
+        if self.k:
+            wav[-self.k:] *= _ramp(self.k)[::-1]
+        return wav
+
+    def _take(self, keep: int) -> np.ndarray:
+        """Everything buffered but the last `keep` samples (those stay)."""
+        wav = np.concatenate(self.buf) if self.buf else np.zeros(0, np.float32)
+        out, rest = wav[:wav.size - keep], wav[wav.size - keep:]
+        self.buf = [rest] if rest.size else []
+        return out
+
+
+def _ramp(k: int) -> np.ndarray:
+    return 0.5 - 0.5 * np.cos(np.linspace(0, np.pi, k, dtype=np.float32))
+
+
+def _fade(wav: np.ndarray, fade: int) -> np.ndarray:
+    """`wav` with a raised-cosine fade-in and fade-out of `fade` samples (at most half of it each)."""
+    k = min(fade, wav.size // 2)
+    if k:
+        ramp = _ramp(k)
+        wav[:k] *= ramp
+        wav[-k:] *= ramp[::-1]
+    return wav
+
+
 class LongForm:
-    """One long-form job: `tts` (a `HiggsTTS`), the text, the output path (its work folder sits beside it)."""
+    """One long-form job: `tts` (a `HiggsTTS`), the text, the output path (its work folder sits beside it).
+
+    Constructing it checks everything knowable before any work (the output and work folder, every piece's fit in
+    the model's context) and takes the output's lock; `write`, `stream` and `close` release it (so does a `with`
+    block, or the process ending). `stream_options` chooses the incremental codec's chunks, for the file and the
+    stream alike (default: `StreamOptions()`, the first audio after 8 frames)."""
 
     def __init__(self, tts, text: str, out: str | os.PathLike, voice=None, options: GenerationOptions | None = None,
-                 lf: LongFormOptions | None = None, resume: bool = False):
+                 lf: LongFormOptions | None = None, resume: bool = False, stream_options=None):
         from ..generation.prompt import check_text
+        from ..runtime.stream import StreamOptions
 
         self.tts, self.voice, self.out = tts, voice, Path(out)
         self.options, self.lf = options or GenerationOptions(), lf or LongFormOptions()
+        self.codec_options = stream_options or StreamOptions()
+        self._lock = None
         self.pieces = split_text(text, self.lf.target_chars, self.lf.max_chars)
         if not self.pieces:
             raise ValueError("the text is empty")
         for i, p in enumerate(self.pieces, 1):
             check_text(p.text, f"piece {i} of the text ({p.text[:40]!r})")
-        self.work = self.out.with_name(self.out.name + ".work")
+        self.work = work_folder(self.out)
         self.plan = {"version": PLAN_VERSION, "text_sha256": hashlib.sha256(text.encode()).hexdigest(),
                      "model_id": tts.model_id, "voice": None if voice is None else _voice_id(voice),
                      "options": dataclasses.asdict(self.options), "longform": dataclasses.asdict(self.lf),
                      "pieces": [dataclasses.asdict(p) for p in self.pieces]}
+        self.plan_id = hashlib.sha256(json.dumps(self.plan, sort_keys=True).encode()).hexdigest()
+        # False unless an intact plan.json of this job was found: then pieces from before the stamp existed count too
+        self._plan_intact = True
+        check_outputs(self.out)
+        check_max_rows(self.options.max_rows, tts.facts.num_codebooks, tts.limits())
+        self._check_fit(voice, range(len(self.pieces)) if voice is not None else range(1))
         self._prepare(resume)
 
+    # -- planning: does every piece fit? ------------------------------------------------------------------------
+    def _prompt_len(self, text: str, voice_rows: int, voice_text: str | None,
+                    history: list[tuple[str, int]] = ()) -> int:
+        """Positions of a piece's prompt (what `build_prompt` makes), without building the request."""
+        from ..generation.prompt import build_prefix, build_suffix
+
+        tok, ids = self.tts.tokenizer, self.tts.tokens
+        turns = sum(len(build_suffix(tok, ids, t)) + rows for t, rows in history)
+        return len(build_prefix(tok, ids, voice_rows, voice_text)) + turns + len(build_suffix(tok, ids, text))
+
+    def _budget(self, i: int, voice_rows: int, voice_text: str | None) -> int:
+        """Piece `i`'s row budget with this voice (no history), or a ContractError when it cannot fit at all."""
+        f, text = self.tts.facts, self.pieces[i].text
+        limits = self.tts.limits()
+        cap = self.options.max_rows if self.options.max_rows is not None else DEFAULT_MAX_ROWS
+        want = min(cap, int(len(text) * self.lf.rows_per_char) + 100)
+        prompt = self._prompt_len(text, voice_rows, voice_text)
+        room = limits.positions - prompt
+        need = max(needed_rows(text, f.frame_rate, f.num_codebooks), min_rows(f.num_codebooks))
+        where = f"piece {i + 1} of {len(self.pieces)} ({len(text)} characters: {text[:40]!r}...)"
+        if want < need:
+            raise ContractError(f"{where} needs at least {need} rows, but max_rows is {cap}: raise --max-rows or "
+                                f"make the pieces shorter (LongFormOptions.target_chars/max_chars)", "max_rows")
+        if room < need:
+            voice = f"the voice ({voice_rows} reference rows and its transcript) and " if voice_rows else ""
+            raise ContractError(f"{where} does not fit even without history: {voice}its text take {prompt} "
+                                f"positions, {limits.describe()}, and it needs at least {need} rows: use a shorter "
+                                f"reference clip or transcript, or shorter pieces", "input",
+                                "context_length_exceeded", 413)
+        return min(want, room)
+
+    def _check_fit(self, voice, pieces) -> None:
+        """Every piece of `pieces` fits with `voice` (a Voice, or None: piece 1 zero-shot has no voice)."""
+        for i in pieces:
+            if voice is None and i == 0:
+                self._budget(0, 0, None)
+            else:
+                self._budget(i, len(voice.rows), voice.ref_text)
+
+    # -- the work folder ------------------------------------------------------------------------------------------
     def _prepare(self, resume: bool) -> None:
+        try:
+            self.work.mkdir(exist_ok=True)
+        except OSError as e:
+            raise PermissionError(f"--out {self.out}: cannot create its work folder {self.work} "
+                                  f"({_reason(e)})") from None
+        probe_writable(self.work, f"--out {self.out}: work folder")
+        self._acquire()
+        try:
+            self._check_plan(resume)
+        except BaseException:
+            self.close()
+            raise
+
+    def _acquire(self) -> None:
+        """Take the output's lock (refuse at once if another job holds it); a no-op while this job holds it."""
+        from filelock import FileLock, Timeout
+
+        if self._lock is not None:
+            return
+        self.work.mkdir(exist_ok=True)
+        lock = FileLock(str(self.work / LOCK), thread_local=False)
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            raise JobLockedError(f"another long-form job is writing {self.out} right now (it holds "
+                                 f"{self.work / LOCK}); wait for it to finish, or choose another --out") from None
+        except OSError as e:
+            raise PermissionError(f"--out {self.out}: cannot lock its work folder {self.work} "
+                                  f"({_reason(e)})") from None
+        self._lock = lock
+
+    def close(self) -> None:
+        """Release the output's lock (the work folder stays for a later resume unless the job finished)."""
+        if self._lock is not None:
+            self._lock.release(force=True)
+            self._lock = None
+
+    def __enter__(self) -> LongForm:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_plan(self, resume: bool) -> None:
         plan = self.work / PLAN
         if plan.is_file():
             if not resume:
                 raise FileExistsError(f"{self.work} holds an unfinished job: add --resume to continue it, or delete "
                                       f"the folder to start again")
             try:
-                old = json.loads(plan.read_text())
-            except ValueError:
-                raise ValueError(f"{plan} is damaged; delete {self.work} to start again") from None
+                old = json.loads(plan.read_text(encoding="utf-8"))
+            except (ValueError, OSError):  # damaged (a full disk, a crash): its pieces prove whose they are
+                log.warning("%s was damaged: writing it again; only pieces stamped with this job are kept", plan)
+                self._plan_intact = False
+                self._write_plan(plan)
+                return
             if old != self.plan:
                 raise ValueError(f"{self.work} belongs to another text, voice or settings; delete it to start "
                                  f"again with these")
-        else:
-            self.work.mkdir(parents=True, exist_ok=True)
+        else:  # a new job (or one whose plan.json was deleted): only pieces stamped with this plan count
+            self._plan_intact = False
+            self._write_plan(plan)
+
+    def _write_plan(self, plan: Path) -> None:
+        try:
             _atomic_write(plan, json.dumps(self.plan, indent=1).encode())
+        except OSError as e:
+            raise OutputError(f"cannot write {plan} ({_reason(e)}); free space in {self.work.parent} and run "
+                              f"again") from None
 
     # -- pieces ---------------------------------------------------------------------------------------------------
     def _piece_path(self, i: int) -> Path:
         return self.work / f"piece-{i + 1:04d}.npz"
 
     def _load(self, i: int) -> dict | None:
+        """Piece `i` from the work folder, or None when it is not there or not usable (then it is made again)."""
         path = self._piece_path(i)
         if not path.is_file():
             return None
         try:
             with np.load(path, allow_pickle=False) as z:
-                return {"codes": z["codes"], "rows": int(z["rows"]), "stop": str(z["stop"]),
-                        "retried": bool(z["retried"])}
-        except (OSError, ValueError, KeyError):  # a piece cut off by a kill: make it again
-            path.unlink(missing_ok=True)
+                piece = {"codes": z["codes"], "rows": int(z["rows"]), "stop": str(z["stop"]),
+                         "retried": bool(z["retried"]), "plan": str(z["plan"]) if "plan" in z.files else None}
+            codes, n = piece["codes"], self.tts.facts.num_codebooks
+            ok = (codes.ndim == 2 and codes.shape[1] == n and codes.dtype.kind in "iu" and len(codes) > 0
+                  and piece["stop"] in STOP_REASONS and piece["rows"] >= len(codes))
+            ours = piece["plan"] == self.plan_id or (piece["plan"] is None and self._plan_intact)
+        except NPZ_ERRORS + (AttributeError,):  # cut off by a kill or a full disk, emptied, not an .npz at all
+            ok, ours = False, True
+        if not ok or not ours:
+            log.warning("%s is %s: making piece %d again", path, "damaged" if not ok else "from another job", i + 1)
+            try:
+                path.unlink(missing_ok=True)
+            except OSError:
+                pass
             return None
+        piece["codes"] = piece["codes"].astype(np.int64)
+        return piece
 
     def _save(self, i: int, piece: dict) -> None:
         tmp = self._piece_path(i).with_suffix(".partial.npz")
-        np.savez(tmp, codes=piece["codes"], rows=piece["rows"], stop=piece["stop"], retried=piece["retried"])
-        os.replace(tmp, self._piece_path(i))
+        try:
+            np.savez(tmp, codes=piece["codes"], rows=piece["rows"], stop=piece["stop"], retried=piece["retried"],
+                     plan=self.plan_id)
+            os.replace(tmp, self._piece_path(i))
+        except OSError as e:
+            raise OutputError(f"cannot save piece {i + 1} in {self.work} ({_reason(e)}); the pieces before it are "
+                              f"kept there: free space and run again with --resume") from None
 
     def _voice_for(self, done: dict[int, dict]):
         """The voice of every piece: the given one, or (zero-shot) the first piece's own text and codes."""
@@ -171,93 +448,182 @@ class LongForm:
             out.append((self.pieces[j].text, apply_delay(done[j]["codes"], f.boc, f.eoc)))
         return out
 
-    def _generate(self, i: int, done: dict[int, dict]) -> dict:
-        f, piece = self.tts.facts, self.pieces[i]
-        voice = self._voice_for(done)
+    def _request(self, i: int, done: dict[int, dict], attempt: int):
+        """Piece `i`'s request: its budget with its voice, and as much history as the contract lets fit (dropped
+        oldest first while it says `context_length_exceeded`)."""
+        piece, voice = self.pieces[i], self._voice_for(done)
+        budget = self._budget(i, 0, None) if voice is None else self._budget(i, len(voice.rows), voice.ref_text)
         history = self._history(i, done, self.voice is None and i > 0)
-        budget = min(self.options.max_rows, int(len(piece.text) * self.lf.rows_per_char) + 100)
-        seed = self.options.seed + i
+        options = dataclasses.replace(self.options, seed=self.options.seed + i + attempt * RETRY_SEED,
+                                      max_rows=budget)
+        while True:
+            try:
+                return self.tts.request(piece.text, voice=voice, options=options, history=history)
+            except ContractError as e:
+                if e.code != "context_length_exceeded" or not history:
+                    raise
+                log.debug("piece %d: dropping the oldest of %d history turns (%s)", i + 1, len(history), e)
+                history = history[1:]
+
+    def _generate(self, i: int, done: dict[int, dict]) -> dict:
         result = None
         for attempt in range(2):
-            while True:  # drop history, oldest first, until prompt + budget fit the context
-                options = dataclasses.replace(self.options, seed=seed + attempt * RETRY_SEED, max_rows=budget)
-                try:
-                    req = self.tts.request(piece.text, voice=voice, options=options, history=history)
-                except ValueError:
-                    if not history:
-                        raise
-                    history = history[1:]
-                    continue
-                if len(req.prompt) + budget <= f.max_positions or not history:
-                    break
-                history = history[1:]
-            speech = self.tts.synthesizer.speak(req)
+            speech = self.tts.synthesizer.speak(self._request(i, done, attempt))
             result = {"codes": speech.codes, "rows": len(speech.rows), "stop": speech.stop_reason,
                       "retried": attempt == 1}
             if speech.stop_reason == "eoc":
                 break
         return result
 
-    def run(self) -> Iterator[PieceResult]:
-        """Generate (or read back) every piece in order, yielding each with its audio as soon as it is final."""
+    def _stream_piece(self, i: int, done: dict[int, dict], parts: list[np.ndarray]):
+        """Generate piece `i`, yielding ("audio", samples) while it is made (fades and pause applied, like `_audio`);
+        returns the piece (no retry: its audio is already out)."""
+        from ..generation.stream import stream_request
+
+        f = self.tts.facts
+        req = self._request(i, done, 0)
+        codec = self.tts.codec_stream(self.codec_options)
+        edges, last = _Edges(self._fade_samples()), None
+        for chunk in stream_request(self.tts.synthesizer.engine, req, codec, f.sample_rate, f.codebook_size):
+            out = edges.push(chunk.samples)
+            if out.size:
+                parts.append(out)
+                yield "audio", out
+            if chunk.is_last:
+                last = chunk
+        tail = np.concatenate([edges.finish(), self._pause(i)])
+        parts.append(tail)
+        yield "audio", tail
+        return {"codes": last.codes, "rows": len(last.rows), "stop": last.stats.stop_reason, "retried": False}
+
+    def _steps(self, streaming: bool):
+        """Every piece in order: ("audio", samples) as it is made (streaming only) and ("piece", PieceResult)."""
         t0, done, made_chars, gen_s, seconds = time.perf_counter(), {}, 0, 0.0, 0.0
-        n = len(self.pieces)
+        n, sr = len(self.pieces), self.tts.facts.sample_rate
         for i in range(n):
             piece = self._load(i)
             resumed = piece is not None
-            if piece is None:
+            if resumed:
+                wav = self._audio(i, piece["codes"])
+                if streaming:
+                    yield "audio", wav
+            else:
                 t = time.perf_counter()
-                piece = self._generate(i, done)
+                if streaming:
+                    parts: list[np.ndarray] = []
+                    piece = yield from self._stream_piece(i, done, parts)
+                    wav = np.concatenate(parts)
+                else:
+                    piece = self._generate(i, done)
                 self._save(i, piece)
+                if not streaming:
+                    wav = self._audio(i, piece["codes"])
                 made_chars += len(self.pieces[i].text)
                 gen_s += time.perf_counter() - t
             done[i] = piece
-            wav = self._audio(i, piece["codes"])
-            seconds += wav.size / self.tts.facts.sample_rate
+            if i == 0 and self.voice is None and n > 1:  # zero-shot: now the voice of every later piece is known
+                self._check_fit(self._voice_for(done), range(1, n))
+            seconds += wav.size / sr
             elapsed = time.perf_counter() - t0
             left = sum(len(p.text) for p in self.pieces[i + 1:])
             eta = gen_s / made_chars * left if made_chars else None  # from this run's generation speed
-            result = PieceResult(i, n, self.pieces[i].text, wav, piece["rows"], piece["stop"], piece["retried"],
-                                 resumed, seconds, elapsed, eta, wav.size / self.tts.facts.sample_rate)
-            yield result
+            yield "piece", PieceResult(i, n, self.pieces[i].text, wav, piece["rows"], piece["stop"],
+                                       piece["retried"], resumed, seconds, elapsed, eta, wav.size / sr)
+
+    def run(self) -> Iterator[PieceResult]:
+        """Generate (or read back) every piece in order, yielding each with its audio as soon as it is final."""
+        for kind, item in self._steps(streaming=False):
+            if kind == "piece":
+                yield item
+
+    def stream(self, on_piece: Callable[[PieceResult], None] | None = None) -> Iterator[np.ndarray]:
+        """The recording as float32 sample chunks at the codec rate, each handed out as soon as it is final: a
+        piece's audio comes while the piece is generated (pieces read back from the work folder come whole).
+        `on_piece` gets each finished piece (progress). The chunks concatenate to the samples `write` puts in the
+        file for the same seed; a piece that reaches its row limit is kept, not retried. At the end the work folder
+        is removed; stopping early (closing the iterator) keeps it and releases the lock."""
+        self._acquire()
+        finished = False
+        try:
+            for kind, item in self._steps(streaming=True):
+                if kind == "audio":
+                    if item.size:
+                        yield item
+                elif on_piece:
+                    on_piece(item)
+            finished = True
+        finally:
+            if finished:
+                shutil.rmtree(self.work, ignore_errors=True)
+            self.close()
+
+    def _fade_samples(self) -> int:
+        return int(self.lf.fade_ms * self.tts.facts.sample_rate / 1000)
+
+    def _pause(self, i: int) -> np.ndarray:
+        lf = self.lf
+        last = i == len(self.pieces) - 1
+        pause = 0.0 if last else (lf.paragraph_pause_s if self.pieces[i].paragraph_end else lf.pause_s)
+        return np.zeros(int(pause * self.tts.facts.sample_rate), np.float32)
 
     def _audio(self, i: int, codes: np.ndarray) -> np.ndarray:
         """A piece's waveform with fades at both ends, followed by its pause."""
-        from ..runtime.stream import StreamOptions
-
-        f, lf = self.tts.facts, self.lf
-        # the incremental codec in 10 s windows: its activations stay bounded whatever the piece's length (one call
-        # for a 28 s piece holds ~2 GB of them on the real codec)
-        stream = self.tts.codec_stream(StreamOptions(first_frames=CODEC_WINDOW, chunk_frames=CODEC_WINDOW))
+        # the incremental codec, in the chunks `stream` uses (so both give the same samples); its activations stay
+        # bounded whatever the piece's length (one call for a 28 s piece holds ~2 GB of them on the real codec)
+        stream = self.tts.codec_stream(self.codec_options)
         wav = np.concatenate([*stream.push(codes), stream.flush()]) if len(codes) else np.zeros(0, np.float32)
-        wav = np.array(wav, np.float32)
-        k = min(int(lf.fade_ms * f.sample_rate / 1000), wav.size // 2)
-        if k:
-            ramp = (0.5 - 0.5 * np.cos(np.linspace(0, np.pi, k, dtype=np.float32)))
-            wav[:k] *= ramp
-            wav[-k:] *= ramp[::-1]
-        last = i == len(self.pieces) - 1
-        pause = 0.0 if last else (lf.paragraph_pause_s if self.pieces[i].paragraph_end else lf.pause_s)
-        return np.concatenate([wav, np.zeros(int(pause * f.sample_rate), np.float32)])
+        wav = _fade(np.array(wav, np.float32), self._fade_samples())
+        return np.concatenate([wav, self._pause(i)])
 
     def write(self, on_piece: Callable[[PieceResult], None] | None = None) -> Path:
         """Run the job into `<out>.partial` piece by piece (memory stays flat with the text's length), rename it to
         `out` at the end and remove the work folder. An interrupted run leaves the partial file and the work folder:
-        run again with `resume=True`."""
+        run again with `resume=True`. Writing the output failing (a full disk, the folder gone) is an `OutputError`
+        naming `out` and where the audio and the pieces are."""
         from ..audio import GrowingAudioFile
 
-        sink = GrowingAudioFile(self.out, self.tts.facts.sample_rate)
+        self._acquire()
         try:
-            for piece in self.run():
-                sink.write(piece.waveform)
-                if on_piece:
-                    on_piece(piece)
-        except BaseException:
-            sink.abandon()
-            raise
-        path = sink.commit()
-        shutil.rmtree(self.work, ignore_errors=True)
-        return path
+            partial = self.out.with_name(self.out.name + ".partial")
+            try:
+                sink = GrowingAudioFile(self.out, self.tts.facts.sample_rate)
+            except WRITE_ERRORS as e:
+                raise OutputError(f"cannot write {self.out} ({_reason(e)}); nothing was generated yet") from None
+            seconds = 0.0
+            try:
+                for piece in self.run():
+                    try:
+                        sink.write(piece.waveform)
+                    except WRITE_ERRORS as e:
+                        raise OutputError(
+                            f"cannot write {self.out} ({_reason(e)}) after {seconds:.1f} s of audio; the audio so "
+                            f"far is in {partial} and the finished pieces in {self.work}: free space (or fix the "
+                            f"folder) and run again with --resume") from None
+                    seconds = piece.seconds_so_far
+                    if on_piece:
+                        on_piece(piece)
+            except BaseException:
+                _quietly(sink.abandon)
+                raise
+            try:
+                path = sink.commit()
+            except WRITE_ERRORS as e:
+                _quietly(sink.abandon)
+                where = f"the whole recording is in {partial}" if partial.is_file() else "the audio file is lost"
+                raise OutputError(f"cannot write {self.out} ({_reason(e)}); {where}, and its pieces are kept in "
+                                  f"{self.work}: rename it yourself, or run again with --resume") from None
+            shutil.rmtree(self.work, ignore_errors=True)
+            return path
+        finally:
+            self.close()
+
+
+def _quietly(fn) -> None:
+    """Clean-up that must not hide the error being raised."""
+    try:
+        fn()
+    except Exception:  # noqa: BLE001 - the original error is the one to report
+        log.debug("clean-up failed", exc_info=True)
 
 
 def _voice_id(voice) -> str:
@@ -279,4 +645,5 @@ def generate_long(tts, text: str, out: str | os.PathLike, voice=None, options: G
     return LongForm(tts, text, out, voice, options, lf, resume).write(on_piece)
 
 
-__all__ = ["LongForm", "LongFormOptions", "Piece", "PieceResult", "generate_long", "read_text_file"]
+__all__ = ["JobLockedError", "LongForm", "LongFormOptions", "Piece", "PieceResult", "check_outputs", "generate_long",
+           "read_text_file"]

@@ -5,6 +5,11 @@
 
 Prints one line, `higgs-onnx speech server: http://HOST:PORT/ ...`, once it accepts requests (with --port 0 the
 line has the port the system chose). Ctrl-C stops it (in-flight streams get a few seconds to finish).
+
+Slow or stuck clients are bounded (serve/limits.py has the table): request headers within --header-timeout,
+request bodies within --body-timeout with pauses of at most --body-idle-timeout, a response the client stops
+reading is cut after --send-timeout, idle kept-alive connections close after --keep-alive-timeout, and at most
+--max-connections connections and requests are open at once (503 beyond).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from pathlib import Path
 
 from ..cli import add_log_level, run_main
 from ..runtime.session import PROVIDERS
+from .limits import MAX_HEADER_BYTES, Timeouts, guarded_protocol
 
 log = logging.getLogger("higgs_onnx.serve")
 LOOPBACK_NAMES = ["localhost", "127.0.0.1", "[::1]"]
@@ -43,6 +49,19 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--provider", choices=sorted(PROVIDERS), help="execution provider (default: the one the "
                     "folder was built for)")
     ap.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the model files")
+    t = Timeouts()
+    ap.add_argument("--header-timeout", type=float, default=t.header_s, metavar="S", help="seconds for a request's "
+                    "line and headers to arrive; then 408 and the connection is closed (default %(default)s)")
+    ap.add_argument("--body-timeout", type=float, default=t.body_s, metavar="S", help="seconds for a whole request "
+                    "body (default %(default)s)")
+    ap.add_argument("--body-idle-timeout", type=float, default=t.body_idle_s, metavar="S", help="longest pause "
+                    "inside a request body; then 408 (default %(default)s)")
+    ap.add_argument("--send-timeout", type=float, default=t.send_s, metavar="S", help="a response the client stops "
+                    "reading for this long is cut and its job cancelled (default %(default)s)")
+    ap.add_argument("--keep-alive-timeout", type=float, default=t.keep_alive_s, metavar="S", help="idle kept-alive "
+                    "connections are closed after this (default %(default)s)")
+    ap.add_argument("--max-connections", type=int, default=t.max_connections, metavar="N", help="open connections "
+                    "and running requests at most; more get 503 (default %(default)s)")
     add_log_level(ap)
     return ap
 
@@ -57,6 +76,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    timeouts_of(args)
     check_threads(args.threads)
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key is empty; give a key, or leave the flag out for an open server")
@@ -65,6 +85,17 @@ def check_args(args: argparse.Namespace) -> None:
                                 f"<precision> export)")
     if args.voices is not None and args.voices.exists() and not args.voices.is_dir():
         raise NotADirectoryError(f"--voices {args.voices} is a file, not a folder")
+
+
+def timeouts_of(args: argparse.Namespace) -> Timeouts:
+    for flag in ("header_timeout", "body_timeout", "body_idle_timeout", "send_timeout", "keep_alive_timeout",
+                 "max_connections"):
+        value = getattr(args, flag)
+        if not value > 0 or value != value or value == float("inf"):
+            raise ValueError(f"--{flag.replace('_', '-')} must be a positive number, got {value}")
+    return Timeouts(header_s=args.header_timeout, body_idle_s=args.body_idle_timeout, body_s=args.body_timeout,
+                    send_s=args.send_timeout, keep_alive_s=args.keep_alive_timeout,
+                    max_connections=args.max_connections)
 
 
 def is_loopback(host: str) -> bool:
@@ -130,7 +161,9 @@ def serve(args: argparse.Namespace) -> int:
         print(f"warning: listening on {args.host} without --api-key: anyone who reaches this port can use it",
               file=sys.stderr)
     scheduler = Scheduler(tts, max_batch=args.max_batch, max_queue=args.max_queue)
-    app = create_app(tts, scheduler, voices, args.api_key, allowed_hosts=LOOPBACK_NAMES if loopback else None)
+    timeouts = timeouts_of(args)
+    app = create_app(tts, scheduler, voices, args.api_key, allowed_hosts=LOOPBACK_NAMES if loopback else None,
+                     timeouts=timeouts)
     port = sock.getsockname()[1]
     shown = f"[{args.host}]" if ":" in args.host else args.host
     banner = (f"higgs-onnx speech server: http://{shown}:{port}/ (model {Path(tts.manifest.folder).name}, "
@@ -145,7 +178,9 @@ def serve(args: argparse.Namespace) -> int:
 
     level = args.log_level.lower()
     config = uvicorn.Config(app, log_level=level, access_log=level in ("debug", "info"), lifespan="on",
-                            timeout_graceful_shutdown=5, server_header=False)
+                            timeout_graceful_shutdown=5, server_header=False, http=guarded_protocol(timeouts),
+                            timeout_keep_alive=timeouts.keep_alive_s, limit_concurrency=timeouts.max_connections,
+                            h11_max_incomplete_event_size=MAX_HEADER_BYTES)
     Server(config).run(sockets=[sock])
     return 0
 

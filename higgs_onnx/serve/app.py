@@ -6,8 +6,14 @@ then returns a `StreamingResponse` that encodes each chunk as it comes (`formats
 for whatever reason, cancels the job, which frees its batch slot.
 
 Errors are OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, one clear line, never a traceback:
-4xx for what the client sent, 401 for the API key, 429 when the queue is full, 500 (server log has the details)
-for a failure of the server itself.
+4xx for what the client sent, 401 for the API key, 408 for a body that stops arriving, 413 for one too large (or a
+prompt that does not fit), 429 when the queue is full, 500 (server log has the details) for a failure of the server
+itself. Every request is checked against the request contract (`generation.contract`) before it is queued: a
+`ContractError` is answered with its own status, param and code; a generation that ends without audio is an error,
+never a 200 with an empty body.
+
+The OpenAPI schema is at `/openapi.json`; there is no `/docs` page (FastAPI's Swagger page loads its script from a
+CDN, which a server on an offline machine cannot reach, and the page's CSP would refuse it).
 """
 
 from __future__ import annotations
@@ -29,26 +35,43 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.formparsers import MultiPartException, MultiPartParser
+from starlette.requests import ClientDisconnect
 
 from ..audio import MAX_REF_SECONDS
-from ..generation.options import GenerationOptions
+from ..generation.contract import ContractError, NoAudioError, min_rows
+from ..generation.options import DEFAULT_MAX_ROWS, GenerationOptions
 from .formats import FORMATS, encoder
+from .limits import (
+    COUNTERS,
+    DRAIN_LIMIT,
+    MAX_JSON_BYTES,
+    MAX_UPLOAD_BYTES,
+    BodyDeadline,
+    BodyTimeout,
+    ClientGone,
+    Timeouts,
+)
 from .scheduler import QueueFull
 from .voices import DEFAULT, UnknownVoice, VoiceError, VoiceExists, VoiceStore, check_name
 
 log = logging.getLogger(__name__)
 
 ALIASES = ("higgs-tts-3", "higgs-audio-v3-tts")  # Boson's hosted API names
+OPENAI_ALIASES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")  # so a stock OpenAI client config works unchanged
 MAX_INPUT_CHARS = 4096  # OpenAI's limit
-MAX_JSON_BYTES = 1 << 20
-MAX_UPLOAD_BYTES = 20 << 20
-DRAIN_LIMIT = 64 << 20  # an oversized body is read (and dropped) this far, so the client gets to read the 413
 SPEED_RANGE = (0.25, 4.0)
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "max_rows")
+# what an uploaded reference must be (checked from the header, before decoding, where the header says it)
+UPLOAD_RATES = (8000, 192000)  # Hz
+MAX_UPLOAD_CHANNELS = 8
+MIN_UPLOAD_SECONDS = 1.0  # of audio as sent (shorter clips would be mostly the encoder's zero padding)
+MIN_UPLOAD_PEAK = 1e-3  # -60 dBFS, after removing any DC offset: quieter is silence
+MIN_UPLOAD_RMS = 1e-4  # -80 dBFS
+MIN_UPLOAD_LEVELS = 16  # distinct sample values: fewer is a constant or a test signal, not a recording
 STATIC = Path(__file__).resolve().parent / "static"
 PAGE_CSP = ("default-src 'self'; media-src 'self' blob:; img-src 'self' data:; object-src 'none'; "
             "frame-ancestors 'none'; base-uri 'none'")
@@ -75,25 +98,28 @@ class VoiceRef(BaseModel):
     """OpenAI's custom-voice object, `{"id": "name"}`."""
 
     model_config = ConfigDict(extra="ignore")
-    id: str
+    id: StrictStr
 
 
 class SpeechRequest(BaseModel):
-    """The JSON body of `/v1/audio/speech`. Fields OpenAI defines plus our sampling extras; others are ignored."""
+    """The JSON body of `/v1/audio/speech`. Fields OpenAI defines plus our extras; others are ignored. Types are
+    strict: `"5"` or `true` is not an integer, `"0.8"` not a number (a float field takes an integer)."""
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
-    model: str
-    input: str
-    voice: str | VoiceRef | None = None
-    instructions: str | None = None
-    response_format: str = "mp3"
-    speed: float = 1.0
-    stream_format: str = "audio"
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    max_rows: int | None = None
+    model: StrictStr
+    input: StrictStr
+    voice: StrictStr | VoiceRef | None = None
+    instructions: StrictStr | None = None
+    response_format: StrictStr = "mp3"
+    speed: StrictFloat = 1.0
+    stream_format: StrictStr = "audio"
+    temperature: StrictFloat | None = None
+    top_k: StrictInt | None = None
+    top_p: StrictFloat | None = None
+    seed: StrictInt | None = None
+    max_rows: StrictInt | None = None
+    # run alone (a batch of one): the audio equals the same request made alone, to the bit (see `Scheduler`)
+    deterministic: StrictBool = False
 
 
 def speed_tag(speed: float, tags: dict[str, int]) -> str | None:
@@ -116,6 +142,29 @@ def validation_message(e: ValidationError | RequestValidationError) -> tuple[str
     return f"{param}: {err.get('msg', 'invalid value')}", param
 
 
+def media_type(value: str) -> tuple[str, dict[str, str]]:
+    """A Content-Type header -> (type/subtype in lower case, parameters); ("", {}) when there is none or it is not
+    of the form type/subtype."""
+    from email.message import Message
+
+    if not value.strip():
+        return "", {}
+    m = Message()
+    m["content-type"] = value
+    if "/" not in value.split(";", 1)[0]:
+        return "", {}
+    params = {k.lower(): v for k, v in (m.get_params() or [])[1:]}
+    return m.get_content_type(), params
+
+
+def is_json_type(value: str) -> bool:
+    """application/json or a `+json` type (application/vnd.api+json ...), in UTF-8 (JSON's only encoding)."""
+    kind, params = media_type(value)
+    main, _, sub = kind.partition("/")
+    charset = params.get("charset", "utf-8").lower()
+    return main == "application" and (sub == "json" or sub.endswith("+json")) and charset in ("utf-8", "utf8")
+
+
 async def limited(stream: AsyncIterator[bytes], limit: int, what: str) -> AsyncIterator[bytes]:
     """`stream`, refused with 413 past `limit` bytes; the rest is read and dropped (up to DRAIN_LIMIT) first, so a
     client still sending its body reads the 413 instead of a reset connection."""
@@ -123,33 +172,74 @@ async def limited(stream: AsyncIterator[bytes], limit: int, what: str) -> AsyncI
     async for chunk in stream:
         total += len(chunk)
         if total > limit:
-            async for more in stream:
-                total += len(more)
-                if total > DRAIN_LIMIT:
-                    break
-            raise ApiError(413, f"{what} is larger than the limit of {limit // (1 << 20)} MB", code="too_large")
+            try:
+                async for more in stream:
+                    total += len(more)
+                    if total > DRAIN_LIMIT:
+                        break
+            except (BodyTimeout, ClientGone, ClientDisconnect):
+                pass  # the answer is the 413 all the same
+            COUNTERS["too_large"] += 1
+            raise ApiError(413, f"{what} is larger than the limit of {limit // (1 << 20)} MB", code="too_large",
+                           headers={"Connection": "close"})
         yield chunk
 
 
+def _bad_audio(message: str) -> ApiError:
+    return ApiError(400, message, param="file", code="invalid_audio")
+
+
 def read_upload_audio(data: bytes) -> tuple[Any, int]:
-    """Uploaded bytes -> (samples, channels) float32 and the rate; 400 if libsndfile cannot read them or the clip
-    is longer than a reference may be (checked before decoding it all: a small file can hold hours)."""
+    """Uploaded bytes -> (samples, channels) float32 and the rate; 400 if libsndfile cannot read them, or the clip
+    is not a plausible recording: a rate outside UPLOAD_RATES, more than MAX_UPLOAD_CHANNELS channels, shorter than
+    MIN_UPLOAD_SECONDS or longer than a reference may be (all from the header, before decoding: a small file can
+    claim hours), then silent or constant samples."""
+    import numpy as np
     import soundfile as sf
 
     if not data:
-        raise ApiError(400, "the uploaded audio file is empty", param="file", code="invalid_audio")
+        raise _bad_audio("the uploaded audio file is empty")
     try:
         with sf.SoundFile(io.BytesIO(data)) as f:
-            if f.samplerate <= 0 or f.frames / f.samplerate > MAX_REF_SECONDS:
-                raise ApiError(400, f"reference audio is {f.frames / max(f.samplerate, 1):.1f} s long; the limit is "
-                               f"{MAX_REF_SECONDS:.0f} s (trim it to a clean 5-20 s of speech)", param="file",
-                               code="invalid_audio")
+            rate, channels, frames = f.samplerate, f.channels, f.frames
+            if not UPLOAD_RATES[0] <= rate <= UPLOAD_RATES[1]:
+                raise _bad_audio(f"the reference's sample rate is {rate} Hz; a recording is {UPLOAD_RATES[0]}-"
+                                 f"{UPLOAD_RATES[1]} Hz (24 kHz or more clones best)")
+            if not 1 <= channels <= MAX_UPLOAD_CHANNELS:
+                raise _bad_audio(f"the reference has {channels} channels; at most {MAX_UPLOAD_CHANNELS} are taken "
+                                 f"(mono clones best)")
+            seconds = frames / rate
+            if seconds > MAX_REF_SECONDS:
+                raise _bad_audio(f"reference audio is {seconds:.1f} s long; the limit is {MAX_REF_SECONDS:.0f} s "
+                                 f"(trim it to a clean 5-20 s of speech)")
+            if seconds < MIN_UPLOAD_SECONDS:
+                raise _bad_audio(f"reference audio is {seconds:.3f} s long ({frames} samples at {rate} Hz); at least "
+                                 f"{MIN_UPLOAD_SECONDS:g} s is needed (a clean 5-20 s of speech clones best)")
             wav = f.read(dtype="float32", always_2d=True)
-            return wav, f.samplerate
     except (sf.LibsndfileError, RuntimeError, TypeError, ValueError) as e:  # ApiError passes: not one of these
         reason = str(e).split(": ", 1)[-1].rstrip(". ") or type(e).__name__
-        raise ApiError(400, f"cannot read the uploaded audio ({reason}); send a WAV, FLAC, OGG or MP3 file",
-                       param="file", code="invalid_audio") from None
+        raise _bad_audio(f"cannot read the uploaded audio ({reason}); send a WAV, FLAC, OGG or MP3 file") from None
+    if len(wav) / rate < MIN_UPLOAD_SECONDS:  # the header promised more than the file holds
+        raise _bad_audio(f"reference audio holds {len(wav) / rate:.3f} s; at least {MIN_UPLOAD_SECONDS:g} s is needed")
+    mono = wav.mean(axis=1)
+    if not np.isfinite(mono).all():
+        raise _bad_audio("reference audio contains NaN or infinite samples")
+    levels = len(np.unique(mono[:1 << 20]))
+    if levels == 1:
+        raise _bad_audio(f"reference audio is constant (every sample is {float(mono[0]):.4g}): no sound")
+    ac = mono - mono.mean()
+    peak, rms = float(np.abs(ac).max()), float(np.sqrt(np.mean(ac.astype(np.float64) ** 2)))
+    if peak < MIN_UPLOAD_PEAK or rms < MIN_UPLOAD_RMS:
+        raise _bad_audio(f"reference audio is silent (peak {20 * np.log10(max(peak, 1e-12)):.0f} dBFS, rms "
+                         f"{20 * np.log10(max(rms, 1e-12)):.0f} dBFS); record it louder")
+    if levels < MIN_UPLOAD_LEVELS:
+        raise _bad_audio(f"reference audio holds only {levels} distinct sample values: a test signal, not a "
+                         f"recording of speech")
+    return wav, rate
+
+
+def client_of(request: Request) -> str:
+    return f"{request.client.host}:{request.client.port}" if request.client else "a client"
 
 
 class JobResponse(StreamingResponse):
@@ -185,12 +275,13 @@ class HostGuard:
 
 
 def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = None, *,
-               allowed_hosts: list[str] | None = None) -> FastAPI:
+               allowed_hosts: list[str] | None = None, timeouts: Timeouts | None = None) -> FastAPI:
     """The app for one loaded model. Its lifespan starts and stops `scheduler`. `api_key` (if set) is required as
     `Authorization: Bearer <key>` on every /v1 route; `allowed_hosts` (if set) refuses other Host headers (DNS
-    rebinding: the server's own loopback names)."""
+    rebinding: the server's own loopback names); `timeouts` bound the request bodies (`limits`)."""
+    timeouts = timeouts or Timeouts()
     model_id = Path(tts.manifest.folder).name
-    models = [model_id, *ALIASES]
+    models = [model_id, *ALIASES, *OPENAI_ALIASES]
     sample_rate = tts.facts.sample_rate
     store = VoiceStore(voices_dir, tts.model_id)
     voice_lock = asyncio.Lock()  # one reference encoding at a time: it competes with generation for the cores
@@ -204,11 +295,25 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
         finally:
             scheduler.stop()
 
-    app = FastAPI(title="higgs-onnx speech server", lifespan=lifespan, docs_url="/docs", redoc_url=None)
+    # no /docs page: Swagger UI loads from a CDN (offline machines, the page CSP); the schema stays at /openapi.json
+    app = FastAPI(title="higgs-onnx speech server", lifespan=lifespan, docs_url=None, redoc_url=None)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError):
         return error_response(e.status, e.message, e.param, e.code, e.headers)
+
+    @app.exception_handler(BodyTimeout)
+    async def _body_timeout(request: Request, e: BodyTimeout):
+        log.warning("%s %s: %s; connection closed", client_of(request), request.url.path, e)
+        return error_response(408, f"{e}; send the whole body at once", None, "body_timeout",
+                              {"Connection": "close"})
+
+    @app.exception_handler(ClientGone)
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(request: Request, e: Exception):  # one line, not a traceback: nobody reads the answer
+        reason = str(e) if isinstance(e, ClientGone) else "the client left before the end of its request body"
+        log.warning("%s %s: %s", client_of(request), request.url.path, reason)
+        return Response(status_code=499)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, e: RequestValidationError):
@@ -226,6 +331,7 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
     async def _crash(request: Request, e: Exception):  # uvicorn logs the traceback; the client gets one line
         return error_response(500, "internal server error; the server log has the details", code="server_error")
 
+    app.add_middleware(BodyDeadline, timeouts=timeouts)
     if allowed_hosts:
         app.add_middleware(HostGuard, names=allowed_hosts)
 
@@ -250,7 +356,7 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
     # -- speech ------------------------------------------------------------------------------------------------
     async def read_json(request: Request) -> dict:
         ctype = request.headers.get("content-type", "")
-        if "json" not in ctype.lower():
+        if not is_json_type(ctype):
             raise ApiError(415, f"send the body as JSON with Content-Type: application/json (got {ctype or 'none'})",
                            code="invalid_content_type")
         body = b"".join([c async for c in limited(request.stream(), MAX_JSON_BYTES, "the JSON body")])
@@ -258,13 +364,16 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
             data = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ApiError(400, f"the body is not valid JSON ({e})", code="invalid_json") from None
+        except RecursionError:  # [[[[... : Python's parser recurses per level
+            raise ApiError(400, "the body is not a usable JSON object: it is nested too deeply",
+                           code="invalid_json") from None
         if not isinstance(data, dict):
             raise ApiError(400, f"the body must be a JSON object, got {type(data).__name__}", code="invalid_json")
         return data
 
     async def resolve_voice(voice: str | VoiceRef | None):
         name = voice.id if isinstance(voice, VoiceRef) else voice
-        if name is None or name == DEFAULT:
+        if name is None or name.lower() == DEFAULT:
             return None
         try:
             return await asyncio.to_thread(store.get, name)
@@ -317,9 +426,18 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
                 raise ConnectionAbortedError
 
     def failure(e: Exception) -> ApiError:
+        if isinstance(e, ContractError):
+            return contract_error(e)
+        if isinstance(e, NoAudioError):
+            return ApiError(500, f"{e}; no audio to send (try another seed or text)", None, "no_audio")
         if isinstance(e, ValueError):
             return ApiError(400, str(e), None, "invalid_value")
         return ApiError(500, "speech generation failed; the server log has the details", None, "server_error")
+
+    def contract_error(e: ContractError, params: dict[str, str] | None = None) -> ApiError:
+        """The contract's own answer: its status (400 or 413), field and code; `params` renames fields."""
+        param = (params or {}).get(e.param, e.param)
+        return ApiError(e.status, str(e), param, e.code)
 
     @v1.post("/audio/speech")
     async def speech(request: Request):
@@ -333,10 +451,12 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
         if r.model_extra:
             log.info("ignored fields: %s", ", ".join(sorted(r.model_extra)))
         try:
-            job = scheduler.submit(text, voice=voice, options=options)
+            job = scheduler.submit(text, voice=voice, options=options, exclusive=r.deterministic)
         except QueueFull as e:
             raise ApiError(429, f"the server is busy ({e}); try again shortly", None, "rate_limit_exceeded",
                            {"Retry-After": "1"}) from None
+        except ContractError as e:  # a stored voice's transcript is checked with the request: it is the voice's
+            raise contract_error(e, {"ref_text": "voice"}) from None
         except ValueError as e:
             raise ApiError(400, str(e), next((k for k in SAMPLING_FIELDS if str(e).startswith(k)), "input"),
                            "invalid_value") from None
@@ -348,6 +468,9 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
         except Exception as e:  # noqa: BLE001 - failed before any audio: a proper error response
             log.error("request %s failed before its first audio: %s: %s", job.id, type(e).__name__, e)
             raise failure(e) from None
+        if first is None:  # ended without a chunk and without an error: never a 200 with no audio
+            log.error("request %s ended without audio", job.id)
+            raise ApiError(500, "the generation ended without audio; no audio to send", None, "no_audio")
         sse = r.stream_format == "sse"
         body = stream_body(job, first, chunks, r.response_format, sse, len(r.input), tag)
         fmt = FORMATS[r.response_format]
@@ -406,7 +529,7 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
     @v1.post("/voices", status_code=201)
     async def create_voice(request: Request):
         ctype = request.headers.get("content-type", "")
-        if not ctype.lower().startswith("multipart/form-data"):
+        if media_type(ctype)[0] != "multipart/form-data":
             raise ApiError(400, "upload a voice as multipart/form-data with the fields name, file (reference audio) "
                            "and transcript (optional)", code="invalid_content_type")
         stream = limited(request.stream(), MAX_UPLOAD_BYTES, "the upload")
@@ -428,19 +551,27 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
             if transcript is not None and not isinstance(transcript, str):
                 raise ApiError(400, "transcript must be text", "transcript", "invalid_value")
             transcript = (transcript.strip() or None) if transcript is not None else None
-            if store.path(name).exists():
-                raise ApiError(409, f"voice {name!r} exists; delete it first (DELETE /v1/voices/{name})", "name",
-                               "voice_exists")
+            if (taken := store.find(name)) is not None:
+                raise ApiError(409, store.exists_message(name, taken), "name", "voice_exists")
             data = await file.read()
         finally:
             await form.close()
         wav, sr = await asyncio.to_thread(read_upload_audio, data)
+        what = "transcript" if transcript else "file"
         async with voice_lock:
             try:
                 voice = await asyncio.to_thread(tts.make_voice, (wav, sr), transcript)
+            except ContractError as e:  # a special token in the transcript, a prompt beyond the context
+                raise contract_error(e, {"ref_text": "transcript"}) from None
             except ValueError as e:
                 raise ApiError(400, str(e), "transcript" if "transcript" in str(e) else "file",
                                "invalid_value") from None
+        room = scheduler.slot_positions - len(voice.prefix)
+        if room < min_rows(tts.facts.num_codebooks) + 3:  # + <|text|>, one token, <|audio|>
+            raise ApiError(400, f"the voice's prompt is {len(voice.prefix)} positions ({len(voice.rows)} reference "
+                           f"rows{' and its transcript' if transcript else ''}), but a batch slot here holds "
+                           f"{scheduler.slot_positions}: use a shorter reference clip or transcript", what,
+                           "context_length_exceeded")
         try:
             return JSONResponse(await asyncio.to_thread(store.add, name, voice), 201)
         except VoiceExists as e:
@@ -448,6 +579,9 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
 
     @v1.delete("/voices/{name}")
     async def delete_voice(name: str):
+        if name.lower() == DEFAULT:
+            raise ApiError(400, f"the voice {name!r} is built in (zero-shot speech, no reference) and cannot be "
+                           f"deleted", "name", "reserved_voice")
         try:
             await asyncio.to_thread(store.delete, name)
         except UnknownVoice as e:
@@ -481,15 +615,27 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
 
     app.include_router(v1)
 
+    limits = {"context_positions": tts.facts.max_positions, "slot_positions": scheduler.slot_positions,
+              "default_max_rows": DEFAULT_MAX_ROWS, "min_rows": min_rows(tts.facts.num_codebooks),
+              "max_input_chars": MAX_INPUT_CHARS, "max_json_bytes": MAX_JSON_BYTES,
+              "max_upload_bytes": MAX_UPLOAD_BYTES, "max_connections": timeouts.max_connections,
+              "timeouts_s": {k: v for k, v in timeouts.as_dict().items() if k.endswith("_s")}}
+
     @app.get("/health")
     async def health():
+        """Liveness, the request limits (context and slot positions, default max_rows, sizes, timeouts), the
+        scheduler's counters and how often each client guard fired."""
         return {"status": "ok", "model": model_id, "models": models, "sample_rate": sample_rate,
-                "scheduler": scheduler.stats(), "uptime_s": round(time.time() - started, 1)}
+                "limits": limits, "scheduler": scheduler.stats(), "guards": dict(COUNTERS),
+                "uptime_s": round(time.time() - started, 1)}
 
     @app.get("/", include_in_schema=False)
     async def page():
         return FileResponse(STATIC / "index.html", headers={"Content-Security-Policy": PAGE_CSP,
                                                             "Cache-Control": "no-cache"})
+
+    for path, endpoint in (("/health", health), ("/", page)):  # HEAD: the GET's headers, no body (uvicorn drops it)
+        app.add_api_route(path, endpoint, methods=["HEAD"], include_in_schema=False)
 
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     return app

@@ -1,9 +1,11 @@
 """The server's voice store: one `<name>.npz` (written by `Voice.save`) per voice in a folder, loaded on first use.
 
 Names are `[A-Za-z0-9_-]{1,64}`, so a name is always a plain file name inside the folder (no `/`, `..` or dots);
-"default" is reserved for zero-shot speech. A voice is the export's own prefill state, so a file made with another
-export is refused (with that reason) when it is used; it is still listed, so it can be deleted. Loaded voices stay in
-a small LRU cache keyed by the file's mtime: a voice replaced on disk is read again.
+"default" is reserved for zero-shot speech. Names are unique ignoring case (`Bob` cannot join `bob`: on a
+case-insensitive file system they are one file, and to a listener one voice). A voice is the export's own prefill
+state, so a file made with another export is refused (with that reason) when it is used; it is still listed, so it
+can be deleted. Loaded voices stay in a small LRU cache keyed by the file's mtime: a voice replaced on disk is read
+again.
 """
 
 from __future__ import annotations
@@ -86,12 +88,23 @@ class VoiceStore:
         self._remember(name, mtime, voice)
         return voice
 
+    def find(self, name: str) -> str | None:
+        """The saved voice whose name equals `name` ignoring case, if any."""
+        check_name(name)
+        return next((n for n in self.names() if n.lower() == name.lower()), None)
+
+    @staticmethod
+    def exists_message(name: str, taken: str) -> str:
+        same = f"voice {name!r} exists" if name == taken else \
+            f"voice {taken!r} exists (voice names are unique ignoring case)"
+        return f"{same}; delete it first (DELETE /v1/voices/{taken})"
+
     def add(self, name: str, voice: Voice) -> dict:
-        """Save a new voice; VoiceExists if the name is taken (delete it first)."""
+        """Save a new voice; VoiceExists if the name is taken, ignoring case (delete it first)."""
         path = self.path(name)
         with self._lock:
-            if path.exists():
-                raise VoiceExists(f"voice {name!r} exists; delete it first (DELETE /v1/voices/{name})")
+            if (taken := self.find(name)) is not None:
+                raise VoiceExists(self.exists_message(name, taken))
             voice.save(path)
         self._remember(name, path.stat().st_mtime_ns, voice)
         return {**self.describe(name), "ref_text": voice.ref_text, "reference_rows": int(len(voice.rows))}

@@ -17,8 +17,24 @@ async function api(path, init = {}) {
   const headers = new Headers(init.headers || {});
   if (state.key) headers.set("Authorization", `Bearer ${state.key}`);
   const res = await fetch(path, { ...init, headers });
-  if (res.status === 401) $("key-box").hidden = false;
+  if (res.status === 401) await askForKey(res.clone());
+  else if (res.ok && state.key) showKeyStatus("", "idle");
   return res;
+}
+
+function showKeyStatus(text, kind) {
+  const el = $("key-status");
+  el.textContent = text;
+  el.dataset.state = kind;
+}
+
+async function askForKey(res) {
+  // 401: no key, or the wrong one. Say which, keep the box open, and put the cursor in it.
+  $("key-box").hidden = false;
+  const why = await errorText(res);
+  showKeyStatus(state.key ? `the API key was refused (${why}); enter the right key` :
+    "this server needs an API key: enter it and press Use key", "error");
+  $("api-key").focus();
 }
 
 async function errorText(res) {
@@ -89,6 +105,15 @@ async function loadVoices(select) {
     sel.append(o);
   }
   if ([...sel.options].some((o) => o.value === keep)) sel.value = keep;
+  voiceChanged();
+}
+
+function voiceChanged() {
+  // the built-in default voice cannot be deleted: the button says so instead of doing nothing
+  const builtIn = $("voice").value === "default";
+  const b = $("voice-delete");
+  b.disabled = builtIn;
+  b.title = builtIn ? "the default voice is built in and cannot be deleted" : "delete the selected voice";
 }
 
 function options() {
@@ -228,10 +253,14 @@ async function createVoice(ev) {
 
 async function deleteVoice() {
   const name = $("voice").value;
-  if (name === "default" || !confirm(`Delete the voice ${name}?`)) return;
+  if (name === "default") {
+    setStatus("the default voice is built in (no reference) and cannot be deleted", "error");
+    return;
+  }
+  if (!confirm(`Delete the voice ${name}?`)) return;
   const res = await api(`/v1/voices/${encodeURIComponent(name)}`, { method: "DELETE" });
   setStatus(res.ok ? `voice ${name} deleted` : `error: ${await errorText(res)}`, res.ok ? "idle" : "error");
-  await loadVoices("default");
+  await loadVoices(res.ok ? "default" : name);
 }
 
 window.addEventListener("DOMContentLoaded", () => {
@@ -239,6 +268,8 @@ window.addEventListener("DOMContentLoaded", () => {
   $("stop").addEventListener("click", stop);
   $("voice-form").addEventListener("submit", createVoice);
   $("voice-delete").addEventListener("click", deleteVoice);
+  $("voice").addEventListener("change", voiceChanged);
+  voiceChanged();
   $("key-save").addEventListener("click", () => {
     state.key = $("api-key").value.trim();
     localStorage.setItem("higgs-api-key", state.key);
