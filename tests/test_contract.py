@@ -213,3 +213,24 @@ def test_importing_the_runtime_writes_nothing_under_home(tmp_path):
     subprocess.run([sys.executable, "-c", "import higgs_onnx.runtime.session, onnxruntime"], check=True, env=env,
                    cwd=ROOT, timeout=120)
     assert list(tmp_path.rglob("*")) == []
+
+
+# -- eval: its prompts go through the same contract ------------------------------------------------------------------
+@pytest.mark.parametrize("prompts, extra, message", [
+    ("Hello <|audio|> there.\nA fine line.\n", [], "prompt 1 ('Hello <|audio|> there.'): text contains the special "
+                                                   "token <|audio|>"),
+    (None, ["--max-rows", "4095"], "max_rows asks for 4095 rows"),
+])
+def test_eval_prompts_are_checked_before_the_reference_loads(model, tmp_path, monkeypatch, capsys, prompts, extra,
+                                                             message):
+    import eval as eval_cli
+    from higgs_onnx.reference import model as reference
+
+    if prompts:
+        (tmp_path / "p.txt").write_text(prompts)
+        extra = [*extra, "--prompts", str(tmp_path / "p.txt")]
+    loaded = []
+    monkeypatch.setattr(reference.ReferenceModel, "__init__", lambda *a, **k: loaded.append(1))
+    code = eval_cli.main(["--model-path", str(model), *extra])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and loaded == []

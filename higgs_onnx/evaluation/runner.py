@@ -141,13 +141,16 @@ SECTIONS: dict[str, Section] = {
 }
 
 
-def load_models(model_path: Path, checkpoint: str | None, verify: bool = True, provider: str | None = None):
-    """(HiggsTTS, ReferenceModel): the export and its reference (default: the checkpoint its manifest names)."""
+def load_models(model_path: Path, checkpoint: str | None, verify: bool = True, provider: str | None = None,
+                options: EvalOptions | None = None):
+    """(HiggsTTS, ReferenceModel): the export and its reference (default: the checkpoint its manifest names). The
+    prompts of `options` are checked against the request contract first, before the reference loads."""
     from ..checkpoint import resolve
     from ..reference.model import ReferenceModel, parity_dtype
     from ..runtime.model import HiggsTTS
 
     tts = HiggsTTS(model_path, provider=provider, verify=verify)
+    check_prompts(tts, options or EvalOptions())
     source = checkpoint or manifest_checkpoint(tts.manifest)
     ref = ReferenceModel(resolve(source), dtype=parity_dtype(tts.facts))
     if ref.facts != tts.facts:
@@ -212,11 +215,23 @@ def write_reports(report: Report, outputs: Outputs) -> str:
     return md
 
 
+def check_prompts(tts, options: EvalOptions) -> None:
+    """Every prompt through the contract (special tokens, prompt + --max-rows within the context): a ContractError
+    naming the prompt, before any work."""
+    from ..generation.contract import ContractError
+
+    for i, text in enumerate(options.prompts, 1):
+        try:
+            tts.request(text, options=GenerationOptions(max_rows=options.max_rows))
+        except ContractError as e:
+            raise ContractError(f"prompt {i} ({text[:40]!r}): {e}", e.param, e.code, e.status) from None
+
+
 def evaluate(model_path: Path, checkpoint: str | None = None, options: EvalOptions | None = None,
              outputs: Outputs | None = None, verify: bool = True, provider: str | None = None) -> tuple[Report, str]:
     """Load, run every section, write the reports; (report, Markdown text)."""
     outputs = outputs or Outputs()
     outputs.check()
-    tts, ref = load_models(model_path, checkpoint, verify, provider)
+    tts, ref = load_models(model_path, checkpoint, verify, provider, options)
     report = Evaluator(tts, ref, options).run()
     return report, write_reports(report, outputs)
