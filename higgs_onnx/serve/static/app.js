@@ -259,8 +259,9 @@ async function deleteVoice() {
   }
   if (!confirm(`Delete the voice ${name}?`)) return;
   const res = await api(`/v1/voices/${encodeURIComponent(name)}`, { method: "DELETE" });
-  setStatus(res.ok ? `voice ${name} deleted` : `error: ${await errorText(res)}`, res.ok ? "idle" : "error");
-  await loadVoices(res.ok ? "default" : name);
+  const message = res.ok ? `voice ${name} deleted` : `error: ${await errorText(res)}`;
+  await loadVoices(res.ok ? "default" : name); // the list first: the status is the last thing to change
+  setStatus(message, res.ok ? "idle" : "error");
 }
 
 window.addEventListener("DOMContentLoaded", () => {
