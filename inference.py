@@ -94,8 +94,8 @@ def check_args(args: argparse.Namespace) -> tuple[GenerationOptions, StreamOptio
     if args.save_voice is not None and args.ref_audio is None:
         raise ValueError("--save-voice needs --ref-audio (the voice to save)")
     if args.text_file is not None and (args.out_dir is None) == (args.out is None):
-        raise ValueError("--text-file needs --out FILE (the whole text as one recording) or --out-dir DIR (one file "
-                         "per line), not both")
+        raise ValueError("--text-file needs one of --out FILE (the whole text as one recording) or --out-dir DIR "
+                         "(one file per line)" + (", not both" if args.out is not None else ""))
     if args.resume and (args.text_file is None or args.out is None or str(args.out) == "-"):
         raise ValueError("--resume continues a long-form job: --text-file with --out FILE")
     if args.text_file is not None and args.out is not None and args.save_codes is not None:
@@ -122,7 +122,7 @@ def check_args(args: argparse.Namespace) -> tuple[GenerationOptions, StreamOptio
     if args.save_codes is not None:
         check_output_file(args.save_codes, "--save-codes", (".npy",), "rows.npy")
     if args.text is not None:
-        check_text(args.text, "--text")
+        check_text(args.text, "--text")  # special tokens need the tokenizer: checked after the load
     if args.ref_text is not None:
         check_text(args.ref_text, "--ref-text")
     return options, stream
@@ -324,13 +324,10 @@ def decode_codes(tts, path: Path, out: Path) -> int:
     import numpy as np
 
     from higgs_onnx.audio import write_audio
+    from higgs_onnx.generation.delay import read_code_rows
 
-    rows = np.load(path, allow_pickle=False)
+    rows = read_code_rows(path, tts.facts.num_codebooks, tts.facts.codebook_vocab)
     n = tts.facts.num_codebooks
-    if rows.ndim != 2 or rows.shape[1] != n or not np.issubdtype(rows.dtype, np.integer):
-        raise ValueError(f"{path}: expected integer code rows of shape (L, {n}), got {rows.dtype} {rows.shape}")
-    if rows.min() < 0 or rows.max() >= tts.facts.codebook_vocab:
-        raise ValueError(f"{path}: codes must lie in [0, {tts.facts.codebook_vocab})")
     delayed = len(rows) > 0 and rows[0, 1:].tolist() == [tts.facts.boc] * (n - 1)  # delayed rows start with BOC
     wav = tts.decode_rows(rows.astype(np.int64), delayed=delayed)
     write_audio(out, wav, tts.facts.sample_rate)

@@ -11,7 +11,13 @@ import numpy as np
 from .outputs import set_mode
 
 MAX_REF_SECONDS = 100.0  # SGO `_MAX_REF_AUDIO_SEC`
-MIN_REF_SECONDS = 1.0  # shorter clips are zero-padded to this before encoding (SGO)
+MIN_REF_SECONDS = 1.0  # shorter clips are refused (SGO zero-pads them to this: mostly padding, no voice)
+# what a reference must be to be a recording, for every job (the CLI, the API, the server, the corpus)
+REF_RATES = (8000, 192000)  # Hz
+MAX_REF_CHANNELS = 8
+MIN_REF_PEAK = 1e-3  # -60 dBFS, after removing any DC offset: quieter is silence
+MIN_REF_RMS = 1e-4  # -80 dBFS
+MIN_REF_LEVELS = 16  # distinct sample values: fewer is a constant or a test signal, not a recording
 WRITE_FORMATS = {".wav": ("WAV", "PCM_16"), ".flac": ("FLAC", "PCM_16"), ".ogg": ("OGG", "VORBIS")}
 
 
@@ -26,8 +32,10 @@ def read_audio(path: str | os.PathLike) -> tuple[np.ndarray, int]:
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(f"reference audio {path} is a folder, not an audio file")
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"reference audio {path} does not exist")
+    if not path.is_file():
+        raise AudioError(f"reference audio {path} is not a regular file (a device or a pipe): give an audio file")
     try:
         data, sr = sf.read(str(path), dtype="float32", always_2d=True)
     except (sf.LibsndfileError, RuntimeError, TypeError) as e:
@@ -47,24 +55,49 @@ def resample(wav: np.ndarray, sr_in: int, sr_out: int) -> np.ndarray:
     return soxr.resample(wav.astype(np.float32, copy=False), sr_in, sr_out, quality="HQ").astype(np.float32)
 
 
-def prepare_reference(data: np.ndarray, sr: int, target_sr: int) -> np.ndarray:
-    """Any channel count / rate / length -> mono float32 at `target_sr`, padded to >= 1 s; refuses bad clips."""
-    wav = to_mono(np.asarray(data, dtype=np.float32))
+def check_recording(data: np.ndarray, sr: int) -> np.ndarray:
+    """(samples, channels) or (samples,) at `sr` -> mono float32, or AudioError when it is not a plausible
+    recording: a rate outside REF_RATES, more than MAX_REF_CHANNELS channels, shorter than MIN_REF_SECONDS or longer
+    than MAX_REF_SECONDS, NaN, constant, silent, or a handful of distinct values (a test signal)."""
+    data = np.asarray(data, dtype=np.float32)
+    channels = data.shape[1] if data.ndim == 2 else 1
+    if not REF_RATES[0] <= sr <= REF_RATES[1]:
+        raise AudioError(f"the reference's sample rate is {sr} Hz; a recording is {REF_RATES[0]}-{REF_RATES[1]} Hz "
+                         f"(24 kHz or more clones best)")
+    if not 1 <= channels <= MAX_REF_CHANNELS:
+        raise AudioError(f"the reference has {channels} channels; at most {MAX_REF_CHANNELS} are taken (mono clones "
+                         f"best)")
+    wav = to_mono(data)
     if wav.size == 0:
         raise AudioError("reference audio is empty (0 samples)")
-    if not np.isfinite(wav).all():
-        raise AudioError("reference audio contains NaN or infinite samples")
     seconds = wav.size / sr
     if seconds > MAX_REF_SECONDS:
         raise AudioError(f"reference audio is {seconds:.1f} s long; the limit is {MAX_REF_SECONDS:.0f} s "
                          f"(trim it to a clean 5-20 s of speech)")
-    if not np.any(np.abs(wav) > 1e-6):
-        raise AudioError("reference audio is silent (all samples are zero)")
-    wav = resample(wav, sr, target_sr)
-    min_len = int(round(MIN_REF_SECONDS * target_sr))
-    if wav.size < min_len:
-        wav = np.pad(wav, (0, min_len - wav.size))
+    if seconds < MIN_REF_SECONDS:
+        raise AudioError(f"reference audio is {seconds:.3f} s long ({wav.size} samples at {sr} Hz); at least "
+                         f"{MIN_REF_SECONDS:g} s is needed (a clean 5-20 s of speech clones best)")
+    if not np.isfinite(wav).all():
+        raise AudioError("reference audio contains NaN or infinite samples")
+    levels = len(np.unique(wav[:1 << 20]))
+    if levels == 1:
+        if wav[0] == 0:
+            raise AudioError("reference audio is silent (all samples are zero)")
+        raise AudioError(f"reference audio is constant (every sample is {float(wav[0]):.4g}): no sound")
+    ac = wav - wav.mean()
+    peak, rms = float(np.abs(ac).max()), float(np.sqrt(np.mean(ac.astype(np.float64) ** 2)))
+    if peak < MIN_REF_PEAK or rms < MIN_REF_RMS:
+        raise AudioError(f"reference audio is silent (peak {20 * np.log10(max(peak, 1e-12)):.0f} dBFS, rms "
+                         f"{20 * np.log10(max(rms, 1e-12)):.0f} dBFS); record it louder")
+    if levels < MIN_REF_LEVELS:
+        raise AudioError(f"reference audio holds only {levels} distinct sample values: a test signal, not a "
+                         f"recording of speech")
     return wav
+
+
+def prepare_reference(data: np.ndarray, sr: int, target_sr: int) -> np.ndarray:
+    """Any channel count / rate -> mono float32 at `target_sr`; refuses what is not a recording (`check_recording`)."""
+    return resample(check_recording(data, int(sr)), int(sr), target_sr)
 
 
 def load_reference(path: str | os.PathLike, target_sr: int) -> np.ndarray:

@@ -29,8 +29,18 @@ def setup_logging(level: str) -> None:
     logging.basicConfig(level=getattr(logging, level), format="%(levelname)s %(name)s: %(message)s")
 
 
+def one_line_errors(ap: argparse.ArgumentParser) -> None:
+    """argparse's usage errors as one line (not the whole usage block), exit 2 as before."""
+    def error(message: str):
+        print(f"error: {message} (see {ap.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+    ap.error = error
+
+
 def run_main(fn: Callable[[argparse.Namespace], int], ap: argparse.ArgumentParser, argv: list[str] | None) -> int:
     """Parse, set up logging, call `fn(args)`; errors become one line on stderr and a non-zero exit."""
+    one_line_errors(ap)
     args = ap.parse_args(argv)
     setup_logging(args.log_level)
     debug = args.log_level == "DEBUG"

@@ -142,7 +142,9 @@ def read_rows(path: Path) -> list[Row]:
         options = {k: obj[k] for k in OPTION_FIELDS if k in obj}
         unknown = set(obj) - {"id", "text", "voice", *OPTION_FIELDS}
         error = None
-        if not isinstance(text, str) or not text.strip():
+        if text is not None and not isinstance(text, str):
+            error = f"text must be a string, got {type(text).__name__} {text!r:.40}"
+        elif not isinstance(text, str) or not text.strip():
             error = "empty or missing text"
         elif unknown:
             error = f"unknown field(s) {', '.join(sorted(unknown))}"

@@ -2,6 +2,7 @@
 clear line and exit 2 in the CLI; what is accepted still speaks."""
 
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -234,3 +235,94 @@ def test_eval_prompts_are_checked_before_the_reference_loads(model, tmp_path, mo
     code = eval_cli.main(["--model-path", str(model), *extra])
     err = capsys.readouterr().err
     assert code == 2 and message in err and loaded == []
+
+
+# -- what the hostile probe found (second round) ----------------------------------------------------------------------
+@pytest.mark.parametrize("text, message", [
+    ("<|audio|>", "special token <|audio|>"),
+    ("\u200b\u200b", "no letters or digits to speak"),
+    ("\ufeff", "no letters or digits to speak"),
+    ("...!?", "no letters or digits to speak"),
+])
+def test_text_without_words_or_only_a_special_token(capsys, model, tmp_path, text, message):
+    code, _, err = run_cli(capsys, "--model-path", model, "--text", text, "--out", tmp_path / "a.wav")
+    assert code == 2 and message in err
+
+
+def test_a_text_file_from_a_pipe_is_read(model, tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "inference.py"), "--model-path", str(model), "--text-file",
+                          "/dev/stdin", "--out", str(tmp_path / "pipe.wav")], input="Hello from a pipe.",
+                         capture_output=True, text=True, cwd=ROOT, env={**os.environ, "CI": "1"}, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert sf.info(tmp_path / "pipe.wav").frames > 0
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: (np.full(48000, 0.5, np.float32), 24000), "constant (every sample is 0.5)"),
+    (lambda: (np.array([0.1, -0.1], np.float32), 24000), "at least 1 s is needed"),
+    (lambda: (np.random.default_rng(0).uniform(-0.3, 0.3, (24000, 1000)).astype(np.float32), 24000),
+     "1000 channels"),
+    (lambda: (np.random.default_rng(0).uniform(-0.3, 0.3, 48000).astype(np.float32), 1), "sample rate is 1 Hz"),
+    (lambda: (np.tile(np.float32([0.2, -0.2]), 24000), 24000), "2 distinct sample values"),
+])
+def test_references_follow_the_servers_rules_everywhere(tts, make, message):
+    from higgs_onnx.audio import AudioError
+
+    with pytest.raises(AudioError, match=re.escape(message)):
+        tts.make_voice(make())
+
+
+def test_a_device_as_reference_audio(capsys, model, tmp_path):
+    code, _, err = run_cli(capsys, "--model-path", model, "--text", "Hi.", "--ref-audio", "/dev/null", "--out",
+                           tmp_path / "a.wav")
+    assert code == 2 and "is not a regular file" in err
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda p: np.save(p, np.zeros((0, 8), np.int64)), "has no rows"),
+    (lambda p: p.write_bytes((DATA / "ref_en_24k.wav").read_bytes()), "is not a NumPy .npy array of code rows"),
+    (lambda p: np.save(p, np.full((20, 8), 5000, np.int64)), "codes must lie in [0, "),
+])
+def test_bad_code_files(capsys, model, tmp_path, make, message):
+    path = tmp_path / "codes.npy"
+    make(path)
+    code, _, err = run_cli(capsys, "--model-path", model, "--codes", path, "--out", tmp_path / "a.wav")
+    assert code == 2 and message in err
+
+
+def test_argparse_errors_and_absurd_threads_are_one_line(capsys, model, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        inference.main(["--model-path", str(model), "--text", "Hi.", "--max-rows", "abc", "--out", "a.wav"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "invalid int value: 'abc'" in err
+    code, _, err = run_cli(capsys, "--model-path", model, "--text", "Hi.", "--threads", 100000, "--out",
+                           tmp_path / "a.wav")
+    assert code == 2 and "threads must be at most" in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompts", "{tmp}"], "is a folder, not a text file"),
+    (["--prompts", "{tmp}/latin1.txt"], "is not UTF-8 text"),
+    (["--tolerance", "nan"], "--tolerance must be a finite number > 0"),
+    (["--teacher-codes", "{tmp}/bad.npy"], "--teacher-codes"),
+    (["--recordings", "{tmp}/latin1.txt"], "cannot read reference audio"),
+])
+def test_eval_inputs_are_checked_before_the_reference_loads(model, tmp_path, monkeypatch, capsys, args, message):
+    import eval as eval_cli
+    from higgs_onnx.reference import model as reference
+
+    (tmp_path / "latin1.txt").write_bytes("Caf\xe9 au lait.\n".encode("latin-1"))
+    np.save(tmp_path / "bad.npy", np.full((20, 8), 5000, np.int64))
+    loaded = []
+    monkeypatch.setattr(reference.ReferenceModel, "__init__", lambda *a, **k: loaded.append(1))
+    code = eval_cli.main(["--model-path", str(model), *[a.format(tmp=tmp_path) for a in args]])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and loaded == [], err
+
+
+def test_a_corpus_text_that_is_not_a_string(tmp_path):
+    from higgs_onnx.corpus import read_rows
+
+    (tmp_path / "in.jsonl").write_text('{"id": "a", "text": 123}\n{"id": "b", "text": "Fine."}\n')
+    rows = read_rows(tmp_path / "in.jsonl")
+    assert rows[0].error == "text must be a string, got int 123" and rows[1].error is None

@@ -160,7 +160,8 @@ class RequestCounter:
         del self.tts.request
 
 
-@pytest.mark.parametrize("damage", ["empty", "truncated", "garbage", "wrong-shape"])
+@pytest.mark.parametrize("damage", ["empty", "truncated", "garbage", "wrong-shape", "out-of-range", "cut-codes",
+                                    "another-piece"])
 def test_a_damaged_piece_is_made_again_on_resume(tts, tmp_path, damage):
     want = whole_file(tts, tmp_path)
     out = tmp_path / "cut.wav"
@@ -178,8 +179,18 @@ def test_a_damaged_piece_is_made_again_on_resume(tts, tmp_path, damage):
         victim.write_bytes(victim.read_bytes()[:len(victim.read_bytes()) // 2])  # a crash mid-write
     elif damage == "garbage":
         victim.write_bytes(b"PK\x03\x04" + os.urandom(300))
-    else:
+    elif damage == "wrong-shape":
         np.savez(victim, codes=np.zeros((3, 2), np.int64), rows=3, stop="eoc", retried=False)
+    else:  # a valid archive with the wrong content: codes out of range, cut, or piece 1's file copied over it
+        with np.load(victim) as z:
+            fields = {k: z[k] for k in z.files}
+        if damage == "out-of-range":
+            fields["codes"] = fields["codes"] + 5000
+        elif damage == "cut-codes":
+            fields["codes"] = fields["codes"][:3]
+        else:
+            fields = {k: v for k, v in np.load(pieces[0]).items()}
+        np.savez(victim, **fields)
     with RequestCounter(tts) as spy:
         path = LongForm(tts, CHAPTER, out, lf=SMALL, resume=True).write()
     assert path.read_bytes() == want  # the same file as an uninterrupted run

@@ -283,6 +283,12 @@ def test_connection_limit_gets_503(edge):
         pytest.fail("still 503 after the connections closed")
 
 
+def test_an_integer_beyond_pythons_digit_limit_is_a_400(edge):
+    body = b'{"model": "tts-1", "input": "Hi there.", "seed": ' + b"9" * 5000 + b"}"
+    r = edge.http.post("/v1/audio/speech", content=body, headers={"content-type": "application/json"})
+    assert_error(r, 400, code="invalid_json")
+
+
 def test_still_serving_after_the_edges(edge):
     r = edge.http.post("/v1/audio/speech", content=BODY, headers={"content-type": "application/json"})
     assert r.status_code == 200 and r.content

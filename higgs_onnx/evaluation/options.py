@@ -42,6 +42,8 @@ class EvalOptions:
         for path in (*self.recordings, *([self.teacher_codes] if self.teacher_codes else [])):
             if not Path(path).is_file():
                 raise FileNotFoundError(f"{path} does not exist or is not a file")
+        if not (self.tolerance == self.tolerance and 0 < self.tolerance < float("inf")):  # NaN fails the first test
+            raise ValueError(f"--tolerance must be a finite number > 0, got {self.tolerance}")
         for key, _ in self.gates:
             if key not in GATES["fp32"]:
                 raise ValueError(f"unknown gate {key!r}; gates: {', '.join(GATES['fp32'])}")
@@ -63,9 +65,17 @@ def parse_thresholds(items: list[str]) -> tuple[tuple[str, float | None], ...]:
 
 def read_prompts(path: Path) -> tuple[str, ...]:
     """One prompt per non-empty line of a UTF-8 text file."""
-    if not path.is_file():
-        raise FileNotFoundError(f"prompts file {path} does not exist")
-    prompts = tuple(ln.strip() for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip())
+    from ..longform.render import read_text_file
+
+    if Path(path).is_dir():
+        raise IsADirectoryError(f"--prompts {path} is a folder, not a text file")
+    try:
+        text = read_text_file(path)  # encodings, BOMs, binary files: the long-form reader's one-line answers
+    except ValueError as e:
+        raise ValueError(f"--prompts: {str(e).removeprefix('--text-file ')}") from None
+    except FileNotFoundError:
+        raise FileNotFoundError(f"--prompts {path} does not exist") from None
+    prompts = tuple(ln.strip() for ln in text.splitlines() if ln.strip())
     if not prompts:
         raise ValueError(f"{path} has no prompts")
     return prompts

@@ -216,9 +216,18 @@ def write_reports(report: Report, outputs: Outputs) -> str:
 
 
 def check_prompts(tts, options: EvalOptions) -> None:
-    """Every prompt through the contract (special tokens, prompt + --max-rows within the context): a ContractError
-    naming the prompt, before any work."""
+    """Every input that can be judged before the reference loads: each prompt through the contract (special tokens,
+    prompt + --max-rows within the context; a ContractError naming the prompt), the recordings readable, the teacher
+    codes well-formed."""
+    from ..audio import read_audio
     from ..generation.contract import ContractError
+    from ..generation.delay import read_code_rows
+
+    for path in options.recordings:
+        read_audio(path)
+    if options.teacher_codes is not None:
+        f = tts.facts
+        read_code_rows(options.teacher_codes, f.num_codebooks, f.codebook_vocab, "--teacher-codes")
 
     for i, text in enumerate(options.prompts, 1):
         try:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..generation.delay import read_code_rows
 from ..generation.engine import generate
 from ..generation.options import GREEDY_OPTIONS
 from ..parity import check_part, compare_decoder
@@ -112,10 +113,8 @@ def teacher_codes(ev: Evaluator) -> dict:
     """Delayed rows from another implementation teacher-forced through the export: share of codes within
     `tolerance` of the export's top logit (ramp-in BOCs are forced, not sampled, and not judged)."""
     o = ev.options
-    rows = np.load(o.teacher_codes, allow_pickle=False).astype(np.int64)  # (L, N)
     f = ev.tts.facts
-    if rows.ndim != 2 or rows.shape[1] != f.num_codebooks or not len(rows):
-        raise ValueError(f"{o.teacher_codes} holds {rows.shape}; expected (rows, {f.num_codebooks}) delayed codes")
+    rows = read_code_rows(o.teacher_codes, f.num_codebooks, f.codebook_vocab, "--teacher-codes")  # (L, N)
     res = generate(ev.tts.backend, ev.prompt(o.prompts[0]), ev.rules,
                    dataclasses.replace(GREEDY_OPTIONS, max_rows=len(rows)), f.placeholder, keep_logits=True,
                    teacher_rows=rows)

@@ -21,6 +21,7 @@ from tokenizers import Tokenizer
 log = logging.getLogger(__name__)
 SPECIAL_NAMES = ("tts", "text", "audio", "ref_audio", "ref_text")
 TAG_PATTERN = re.compile(r"<\|[^<>|]*\|>")
+CONTROL_TAG_SHAPE = re.compile(r"<\|[a-z_]+:[a-z_]+\|>")  # <|category:name|>
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,14 @@ class PromptTokens:
 
 
 def check_text(text: str, what: str = "text") -> str:
-    """Refuse text that cannot be spoken: not a string, empty, control characters, or nothing but tags."""
+    """Refuse text that cannot be spoken: not a string, empty, control characters, or no words (only tags,
+    punctuation or invisible characters)."""
+    check_characters(text, what)
+    check_words(text, what)
+    return text
+
+
+def check_characters(text: str, what: str = "text") -> None:
     if not isinstance(text, str):
         raise ValueError(f"{what} must be a string, got {type(text).__name__}")
     if any(unicodedata.category(c) == "Cs" for c in text):  # what Python makes of bytes that are not UTF-8
@@ -62,9 +70,15 @@ def check_text(text: str, what: str = "text") -> str:
                          f"remove them")
     if not text.strip():
         raise ValueError(f"{what} is empty")
-    if not TAG_PATTERN.sub("", text).strip():
+
+
+def check_words(text: str, what: str = "text") -> None:
+    rest = CONTROL_TAG_SHAPE.sub("", text)  # `<|audio|>` is not a control tag: refused as a special token instead
+    if not rest.strip():
         raise ValueError(f"{what} has only control tags and no words to speak")
-    return text
+    if not any(unicodedata.category(c)[0] in "LN" for c in rest):
+        raise ValueError(f"{what} has no letters or digits to speak (only punctuation, symbols or invisible "
+                         f"characters)")
 
 
 def build_prompt(tok: Tokenizer, ids: PromptTokens, text: str, ref_rows: int = 0,
@@ -105,7 +119,7 @@ def encode_user_text(tok: Tokenizer, ids: PromptTokens, text: str, what: str = "
     added/special token of it other than a documented control tag (they would enter the prompt as structure)."""
     from .contract import ContractError, special_tokens_in
 
-    check_text(text, what)
+    check_characters(text, what)
     encoded = tok.encode(text, add_special_tokens=False).ids
     special = {i: t.content for i, t in tok.get_added_tokens_decoder().items()}
     bad = special_tokens_in(encoded, special, set(ids.control_tags.values()))
@@ -113,4 +127,5 @@ def encode_user_text(tok: Tokenizer, ids: PromptTokens, text: str, what: str = "
         raise ContractError(f"{what} contains the special token{'s' if len(bad) > 1 else ''} {', '.join(bad)}, "
                             f"which only the toolkit may place; inline control tags such as <|emotion:elation|> "
                             f"are allowed (remove or rephrase the rest)", param, "special_token")
+    check_words(text, what)
     return encoded

@@ -129,6 +129,9 @@ def _utf16_without_bom(data: bytes) -> str | None:
     return None
 
 
+MAX_TEXT_BYTES = 64 << 20  # a long novel is ~1-2 MB of text
+
+
 def read_text_file(path: str | os.PathLike) -> str:
     """A text file for long-form: UTF-8 (with or without a byte-order mark), or UTF-16 / UTF-32 with one. Refused
     with one clear line when it is empty, binary, or in another encoding (naming the likely one and the command that
@@ -136,10 +139,15 @@ def read_text_file(path: str | os.PathLike) -> str:
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(f"--text-file {path} is a folder")
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"--text-file {path} does not exist")
-    try:
-        data = path.read_bytes()
+    try:  # a regular file, or a pipe / process substitution / /dev/stdin: read up to a bound, never forever
+        with open(path, "rb") as f:
+            data = f.read(MAX_TEXT_BYTES + 1)
+        if len(data) > MAX_TEXT_BYTES:
+            what = "a binary file, not text" if b"\x00\x00\x00\x00" in data else \
+                f"larger than {MAX_TEXT_BYTES >> 20} MB; split it into chapters"
+            raise ValueError(f"--text-file {path} is {what}")
     except OSError as e:
         raise PermissionError(f"--text-file {path} cannot be read ({e.strerror or type(e).__name__})") from None
     bom = next(((enc, label) for mark, enc, label in _BOMS if data.startswith(mark)), None)
@@ -407,10 +415,14 @@ class LongForm:
         try:
             with np.load(path, allow_pickle=False) as z:
                 piece = {"codes": z["codes"], "rows": int(z["rows"]), "stop": str(z["stop"]),
-                         "retried": bool(z["retried"]), "plan": str(z["plan"]) if "plan" in z.files else None}
-            codes, n = piece["codes"], self.tts.facts.num_codebooks
+                         "retried": bool(z["retried"]), "plan": str(z["plan"]) if "plan" in z.files else None,
+                         "piece": str(z["piece"]) if "piece" in z.files else None}
+            codes, f = piece["codes"], self.tts.facts
+            n = f.num_codebooks
             ok = (codes.ndim == 2 and codes.shape[1] == n and codes.dtype.kind in "iu" and len(codes) > 0
-                  and piece["stop"] in STOP_REASONS and piece["rows"] >= len(codes))
+                  and piece["stop"] in STOP_REASONS and len(codes) == piece["rows"] - n + 1
+                  and codes.min() >= 0 and codes.max() < f.codebook_vocab
+                  and piece["piece"] in (None, self._piece_stamp(i)))  # its own rows, codes and text
             ours = piece["plan"] == self.plan_id or (piece["plan"] is None and self._plan_intact)
         except NPZ_ERRORS + (AttributeError,):  # cut off by a kill or a full disk, emptied, not an .npz at all
             ok, ours = False, True
@@ -424,11 +436,15 @@ class LongForm:
         piece["codes"] = piece["codes"].astype(np.int64)
         return piece
 
+    def _piece_stamp(self, i: int) -> str:
+        """Which piece a file holds: its index and its text's hash (a file copied over another piece is refused)."""
+        return f"{i}:{hashlib.sha256(self.pieces[i].text.encode()).hexdigest()[:16]}"
+
     def _save(self, i: int, piece: dict) -> None:
         tmp = self._piece_path(i).with_suffix(".partial.npz")
         try:
             np.savez(tmp, codes=piece["codes"], rows=piece["rows"], stop=piece["stop"], retried=piece["retried"],
-                     plan=self.plan_id)
+                     plan=self.plan_id, piece=self._piece_stamp(i))
             os.replace(tmp, self._piece_path(i))
         except OSError as e:
             raise OutputError(f"cannot save piece {i + 1} in {self.work} ({_reason(e)}); the pieces before it are "

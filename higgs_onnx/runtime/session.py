@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +38,15 @@ def check_threads(threads: int) -> int:
     (ORT would take them without complaint)."""
     if threads < 0:
         raise ValueError(f"threads must be >= 0 (0 = ONNX Runtime's default, one per core); got {threads}")
+    most = max_threads()
+    if threads > most:
+        raise ValueError(f"threads must be at most {most} (4 per core of this machine's {os.cpu_count() or 1}); "
+                         f"got {threads}: more threads than cores only slow a run down")
     return threads
+
+
+def max_threads() -> int:
+    return 4 * (os.cpu_count() or 1)
 
 
 def session_options(threads: int = 0, spin: bool = False):

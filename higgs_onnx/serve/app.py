@@ -41,7 +41,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import ClientDisconnect
 
-from ..audio import MAX_REF_SECONDS
+from ..audio import MAX_REF_CHANNELS, MAX_REF_SECONDS, MIN_REF_SECONDS, REF_RATES, AudioError, check_recording
 from ..generation.contract import ContractError, NoAudioError, min_rows
 from ..generation.options import DEFAULT_MAX_ROWS, GenerationOptions
 from .formats import FORMATS, encoder
@@ -66,12 +66,9 @@ MAX_INPUT_CHARS = 4096  # OpenAI's limit
 SPEED_RANGE = (0.25, 4.0)
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "max_rows")
 # what an uploaded reference must be (checked from the header, before decoding, where the header says it)
-UPLOAD_RATES = (8000, 192000)  # Hz
-MAX_UPLOAD_CHANNELS = 8
-MIN_UPLOAD_SECONDS = 1.0  # of audio as sent (shorter clips would be mostly the encoder's zero padding)
-MIN_UPLOAD_PEAK = 1e-3  # -60 dBFS, after removing any DC offset: quieter is silence
-MIN_UPLOAD_RMS = 1e-4  # -80 dBFS
-MIN_UPLOAD_LEVELS = 16  # distinct sample values: fewer is a constant or a test signal, not a recording
+UPLOAD_RATES = REF_RATES  # Hz
+MAX_UPLOAD_CHANNELS = MAX_REF_CHANNELS
+MIN_UPLOAD_SECONDS = MIN_REF_SECONDS  # of audio as sent (shorter clips would be mostly the encoder's zero padding)
 STATIC = Path(__file__).resolve().parent / "static"
 PAGE_CSP = ("default-src 'self'; media-src 'self' blob:; img-src 'self' data:; object-src 'none'; "
             "frame-ancestors 'none'; base-uri 'none'")
@@ -194,7 +191,6 @@ def read_upload_audio(data: bytes) -> tuple[Any, int]:
     is not a plausible recording: a rate outside UPLOAD_RATES, more than MAX_UPLOAD_CHANNELS channels, shorter than
     MIN_UPLOAD_SECONDS or longer than a reference may be (all from the header, before decoding: a small file can
     claim hours), then silent or constant samples."""
-    import numpy as np
     import soundfile as sf
 
     if not data:
@@ -219,22 +215,10 @@ def read_upload_audio(data: bytes) -> tuple[Any, int]:
     except (sf.LibsndfileError, RuntimeError, TypeError, ValueError) as e:  # ApiError passes: not one of these
         reason = str(e).split(": ", 1)[-1].rstrip(". ") or type(e).__name__
         raise _bad_audio(f"cannot read the uploaded audio ({reason}); send a WAV, FLAC, OGG or MP3 file") from None
-    if len(wav) / rate < MIN_UPLOAD_SECONDS:  # the header promised more than the file holds
-        raise _bad_audio(f"reference audio holds {len(wav) / rate:.3f} s; at least {MIN_UPLOAD_SECONDS:g} s is needed")
-    mono = wav.mean(axis=1)
-    if not np.isfinite(mono).all():
-        raise _bad_audio("reference audio contains NaN or infinite samples")
-    levels = len(np.unique(mono[:1 << 20]))
-    if levels == 1:
-        raise _bad_audio(f"reference audio is constant (every sample is {float(mono[0]):.4g}): no sound")
-    ac = mono - mono.mean()
-    peak, rms = float(np.abs(ac).max()), float(np.sqrt(np.mean(ac.astype(np.float64) ** 2)))
-    if peak < MIN_UPLOAD_PEAK or rms < MIN_UPLOAD_RMS:
-        raise _bad_audio(f"reference audio is silent (peak {20 * np.log10(max(peak, 1e-12)):.0f} dBFS, rms "
-                         f"{20 * np.log10(max(rms, 1e-12)):.0f} dBFS); record it louder")
-    if levels < MIN_UPLOAD_LEVELS:
-        raise _bad_audio(f"reference audio holds only {levels} distinct sample values: a test signal, not a "
-                         f"recording of speech")
+    try:  # the same rules as every other job's references (`audio.check_recording`)
+        check_recording(wav, rate)
+    except AudioError as e:
+        raise _bad_audio(str(e)) from None
     return wav, rate
 
 
@@ -367,6 +351,8 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
         except RecursionError:  # [[[[... : Python's parser recurses per level
             raise ApiError(400, "the body is not a usable JSON object: it is nested too deeply",
                            code="invalid_json") from None
+        except ValueError as e:  # e.g. an integer of more than 4300 digits (Python's conversion limit)
+            raise ApiError(400, f"the body is not usable JSON ({e})", code="invalid_json") from None
         if not isinstance(data, dict):
             raise ApiError(400, f"the body must be a JSON object, got {type(data).__name__}", code="invalid_json")
         return data
