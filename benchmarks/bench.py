@@ -411,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(generation_figures(args._generation, args.frames, args.threads)))
         return 0
     if args._torch:
-        print(json.dumps(torch_figures(args._torch[0], np.load(args._torch[1]), TEXT)))
+        print(json.dumps(torch_figures(args._torch[0], np.load(args._torch[1], allow_pickle=False), TEXT)))
         return 0
     if args._export:
         print(json.dumps(export_figures(args._export)))

@@ -226,7 +226,7 @@ def main() -> None:
                     if attempt < args.retries:
                         time.sleep(30)
                 if "error" not in res and label not in hidden:
-                    hidden[label] = np.load(cfg["hidden_out"])
+                    hidden[label] = np.load(cfg["hidden_out"], allow_pickle=False)
                 runs[label].append(res)
         for label, _, path, _ in rows:
             report["rows"][label] = merge(runs[label]) | {"size": size_of(path), "path": str(path)}
@@ -238,7 +238,7 @@ def main() -> None:
             if "error" in res:
                 print(f"  fp32 reference FAILED: {res['error']}")
             else:
-                fp32_hidden = np.load(cfg["hidden_out"])
+                fp32_hidden = np.load(cfg["hidden_out"], allow_pickle=False)
                 for label, h in hidden.items():
                     report["rows"][label]["cos_vs_fp32"] = cosine(fp32_hidden, h)
     ref = hidden.get("ort gqa-int4")

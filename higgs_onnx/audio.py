@@ -70,6 +70,8 @@ def check_recording(data: np.ndarray, sr: int) -> np.ndarray:
     wav = to_mono(data)
     if wav.size == 0:
         raise AudioError("reference audio is empty (0 samples)")
+    if not np.isfinite(wav).all():
+        raise AudioError("reference audio contains NaN or infinite samples")
     seconds = wav.size / sr
     if seconds > MAX_REF_SECONDS:
         raise AudioError(f"reference audio is {seconds:.1f} s long; the limit is {MAX_REF_SECONDS:.0f} s "
@@ -77,12 +79,10 @@ def check_recording(data: np.ndarray, sr: int) -> np.ndarray:
     if seconds < MIN_REF_SECONDS:
         raise AudioError(f"reference audio is {seconds:.3f} s long ({wav.size} samples at {sr} Hz); at least "
                          f"{MIN_REF_SECONDS:g} s is needed (a clean 5-20 s of speech clones best)")
-    if not np.isfinite(wav).all():
-        raise AudioError("reference audio contains NaN or infinite samples")
     levels = len(np.unique(wav[:1 << 20]))
     if levels == 1:
         if wav[0] == 0:
-            raise AudioError("reference audio is silent (all samples are zero)")
+            raise AudioError("reference audio is silent: constant, every sample is zero")
         raise AudioError(f"reference audio is constant (every sample is {float(wav[0]):.4g}): no sound")
     ac = wav - wav.mean()
     peak, rms = float(np.abs(ac).max()), float(np.sqrt(np.mean(ac.astype(np.float64) ** 2)))
