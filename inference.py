@@ -111,6 +111,10 @@ def check_args(args: argparse.Namespace) -> tuple[GenerationOptions, StreamOptio
                                     f"{args.out / 'hello.wav'}), or use --text-file with --out-dir for one file per "
                                     f"line")
         check_output_file(args.out, "--out", WRITE_FORMATS, "hello.wav")
+        if args.text_file is None:  # a one-shot file that a running long-form job would replace at its end
+            from higgs_onnx.longform.render import check_not_locked
+
+            check_not_locked(args.out)
     if args.text_file is not None and args.out is not None and str(args.out) != "-":
         from higgs_onnx.longform.render import check_outputs
 

@@ -246,6 +246,9 @@ def test_two_jobs_on_one_output(builds, tts, tmp_path):
         r = cli("--model-path", builds["int4"], "--text-file", text, "--out", out, "--resume")
         assert r.returncode == 2 and "another long-form job is writing" in r.stderr, r.stderr
         assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+        r = cli("--model-path", builds["int4"], "--text", "Hello.", "--out", out)  # a one-shot run on that file
+        assert r.returncode == 2 and "a long-form job is writing this file right now" in r.stderr, r.stderr
+        assert not out.exists()
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()

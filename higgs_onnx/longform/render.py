@@ -191,6 +191,24 @@ def check_outputs(out: str | os.PathLike, flag: str = "--out") -> Path:
     return out
 
 
+def check_not_locked(out: str | os.PathLike, flag: str = "--out") -> None:
+    """Refuse a one-shot output that a running long-form job will replace when it finishes (its lock is held)."""
+    from filelock import FileLock, Timeout
+
+    lock_path = work_folder(Path(out)) / LOCK
+    if not lock_path.is_file():
+        return
+    lock = FileLock(str(lock_path), thread_local=False)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        raise JobLockedError(f"{flag} {out}: a long-form job is writing this file right now (it holds {lock_path}) "
+                             f"and would replace it when it finishes; choose another {flag}") from None
+    except OSError:
+        return
+    lock.release()
+
+
 def work_folder(out: Path) -> Path:
     return out.with_name(out.name + ".work")
 
