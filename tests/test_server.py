@@ -279,6 +279,7 @@ def upload(server: Server, name: str, data: bytes, transcript: str | None = None
 
 def test_voice_lifecycle(server):
     ref = (DATA / "ref_en_24k.wav").read_bytes()
+    cached = server.health()["voice_cache"]["voices"]
     r = upload(server, "narrator", ref, (DATA / "ref_en_24k.txt").read_text().strip())
     assert r.status_code == 201, r.text
     assert r.json()["id"] == "narrator" and r.json()["reference_rows"] > 0
@@ -298,7 +299,9 @@ def test_voice_lifecycle(server):
     sf.write(stereo_flac, np.stack([wav, wav], 1), sr, format="FLAC")
     assert upload(server, "flac_voice", stereo_flac.getvalue(), filename="ref.flac").status_code == 201
     assert server.http.delete("/v1/voices/narrator").json() == {"id": "narrator", "object": "voice", "deleted": True}
+    assert server.health()["voice_cache"]["voices"] == cached + 1  # narrator has left it already
     assert server.http.delete("/v1/voices/flac_voice").status_code == 200
+    assert server.health()["voice_cache"]["voices"] == cached  # deleted voices leave the model's cache
     assert_error(server.http.delete("/v1/voices/narrator"), 404, "name")
     err = assert_error(speech(server, voice="narrator"), 400, "voice")
     assert "default" in err["message"]

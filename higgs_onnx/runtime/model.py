@@ -42,6 +42,7 @@ from ..manifest import ManifestError, load_manifest
 from .decoder import BoundDecoder, ConcatDecoder, SimpleDecoder
 from .session import Part, check_threads, open_part
 from .stream import CodecStream, StatefulCodecStream, StreamOptions
+from .voice_cache import DEFAULT_VOICE_CACHE_BYTES, VoiceCache
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +179,7 @@ class HiggsTTS:
     """One exported model folder: its manifest, tokenizer and ONNX Runtime sessions (created on first use)."""
 
     def __init__(self, model_path: str | os.PathLike, provider: str | None = None, threads: int = 0,
-                 verify: bool = True, kv_cache: str = "bound"):
+                 verify: bool = True, kv_cache: str = "bound", voice_cache_bytes: int = DEFAULT_VOICE_CACHE_BYTES):
         from tokenizers import Tokenizer
 
         check_threads(threads)  # before the (slow) hashing of the model files
@@ -206,7 +207,7 @@ class HiggsTTS:
         self.threads, self.kv_cache = threads, kv_cache
         self._parts: dict[str, Part] = {}
         self._synth: Synthesizer | None = None
-        self._voices: dict[tuple, Voice] = {}
+        self.voices = VoiceCache(voice_cache_bytes)  # voices made from references, LRU by bytes
         self._lock = threading.RLock()  # sessions and the voice cache are made once, whichever thread asks first
 
     def _check_genai_config(self) -> None:
@@ -384,8 +385,7 @@ class HiggsTTS:
                            lambda: apply_delay(raw, self.facts.boc, self.facts.eoc), ref_text)
 
     def _voice(self, key: tuple, make_rows: Callable[[], np.ndarray], ref_text: str | None) -> Voice:
-        with self._lock:
-            voice = self._voices.get(key)
+        voice = self.voices.get(key)
         if voice is None:
             rows = make_rows()
             prefix = build_prefix(self.tokenizer, self.tokens, len(rows), ref_text)
@@ -401,9 +401,12 @@ class HiggsTTS:
             be.prefill(cache, embeds)
             voice = Voice(rows=rows, ref_text=ref_text, prefix=prefix, state=be.decoder.snapshot(cache),
                           model_id=self.model_id)
-            with self._lock:
-                voice = self._voices.setdefault(key, voice)
+            voice = self.voices.put(key, voice)
         return voice
+
+    def forget_voice(self, voice: Voice) -> bool:
+        """Drop a voice from the cache (a deleted voice): its memory is freed once no request uses it."""
+        return self.voices.forget(voice) > 0
 
     def decode_rows(self, rows: np.ndarray, delayed: bool = True) -> np.ndarray:
         """Code rows from elsewhere -> waveform; `delayed` rows are reversed first, codes >= codebook size -> 0."""

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from ..cli import add_log_level, run_main
 from ..runtime.session import PROVIDERS
+from ..runtime.voice_cache import DEFAULT_VOICE_CACHE_BYTES
 from .limits import MAX_HEADER_BYTES, Timeouts, guarded_protocol
 
 log = logging.getLogger("higgs_onnx.serve")
@@ -62,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "connections are closed after this (default %(default)s)")
     ap.add_argument("--max-connections", type=int, default=t.max_connections, metavar="N", help="open connections "
                     "and running requests at most; more get 503 (default %(default)s)")
+    ap.add_argument("--voice-cache-mb", type=int, default=DEFAULT_VOICE_CACHE_BYTES >> 20, metavar="MB",
+                    help="memory for voices made from references, least recently used out (a real-model voice is "
+                    "~80 MB; default %(default)s)")
     add_log_level(ap)
     return ap
 
@@ -74,6 +78,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
     if args.max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
+    if args.voice_cache_mb < 0:
+        raise ValueError(f"--voice-cache-mb must be >= 0, got {args.voice_cache_mb}")
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
     timeouts_of(args)
@@ -147,7 +153,8 @@ def serve(args: argparse.Namespace) -> int:
     from .app import create_app
     from .scheduler import Scheduler
 
-    tts = HiggsTTS(args.model_path, provider=args.provider, threads=args.threads, verify=not args.no_verify)
+    tts = HiggsTTS(args.model_path, provider=args.provider, threads=args.threads, verify=not args.no_verify,
+                   voice_cache_bytes=args.voice_cache_mb << 20)
     warm_up(tts)
     voices = args.voices if args.voices is not None else Path(args.model_path) / "voices"
     try:

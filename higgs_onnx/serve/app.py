@@ -569,7 +569,9 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
             raise ApiError(400, f"the voice {name!r} is built in (zero-shot speech, no reference) and cannot be "
                            f"deleted", "name", "reserved_voice")
         try:
-            await asyncio.to_thread(store.delete, name)
+            loaded = await asyncio.to_thread(store.delete, name)
+            if loaded is not None:
+                tts.forget_voice(loaded)  # its prefill state leaves memory once no request uses it
         except UnknownVoice as e:
             raise ApiError(404, str(e), "name", "voice_not_found") from None
         except VoiceError as e:
@@ -613,6 +615,7 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
         scheduler's counters and how often each client guard fired."""
         return {"status": "ok", "model": model_id, "models": models, "sample_rate": sample_rate,
                 "limits": limits, "scheduler": scheduler.stats(), "guards": dict(COUNTERS),
+                "voice_cache": tts.voices.stats(),
                 "uptime_s": round(time.time() - started, 1)}
 
     @app.get("/", include_in_schema=False)

@@ -109,14 +109,17 @@ class VoiceStore:
         self._remember(name, path.stat().st_mtime_ns, voice)
         return {**self.describe(name), "ref_text": voice.ref_text, "reference_rows": int(len(voice.rows))}
 
-    def delete(self, name: str) -> None:
+    def delete(self, name: str):
+        """Remove the voice's file; the loaded voice it had in this store's cache (None if none), for the caller to
+        drop from the model's voice cache too."""
         path = self.path(name)
         with self._lock:
-            self._cache.pop(name, None)
+            hit = self._cache.pop(name, None)
             try:
                 path.unlink()
             except FileNotFoundError:
                 raise UnknownVoice(self.unknown_message(name)) from None
+        return None if hit is None else hit[1]
 
     def unknown_message(self, name: str) -> str:
         names = [DEFAULT, *self.names()]
