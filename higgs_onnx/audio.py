@@ -55,30 +55,36 @@ def resample(wav: np.ndarray, sr_in: int, sr_out: int) -> np.ndarray:
     return soxr.resample(wav.astype(np.float32, copy=False), sr_in, sr_out, quality="HQ").astype(np.float32)
 
 
-def check_recording(data: np.ndarray, sr: int) -> np.ndarray:
-    """(samples, channels) or (samples,) at `sr` -> mono float32, or AudioError when it is not a plausible
-    recording: a rate outside REF_RATES, more than MAX_REF_CHANNELS channels, shorter than MIN_REF_SECONDS or longer
-    than MAX_REF_SECONDS, NaN, constant, silent, or a handful of distinct values (a test signal)."""
-    data = np.asarray(data, dtype=np.float32)
-    channels = data.shape[1] if data.ndim == 2 else 1
+def check_format(sr: int, channels: int, frames: int) -> None:
+    """What a reference's header can tell (before decoding: a small file can claim hours): AudioError for a rate
+    outside REF_RATES, more than MAX_REF_CHANNELS channels, or a length outside MIN_REF_SECONDS..MAX_REF_SECONDS."""
     if not REF_RATES[0] <= sr <= REF_RATES[1]:
         raise AudioError(f"the reference's sample rate is {sr} Hz; a recording is {REF_RATES[0]}-{REF_RATES[1]} Hz "
                          f"(24 kHz or more clones best)")
     if not 1 <= channels <= MAX_REF_CHANNELS:
         raise AudioError(f"the reference has {channels} channels; at most {MAX_REF_CHANNELS} are taken (mono clones "
                          f"best)")
+    seconds = frames / sr
+    if seconds > MAX_REF_SECONDS:
+        raise AudioError(f"reference audio is {seconds:.1f} s long; the limit is {MAX_REF_SECONDS:.0f} s "
+                         f"(trim it to a clean 5-20 s of speech)")
+    if seconds < MIN_REF_SECONDS:
+        raise AudioError(f"reference audio is {seconds:.3f} s long ({frames} samples at {sr} Hz); at least "
+                         f"{MIN_REF_SECONDS:g} s is needed (a clean 5-20 s of speech clones best)")
+
+
+def check_recording(data: np.ndarray, sr: int) -> np.ndarray:
+    """(samples, channels) or (samples,) at `sr` -> mono float32, or AudioError when it is not a plausible
+    recording: what `check_format` checks, then NaN, constant, silent, or a handful of distinct values (a test
+    signal)."""
+    data = np.asarray(data, dtype=np.float32)
+    channels = data.shape[1] if data.ndim == 2 else 1
     wav = to_mono(data)
     if wav.size == 0:
         raise AudioError("reference audio is empty (0 samples)")
     if not np.isfinite(wav).all():
         raise AudioError("reference audio contains NaN or infinite samples")
-    seconds = wav.size / sr
-    if seconds > MAX_REF_SECONDS:
-        raise AudioError(f"reference audio is {seconds:.1f} s long; the limit is {MAX_REF_SECONDS:.0f} s "
-                         f"(trim it to a clean 5-20 s of speech)")
-    if seconds < MIN_REF_SECONDS:
-        raise AudioError(f"reference audio is {seconds:.3f} s long ({wav.size} samples at {sr} Hz); at least "
-                         f"{MIN_REF_SECONDS:g} s is needed (a clean 5-20 s of speech clones best)")
+    check_format(sr, channels, wav.size)
     levels = len(np.unique(wav[:1 << 20]))
     if levels == 1:
         if wav[0] == 0:

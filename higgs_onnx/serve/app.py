@@ -41,7 +41,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import ClientDisconnect
 
-from ..audio import MAX_REF_CHANNELS, MAX_REF_SECONDS, MIN_REF_SECONDS, REF_RATES, AudioError, check_recording
+from ..audio import AudioError, check_format, check_recording
 from ..generation.contract import ContractError, NoAudioError, min_rows
 from ..generation.options import DEFAULT_MAX_ROWS, GenerationOptions
 from .formats import FORMATS, encoder
@@ -66,9 +66,6 @@ MAX_INPUT_CHARS = 4096  # OpenAI's limit
 SPEED_RANGE = (0.25, 4.0)
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "max_rows")
 # what an uploaded reference must be (checked from the header, before decoding, where the header says it)
-UPLOAD_RATES = REF_RATES  # Hz
-MAX_UPLOAD_CHANNELS = MAX_REF_CHANNELS
-MIN_UPLOAD_SECONDS = MIN_REF_SECONDS  # of audio as sent (shorter clips would be mostly the encoder's zero padding)
 STATIC = Path(__file__).resolve().parent / "static"
 PAGE_CSP = ("default-src 'self'; media-src 'self' blob:; img-src 'self' data:; object-src 'none'; "
             "frame-ancestors 'none'; base-uri 'none'")
@@ -188,9 +185,8 @@ def _bad_audio(message: str) -> ApiError:
 
 def read_upload_audio(data: bytes) -> tuple[Any, int]:
     """Uploaded bytes -> (samples, channels) float32 and the rate; 400 if libsndfile cannot read them, or the clip
-    is not a plausible recording: a rate outside UPLOAD_RATES, more than MAX_UPLOAD_CHANNELS channels, shorter than
-    MIN_UPLOAD_SECONDS or longer than a reference may be (all from the header, before decoding: a small file can
-    claim hours), then silent or constant samples."""
+    is not a plausible recording (`audio.check_format` from the header, before decoding: a small file can claim
+    hours; then `audio.check_recording` on the samples)."""
     import soundfile as sf
 
     if not data:
@@ -198,19 +194,10 @@ def read_upload_audio(data: bytes) -> tuple[Any, int]:
     try:
         with sf.SoundFile(io.BytesIO(data)) as f:
             rate, channels, frames = f.samplerate, f.channels, f.frames
-            if not UPLOAD_RATES[0] <= rate <= UPLOAD_RATES[1]:
-                raise _bad_audio(f"the reference's sample rate is {rate} Hz; a recording is {UPLOAD_RATES[0]}-"
-                                 f"{UPLOAD_RATES[1]} Hz (24 kHz or more clones best)")
-            if not 1 <= channels <= MAX_UPLOAD_CHANNELS:
-                raise _bad_audio(f"the reference has {channels} channels; at most {MAX_UPLOAD_CHANNELS} are taken "
-                                 f"(mono clones best)")
-            seconds = frames / rate
-            if seconds > MAX_REF_SECONDS:
-                raise _bad_audio(f"reference audio is {seconds:.1f} s long; the limit is {MAX_REF_SECONDS:.0f} s "
-                                 f"(trim it to a clean 5-20 s of speech)")
-            if seconds < MIN_UPLOAD_SECONDS:
-                raise _bad_audio(f"reference audio is {seconds:.3f} s long ({frames} samples at {rate} Hz); at least "
-                                 f"{MIN_UPLOAD_SECONDS:g} s is needed (a clean 5-20 s of speech clones best)")
+            try:  # from the header, before decoding
+                check_format(rate, channels, frames)
+            except AudioError as e:
+                raise _bad_audio(str(e)) from None
             wav = f.read(dtype="float32", always_2d=True)
     except (sf.LibsndfileError, RuntimeError, TypeError, ValueError) as e:  # ApiError passes: not one of these
         reason = str(e).split(": ", 1)[-1].rstrip(". ") or type(e).__name__
