@@ -16,7 +16,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from ..checkpoint import ModelFacts
-from .contract import Limits, NoAudioError, check_max_rows, row_budget
+from .contract import Limits, NoAudioError, row_budget
 from .delay import apply_delay, codes_for_codec
 from .engine import Backend, Engine, GenerationStats, Request, StopRules
 from .options import DEFAULT_MAX_ROWS, GenerationOptions  # noqa: F401 - DEFAULT_MAX_ROWS re-exported
@@ -71,7 +71,6 @@ class Synthesizer:
 
         f = self.facts
         limits = self.limits(slot)
-        check_max_rows(options.max_rows, f.num_codebooks, limits)
         n_ref = 0 if ref_rows is None else len(ref_rows)
         prompt = build_prompt(self.tokenizer, self.tokens, text, ref_rows=n_ref, ref_text=ref_text,
                               history=[(t, len(r)) for t, r in history])

@@ -300,13 +300,14 @@ class HiggsTTS:
         """
         started = time.perf_counter()
         options = GenerationOptions.make(options, **keywords)
-        check_max_rows(options.max_rows, self.facts.num_codebooks, self.limits(slot))  # before a voice is made
-        encode_user_text(self.tokenizer, self.tokens, text)  # before a voice is made
         if ref_text is not None and ref_audio is None:
             raise ValueError("ref_text (a transcript of the reference) needs ref_audio")
         if voice is not None and ref_audio is not None:
             raise ValueError("give either voice or ref_audio, not both")
         if voice is None and ref_audio is not None:
+            # what can be refused without the voice is refused before it is made (the synthesizer checks it all)
+            check_max_rows(options.max_rows, self.facts.num_codebooks, self.limits(slot))
+            encode_user_text(self.tokenizer, self.tokens, text)
             voice = self.make_voice(ref_audio, ref_text)  # made once per reference, then cached
         voice_s = time.perf_counter() - started
         kwargs = {} if voice is None else {"ref_rows": voice.rows, "ref_text": voice.ref_text,
