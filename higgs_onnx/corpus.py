@@ -451,9 +451,14 @@ def processes_using(folder: str) -> list[int]:
                     pids.append(int(name))
                     continue
             links = [os.readlink(f"/proc/{name}/cwd")]
-            links += [os.readlink(f"/proc/{name}/fd/{fd}") for fd in os.listdir(f"/proc/{name}/fd")]
+            fds = os.listdir(f"/proc/{name}/fd")
         except OSError:  # gone, or not ours
             continue
+        for fd in fds:
+            try:
+                links.append(os.readlink(f"/proc/{name}/fd/{fd}"))
+            except OSError:  # this file was closed meanwhile: the process is still scanned
+                continue
         if any(link == folder or link.startswith(inside) for link in links):
             pids.append(int(name))
     return pids

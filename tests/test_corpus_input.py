@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -143,6 +144,10 @@ def test_leftovers_are_found_by_their_files_in_the_private_folder(tmp_path):
     inside = subprocess.Popen(["sleep", "60"], cwd=folder)
     outside = subprocess.Popen(["sleep", "60"], cwd=tmp_path)
     try:
+        for _ in range(100):  # the child may not have reached its folder yet: poll, bounded
+            if corpus.processes_using(str(folder)):
+                break
+            time.sleep(0.05)
         assert corpus.processes_using(str(folder)) == [inside.pid]
         named = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", str(folder)])  # names it
         assert sorted(corpus.stop_leftovers(str(folder), grace_s=5)) == sorted([inside.pid, named.pid])
