@@ -87,12 +87,15 @@ def test_first_chunk_comes_before_generation_ends(tts):
     assert len(chunks) >= 3
     first, last = chunks[0], chunks[-1]
     assert first.samples.size == o.first_frames * tts.facts.hop  # a small first chunk
-    assert [c.rows_done for c in chunks] == rows_at  # what the chunks report is what was generated
+    # the codec works off the decoder loop, so by the time a chunk arrives the decoder may be further on: a chunk
+    # reports the rows its frames were taken at, never more than were generated when it arrived
+    done = [c.rows_done for c in chunks]
+    assert all(d <= at for d, at in zip(done, rows_at, strict=True)) and done == sorted(done)
     # the first chunk comes as soon as its frames are final: frame t needs rows t..t+N-1, and the codec waits for
     # `lag` (stateful graph) or `holdback` (windows) frames after it, not for the end of the utterance
     codec = tts.codec_stream(o)
     wait = codec.lag if tts.has_stateful_codec else o.holdback
-    assert rows_at[0] == o.first_frames + wait + tts.facts.num_codebooks - 1, (rows_at[0], wait)
+    assert done[0] == o.first_frames + wait + tts.facts.num_codebooks - 1, (done[0], wait)
     assert rows_at[0] < last.rows_done / 2 and rows_at[-1] == last.rows_done == len(last.rows)
     assert rows_at == sorted(rows_at)
     starts = np.cumsum([0] + [c.samples.size for c in chunks[:-1]]) / tts.facts.sample_rate

@@ -10,10 +10,18 @@ The autoregressive loop of spec §5.2 (SGO sampler state machine), the same for 
         h = backbone(audio_embed(codes))
     raw = reverse_delay(rows); codes >= codebook_size -> 0; waveform = codec(raw)
 
-Everything one utterance needs lives in its `Request`: the prompt, its own KV cache (made by the backend, so two
-requests never share one), its own sampler RNG, the ramp-in/wind-down countdown, the rows so far and its timings.
-The engine holds no per-request state, so any number of requests can be in flight in one process; `Engine.step`
-advances a list of requests by one row each (one at a time today: the batching issue makes it one decoder call).
+Everything one utterance needs lives in its `Request`: the prompt, its own KV cache (made by the backend, or a slot
+of a pool), its own sampler RNG, the ramp-in/wind-down countdown, the rows so far and its timings. The engine holds
+no per-request state. Its three operations are what the scheduler (`generation.scheduler`) interleaves:
+
+- `admit(req)`: a cache for the request (a pool slot, a cache of its own, or the cache a finished request left,
+  for KV continuation) and the embeddings of the prompt positions not in it yet;
+- `prefill(req, limit)`: the next `limit` of those positions (chunked prefill); the last chunk leaves the hidden
+  state that predicts the first row;
+- `step(requests)`: every decoding request advances one row: heads, sampler and embedding once for all of them,
+  and, with a pool, the decoder once for all of them (one batched call).
+
+`start` (admit + the whole prefill) and `run` (one request alone) are the plain paths tests and eval use.
 """
 
 from __future__ import annotations
@@ -147,6 +155,11 @@ class Request:
                  started: float | None = None, history_rows: np.ndarray | None = None):
         self.prompt, self.rules, self.options, self.placeholder = list(prompt), rules, options, placeholder
         self.history_rows = history_rows  # rows of earlier turns (long-form), after the reference's placeholders
+        # prompt positions already in the cache it starts from: a voice's saved prefix, or (KV continuation) the
+        # prompt and rows of the request whose cache it takes over (`Engine.admit(req, cache=...)`)
+        self.cached = 0 if prefix is None else prefix[0]
+        self.embeds: np.ndarray | None = None  # positions still to prefill (set by `Engine.admit`)
+        self.prefilled = 0  # of `embeds`
         self.ref_rows, self.prefix, self.teacher_rows, self.keep_logits = ref_rows, prefix, teacher_rows, keep_logits
         self.max_rows = DEFAULT_MAX_ROWS if options.max_rows is None else options.max_rows
         self.rng = np.random.default_rng(options.seed)
@@ -167,6 +180,26 @@ class Request:
     @property
     def done(self) -> bool:
         return self.stop_reason is not None
+
+    @property
+    def decoding(self) -> bool:
+        """Prefilled and not done: its next row can be sampled."""
+        return self.hidden is not None and not self.done
+
+    @property
+    def positions(self) -> int:
+        """Positions this request's cache holds when it is done: its prompt and every row but the last (the last
+        row is sampled, never fed). A request that continues it starts from exactly these."""
+        return len(self.prompt) + max(self.n - 1, 0)
+
+    def placeholder_rows(self) -> np.ndarray | None:
+        """The rows for the placeholders of `prompt[cached:]` (those before `cached` are in the cache already)."""
+        rows = [r for r in (self.ref_rows, self.history_rows) if r is not None]
+        if not rows:
+            return None
+        rows = np.concatenate(rows)
+        skip = int(np.count_nonzero(np.asarray(self.prompt[:self.cached]) == self.placeholder))
+        return rows[skip:]
 
     @property
     def generated(self) -> np.ndarray:
@@ -228,7 +261,15 @@ class Request:
         free = getattr(self.cache, "free", None)
         if free is not None:
             free()
-        self.cache = self.hidden = None
+        self.cache = self.hidden = self.embeds = None
+
+    def hand_over(self) -> Any:
+        """The cache of this finished request, for a request that continues it (KV continuation); it is then no
+        longer this request's to release."""
+        if not self.done or self.cache is None:
+            raise ValueError("only a finished request that kept its cache can be continued")
+        cache, self.cache, self.hidden = self.cache, None, None
+        return cache
 
 
 class Engine:
@@ -242,37 +283,63 @@ class Engine:
     def __init__(self, backend: Backend, pool: Any = None):
         self.backend, self.pool = backend, pool
 
-    def start(self, req: Request) -> None:
-        """Prefill the request's prompt into a fresh cache of its own; afterwards its next row can be sampled."""
-        t0 = time.perf_counter()
-        if self.pool is not None and len(req.prompt) + req.max_rows > self.pool.capacity:
+    def admit(self, req: Request, cache: Any = None) -> None:
+        """Give `req` its cache and the embeddings of the prompt positions still to prefill (`req.embeds`).
+
+        `cache`: the cache a finished request left (KV continuation); it must hold exactly `req.cached` positions.
+        Otherwise a slot of the pool (or a cache of its own), empty or holding the voice's saved prefix."""
+        if cache is None and self.pool is not None and len(req.prompt) + req.max_rows > self.pool.capacity:
             # never cut to fit: the request should have been made for this slot (`HiggsTTS.request(slot=...)`)
             raise ContractError(f"the prompt is {len(req.prompt)} positions and the request asks for {req.max_rows} "
                                 f"rows, but this engine's slots hold {self.pool.capacity} positions", "max_rows",
                                 "context_length_exceeded")
-        be, capacity = self.backend, len(req.prompt) + req.max_rows
-        rows = [r for r in (req.ref_rows if req.prefix is None else None, req.history_rows) if r is not None]
-        rows = np.concatenate(rows) if rows else None
-        if req.prefix is None:
-            embeds = prompt_embeddings(be, req.prompt, req.placeholder, rows)
-            state = None
-        else:
-            n, state = req.prefix
-            embeds = prompt_embeddings(be, req.prompt[n:], req.placeholder, rows)
+        be = self.backend
+        req.embeds = prompt_embeddings(be, req.prompt[req.cached:], req.placeholder, req.placeholder_rows())
+        req.prefilled = 0
+        if cache is not None:
+            capacity = getattr(cache, "capacity", None)
+            if cache.length != req.cached:
+                raise ValueError(f"a continued cache holds {cache.length} positions, the request expects "
+                                 f"{req.cached}")
+            if capacity is not None and len(req.prompt) + req.max_rows > capacity:
+                raise ContractError(f"the continued prompt is {len(req.prompt)} positions and the request asks for "
+                                    f"{req.max_rows} rows, but its cache holds {capacity} positions", "max_rows",
+                                    "context_length_exceeded")
+            req.cache = cache
+            return
+        state = None if req.prefix is None else req.prefix[1]
+        capacity = len(req.prompt) + req.max_rows
         req.cache = be.new_cache(capacity, state) if self.pool is None else self.pool.acquire(capacity, state)
-        try:
-            req.hidden = be.prefill(req.cache, embeds)
-        except BaseException:
-            req.release()  # a failed prefill gives its pool slot back
-            raise
-        req.prefill_s += time.perf_counter() - t0
 
-    def step(self, requests: list[Request]) -> None:
-        """Advance each unfinished request by one row: heads -> sampler -> state machine -> embed -> decoder.
+    def prefill(self, req: Request, limit: int | None = None) -> int:
+        """Prefill the next `limit` (None: all) of the request's remaining prompt positions; returns how many.
+        After the last chunk the request is `decoding`. A failed prefill gives the cache back and raises."""
+        t0 = time.perf_counter()
+        left = len(req.embeds) - req.prefilled
+        n = left if limit is None else max(1, min(limit, left))
+        try:
+            hidden = self.backend.prefill(req.cache, req.embeds[req.prefilled:req.prefilled + n])
+        except BaseException:
+            req.release()
+            raise
+        req.prefilled += n
+        if req.prefilled == len(req.embeds):
+            req.hidden, req.embeds = hidden, None
+        req.prefill_s += time.perf_counter() - t0
+        return n
+
+    def start(self, req: Request) -> None:
+        """Admit the request and prefill its whole prompt; afterwards its next row can be sampled."""
+        self.admit(req)
+        self.prefill(req)
+
+    def step(self, requests: list[Request], keep: frozenset = frozenset()) -> None:
+        """Advance each decoding request by one row: heads -> sampler -> state machine -> embed -> decoder.
 
         The heads and the embedding run once for all of them (rows of one call are independent positions); each
-        request samples with its own RNG; with a pool, the decoder runs once for all of them too."""
-        live = [r for r in requests if not r.done]
+        request samples with its own RNG; with a pool, the decoder runs once for all of them too. A request that
+        finishes releases its cache unless its id is in `keep` (it will be continued)."""
+        live = [r for r in requests if r.decoding]
         if not live:
             return
         be, t0 = self.backend, time.perf_counter()
@@ -281,7 +348,8 @@ class Engine:
         for req, lg in zip(live, logits, strict=True):
             codes = req.accept(lg)
             if req.done:
-                req.release()
+                if id(req) not in keep:
+                    req.release()
             else:
                 going.append(req)
                 rows.append(codes)

@@ -51,6 +51,18 @@ def reference_rows(codec: Codec, facts: ModelFacts, ref_wav: np.ndarray) -> np.n
     return apply_delay(codec.encode_audio(ref_wav), facts.boc, facts.eoc)
 
 
+def continues_at(prev: Request, prompt: list[int], placeholder: int) -> int:
+    """The positions of `prompt` that `prev`'s cache already holds: `prev`'s prompt, then its rows as placeholders
+    (all but its last row, which was sampled and never fed). Refuses a prompt that does not start that way."""
+    if not prev.done:
+        raise ValueError("only a finished request can be continued")
+    head = list(prev.prompt) + [placeholder] * prev.n
+    if list(prompt[:len(head)]) != head or len(prompt) <= len(head):
+        raise ValueError("a continued prompt must start with the earlier request's prompt and rows (the earlier "
+                         "turn as the last of its history)")
+    return prev.positions
+
+
 class Synthesizer:
     """A backend, a codec and the prompt vocabulary: text -> `Request` -> `Speech`."""
 
@@ -62,11 +74,13 @@ class Synthesizer:
     def request(self, text: str, options: GenerationOptions, ref_rows: np.ndarray | None = None,
                 ref_text: str | None = None, prefix: tuple[int, dict] | None = None, voice_s: float = 0.0,
                 started: float | None = None, history: list[tuple[str, np.ndarray]] = (),
-                slot: int | None = None) -> Request:
+                slot: int | None = None, continues: Request | None = None) -> Request:
         """A request for `text`; `ref_rows` (delayed reference rows) clone a voice whose transcript is `ref_text`;
         `prefix` is a voice's saved prefill state (see `Request`); `slot` is the positions of the batching pool's
         slot that will run it (None: a cache of its own, the model's context). The contract (`contract`) is checked
-        here, before any work: a request that does not fit is refused, never cut."""
+        here, before any work: a request that does not fit is refused, never cut. `continues`: a finished request
+        whose cache this one takes over (KV continuation): its prompt and rows must be where this prompt starts
+        (its text and rows the last turn of `history`), and only the rest is prefilled."""
         import dataclasses
 
         f = self.facts
@@ -76,6 +90,8 @@ class Synthesizer:
                               history=[(t, len(r)) for t, r in history])
         budget = row_budget(len(prompt), options.max_rows, text, limits, f.num_codebooks, f.frame_rate)
         options = dataclasses.replace(options, max_rows=budget)
+        if continues is not None:
+            prefix = (continues_at(continues, prompt, f.placeholder), None)
         return Request(prompt, self.rules, options, f.placeholder, ref_rows=ref_rows, prefix=prefix,
                        voice_s=voice_s, started=started,
                        history_rows=np.concatenate([r for _, r in history]) if history else None)

@@ -54,24 +54,31 @@ class AudioStreamer:
         self.finished = False
 
     def poll(self) -> list[AudioChunk]:
+        """Push the request's newly completed frames (in the thread that steps it)."""
+        return self.push(self.req.new_frames(), self.req.done)
+
+    def push(self, frames: np.ndarray, final: bool, rows_done: int | None = None) -> list[AudioChunk]:
+        """`frames` (k, N) completed since the last push -> the chunks that became final; `final`: the request is
+        done and these were its last frames; `rows_done`: the rows generated when they were taken (the request
+        may be further on by now). Called from one thread at a time (the scheduler's codec worker)."""
         if self.finished:
             return []
         req = self.req
         t0 = time.perf_counter()
-        frames = req.new_frames()
         pieces = self.codec.push(frames) if len(frames) else []
-        if req.done:
+        if final:
             pieces.append(self.codec.flush())
         req.codec_s += time.perf_counter() - t0
         pieces = [p for p in pieces if p.size]
-        if req.done:
+        if final:
             self.finished = True
             if not self.samples and not pieces:  # the contract makes this unreachable; never a silent success
                 raise NoAudioError(f"the generation ended after {req.n} rows without one audio frame")
             pieces = pieces or [np.zeros(0, np.float32)]
-        return [self._chunk(p, req.done and i == len(pieces) - 1) for i, p in enumerate(pieces)]
+        rows_done = req.n if rows_done is None else rows_done
+        return [self._chunk(p, final and i == len(pieces) - 1, rows_done) for i, p in enumerate(pieces)]
 
-    def _chunk(self, samples: np.ndarray, last: bool) -> AudioChunk:
+    def _chunk(self, samples: np.ndarray, last: bool, rows_done: int) -> AudioChunk:
         req, sr = self.req, self.sample_rate
         req.audio_out(samples.size)
         extra = {}
@@ -82,7 +89,7 @@ class AudioStreamer:
                      "codes": np.where(codes >= self.codebook_size, 0, codes)}
         chunk = AudioChunk(samples=samples, sample_rate=sr, index=self.index, is_last=last,
                            start_s=self.samples / sr, elapsed_s=time.perf_counter() - req.started + req.voice_s,
-                           rows_done=req.n, **extra)
+                           rows_done=rows_done, **extra)
         self.index += 1
         self.samples += samples.size
         return chunk

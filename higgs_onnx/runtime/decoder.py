@@ -35,6 +35,11 @@ def _check(hidden: np.ndarray) -> np.ndarray:
     return hidden.astype(np.float32, copy=False)
 
 
+def _check_truncate(length: int, to: int) -> None:
+    if not 0 <= to <= length:
+        raise ValueError(f"cannot truncate a cache of {length} positions to {to}")
+
+
 class _Pooled:
     """A cache that a `SerialPool` may hand out as a slot: `free()` gives it back."""
 
@@ -52,6 +57,12 @@ class SimpleCache(_Pooled):
     def __init__(self, arrays: dict[str, np.ndarray]):
         self.arrays = arrays
         self.length = next(iter(arrays.values())).shape[2]
+
+    def truncate(self, length: int) -> None:
+        """Forget every position from `length` on (a retried turn of a continued cache)."""
+        _check_truncate(self.length, length)
+        self.arrays = {n: a[:, :, :length].copy() for n, a in self.arrays.items()}
+        self.length = length
 
 
 class SimpleDecoder:
@@ -149,6 +160,11 @@ class BoundCache:
             self.io.bind_ortvalue_input(n, buf)
             self.io.bind_ortvalue_output(n.replace(PAST, PRESENT), buf)
         self.step_out = ort.OrtValue.ortvalue_from_shape_and_type((1, 1, hidden), embed_dtype, memory, 0)
+
+    def truncate(self, length: int) -> None:
+        """Forget every position from `length` on: the next run overwrites them (GQA reads only [0, length))."""
+        _check_truncate(self.length, length)
+        self.length = length
 
 
 class BoundDecoder:
@@ -249,6 +265,15 @@ class Slot:
     @property
     def length(self) -> int:
         return self.pool.lengths[self.index]
+
+    @property
+    def capacity(self) -> int:
+        return self.pool.capacity
+
+    def truncate(self, length: int) -> None:
+        """Forget every position of this slot from `length` on (the next run overwrites them)."""
+        _check_truncate(self.length, length)
+        self.pool.lengths[self.index] = length
 
     def free(self) -> None:
         """Give the slot back (idempotent); its rows are overwritten by the next request's prefill."""
@@ -383,6 +408,15 @@ class ConcatCache(_Pooled):
 
     def __init__(self, values: dict, length: int, capacity: int):
         self.values, self.length, self.capacity = values, length, capacity
+
+    def truncate(self, length: int) -> None:
+        import onnxruntime as ort
+
+        _check_truncate(self.length, length)
+        if length < self.length:  # a rare retry: one copy through the host
+            self.values = {n: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v.numpy()[:, :, :length]),
+                                                               v.device_name(), 0) for n, v in self.values.items()}
+        self.length = length
 
 
 class ConcatDecoder:

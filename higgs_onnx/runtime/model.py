@@ -37,7 +37,8 @@ from ..generation.engine import Request, prompt_embeddings
 from ..generation.options import GenerationOptions
 from ..generation.pipeline import Speech, Synthesizer, reference_rows
 from ..generation.prompt import PromptTokens, build_prefix, encode_user_text
-from ..generation.stream import AudioChunk, stream_request
+from ..generation.scheduler import PrefillPolicy, Scheduler
+from ..generation.stream import AudioChunk
 from ..manifest import ManifestError, load_manifest
 from .decoder import BoundDecoder, ConcatDecoder, SimpleDecoder
 from .session import Part, check_threads, open_part
@@ -289,14 +290,16 @@ class HiggsTTS:
     # -- generation ----------------------------------------------------------------------------------------------
     def request(self, text: str, ref_audio=None, ref_text: str | None = None, voice: Voice | None = None,
                 options: GenerationOptions | None = None, history: list[tuple[str, np.ndarray]] = (),
-                slot: int | None = None, **keywords) -> Request:
+                slot: int | None = None, continues: Request | None = None, **keywords) -> Request:
         """The `Request` for one utterance (validated: bad options, text or reference raise here, before any work).
 
         `ref_audio` (a path or (waveform, rate)) clones a voice, `ref_text` is its transcript; `voice` (from
         `make_voice` / `Voice.load`) reuses an encoded reference and its prefill state. `options` and the plain
         keywords (`temperature`, `top_k`, `top_p`, `seed`, `max_rows`) choose sampling and the row limit. `slot` is
-        the positions of the batching pool's slot that will run it (None: a cache of its own). Everything the
-        request contract (`generation.contract`) says is checked here: nothing is cut to fit later.
+        the positions of the batching pool's slot that will run it (None: a cache of its own). `continues`: a
+        finished request (kept by the scheduler) whose KV cache this one continues; `history` then ends with its
+        turn (see `Synthesizer.request`). Everything the request contract (`generation.contract`) says is checked
+        here: nothing is cut to fit later.
         """
         started = time.perf_counter()
         options = GenerationOptions.make(options, **keywords)
@@ -313,7 +316,7 @@ class HiggsTTS:
         kwargs = {} if voice is None else {"ref_rows": voice.rows, "ref_text": voice.ref_text,
                                            "prefix": (len(voice.prefix), voice.state)}
         return self.synthesizer.request(text, options, voice_s=voice_s, started=time.perf_counter(),
-                                        history=list(history), slot=slot, **kwargs)
+                                        history=list(history), slot=slot, continues=continues, **kwargs)
 
     def limits(self, slot: int | None = None) -> Limits:
         """The positions a request may use: the model's context, and the batching slot's when it runs in one."""
@@ -329,7 +332,8 @@ class HiggsTTS:
         codec encoder and the reference's prefill. `max_frames` is the old name of `max_rows`."""
         req = self.request(text, ref_audio, ref_text, voice, options, temperature=temperature, top_k=top_k,
                            top_p=top_p, seed=seed, max_rows=_rows(max_rows, max_frames))
-        return self.synthesizer.speak(req, on_row)
+        with self.scheduler() as sched:  # a batch of one, on a cache of its own
+            return sched.submit(req, "speech", on_row=on_row).speech()
 
     def stream(self, text: str, ref_audio=None, ref_text: str | None = None, voice: Voice | None = None,
                options: GenerationOptions | None = None, stream_options: StreamOptions | None = None, *,
@@ -341,9 +345,20 @@ class HiggsTTS:
         early (closing the iterator) frees the request's state. Bad arguments raise here, not at the first chunk."""
         req = self.request(text, ref_audio, ref_text, voice, options, temperature=temperature, top_k=top_k,
                            top_p=top_p, seed=seed, max_rows=max_rows)
-        codec = self.codec_stream(stream_options or StreamOptions())
-        return stream_request(self.synthesizer.engine, req, codec, self.facts.sample_rate, self.facts.codebook_size,
-                              on_row)
+        sched = self.scheduler()  # a batch of one, on a cache of its own
+        try:
+            handle = sched.submit(req, "stream", stream_options or StreamOptions(), on_row=on_row)
+        except BaseException:
+            sched.close()
+            raise
+        return _closing(handle.chunks(), sched)
+
+    def scheduler(self, slots: int = 1, positions: int | None = None, prefill: PrefillPolicy | None = None,
+                  max_waiting: int | None = None) -> Scheduler:
+        """A `Scheduler` on this model: `slots` requests decoded together in one pool of `positions` per slot
+        (None: a batch of one on caches of their own, as `generate` / `stream` use). Requests for it are made with
+        `request(..., slot=positions)`. Caller-driven until `start()` gives it a thread."""
+        return Scheduler(self.backend, self, slots, positions, prefill, max_waiting)
 
     @property
     def has_stateful_codec(self) -> bool:
@@ -415,6 +430,15 @@ class HiggsTTS:
 
         raw = reverse_delay(rows) if delayed else rows
         return self.decode_audio(codes_for_codec(raw, self.facts.codebook_size))
+
+
+def _closing(chunks: Iterator[AudioChunk], sched: Scheduler) -> Iterator[AudioChunk]:
+    """`chunks`, closing their private scheduler at the end (or when the consumer stops early)."""
+    try:
+        yield from chunks
+    finally:
+        chunks.close()
+        sched.close()
 
 
 def _rows(max_rows: int | None, max_frames: int | None) -> int | None:

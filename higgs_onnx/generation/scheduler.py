@@ -1,0 +1,566 @@
+"""One scheduler for every job: requests in, rows and audio out, batching a property of the engine.
+
+    sched = Scheduler(backend, codec, slots=4, positions=3072)     # one slot pool for the scheduler's life
+    h = sched.submit(request, audio="stream")                       # -> Handle; nothing runs yet
+    for chunk in h.chunks(): ...                                    # caller-driven: iterating drives the steps
+    sched.start()                                                   # or: a thread of its own steps the loop
+
+The scheduler owns the waiting and running requests and the slot pool (vLLM v1's split of add / schedule /
+update, written for this model). One `step()`:
+
+1. **admit**: waiting requests take free slots, in order (a request that continues a finished one's KV cache takes
+   over that slot instead, `submit(..., after=handle)`); an `exclusive` request waits for an empty batch and runs
+   alone (bit-reproducible);
+2. **prefill one chunk**: the oldest request still prefilling gets the next `PrefillPolicy.size()` prompt positions,
+   so a long prompt (a voice clone) never stops the running requests: with others decoding the chunk is sized by
+   time (about one decode step), alone it is the whole prompt;
+3. **decode**: every prefilled request advances one row in one decoder call (`Engine.step`);
+4. **retire**: finished requests give their slot back (or keep it for a continuation) and their frames go to the
+   codec worker.
+
+Codec work never runs on the decoder loop: a `CodecWorker` thread turns each request's finished frames into audio
+(`audio="stream"`: `AudioChunk`s from an incremental codec as rows are made; `audio="speech"`: one decode at the
+end, a `Speech`), so the decoder never waits for a codec call. `audio=None` leaves the rows to the caller.
+
+A `Handle` is what `submit` returns: `chunks()`, `speech()`, `wait()` block (driving the steps themselves when no
+thread runs the loop), `cancel()` frees the slot at the next step. Each request samples with its own seeded RNG,
+so its codes do not depend on its batch-mates (up to the rounding of batched kernels, see `serve.scheduler`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .contract import NoAudioError
+from .delay import codes_for_codec
+from .engine import Engine, Request
+from .stream import AudioChunk, AudioStreamer
+
+log = logging.getLogger(__name__)
+AUDIO_MODES = (None, "stream", "speech")
+
+
+class Cancelled(RuntimeError):
+    """The request was cancelled before it finished."""
+
+
+class QueueFull(RuntimeError):
+    """Too many requests waiting; try again later."""
+
+
+@dataclass
+class PrefillPolicy:
+    """How many prompt positions one prefill chunk takes while other requests decode.
+
+    `chunk`: a fixed number (deterministic: the batch jobs use it, so the same inputs give the same calls), or None
+    to size chunks by time: `share` x the measured decode step, divided by the measured cost of one prefill position
+    (on an AVX2 EPYC one position of the 4b model costs ~140 ms against a ~216 ms step; a VNNI machine far less).
+    Alone (nothing decoding), a request prefills its whole prompt in one call."""
+
+    chunk: int | None = None
+    share: float = 1.0  # a chunk costs about this many decode steps: running streams advance at 1 / (1 + share)
+    first: int = 32  # the first chunk, before anything is measured
+    least: int = 8
+    most: int = 1024
+    step_s: float | None = None  # running averages
+    position_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.chunk is not None and self.chunk < 1:
+            raise ValueError(f"a prefill chunk must be >= 1 position, got {self.chunk}")
+
+    def size(self, others_decoding: bool) -> int | None:
+        if not others_decoding:
+            return None  # the whole prompt: nobody waits for it
+        if self.chunk is not None:
+            return self.chunk
+        if self.step_s is None or self.position_s is None:
+            return self.first
+        return int(min(self.most, max(self.least, self.share * self.step_s / self.position_s)))
+
+    def saw_step(self, seconds: float) -> None:
+        self.step_s = seconds if self.step_s is None else 0.8 * self.step_s + 0.2 * seconds
+
+    def saw_prefill(self, seconds: float, positions: int) -> None:
+        per = seconds / max(positions, 1)
+        self.position_s = per if self.position_s is None else 0.8 * self.position_s + 0.2 * per
+
+
+class Handle:
+    """One submitted request. Blocking calls drive the scheduler's steps when no thread runs its loop."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, sched: Scheduler, request: Request, audio: str | None, keep: bool, exclusive: bool, after: Handle | None, on_row: Callable[[int], None] | None,
+                 sink: Callable[[Any], None] | None):
+        self.id = next(self._ids)
+        self.sched, self.request, self.audio = sched, request, audio
+        self.keep, self.exclusive, self.after, self.on_row = keep, exclusive, after, on_row
+        self.state = "waiting"  # -> "running" (prefill, decode) -> "done" | "failed" | "cancelled"
+        self.widest = 0  # the largest batch it was stepped in
+        self.error: BaseException | None = None
+        self.result: Any = None  # Speech (audio="speech"), the last AudioChunk ("stream"), the Request (None)
+        self.finished = threading.Event()  # everything done, the codec's part included
+        self._cancel = threading.Event()
+        self._events: queue.Queue = queue.Queue()
+        self._sink = sink  # called (from the scheduler's / codec's thread) with each event instead of queueing it
+        self.streamer: AudioStreamer | None = None
+
+    # -- the consumer's side --------------------------------------------------------------------------------------
+    def cancel(self) -> None:
+        """Stop the request: its slot is freed at the next step (a request already finished is left alone)."""
+        self._cancel.set()
+        self.sched._poke()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def events(self) -> Iterator[Any]:
+        """Every event in order: AudioChunks (audio="stream"), then the final result; raises the request's error."""
+        while True:
+            item = self._next()
+            if item is _END:
+                if self.error is not None:
+                    raise self.error
+                return
+            yield item
+
+    def chunks(self) -> Iterator[AudioChunk]:
+        """The request's audio as it is made (audio="stream"). Closing the iterator early cancels the request."""
+        if self.audio != "stream":
+            raise ValueError("chunks() needs a request submitted with audio='stream'")
+        try:
+            yield from self.events()
+        finally:
+            if not self.finished.is_set():
+                self.cancel()
+                self.wait(raise_error=False)
+
+    def wait(self, raise_error: bool = True) -> Any:
+        """Block until the request (and its codec work) is done; returns `result`."""
+        for _ in self.events() if raise_error else self._quiet():
+            pass
+        return self.result
+
+    def _quiet(self) -> Iterator[Any]:
+        try:
+            yield from self.events()
+        except BaseException:  # noqa: BLE001 - the caller asked not to hear it
+            return
+
+    def speech(self):
+        """The finished request's `Speech` (audio="speech")."""
+        if self.audio != "speech":
+            raise ValueError("speech() needs a request submitted with audio='speech'")
+        return self.wait()
+
+    def _next(self) -> Any:
+        while True:
+            try:
+                return self._events.get_nowait()
+            except queue.Empty:
+                pass
+            if self.sched.threaded or not self.sched.step():
+                try:  # the loop's thread or the codec worker will hand it over
+                    return self._events.get(timeout=0.05 if not self.sched.threaded else 1.0)
+                except queue.Empty:
+                    self.sched._check_progress(self)
+
+    def _emit(self, item: Any) -> None:
+        if self._sink is not None:
+            self._sink(item)
+        else:
+            self._events.put(item)
+
+    def _end(self, error: BaseException | None = None) -> None:
+        if self.finished.is_set():
+            return
+        self.error = error
+        self.state = "failed" if error is not None and not isinstance(error, Cancelled) else \
+            "cancelled" if error is not None else "done"
+        self.finished.set()
+        self._emit(_END)
+
+    def release(self) -> None:
+        """Give back the cache a finished `keep=True` request holds (when it will not be continued)."""
+        self.sched._release_kept(self)
+
+
+_END = object()  # the last event of every handle
+
+
+class CodecWorker:
+    """A thread that turns finished frames into audio, off the decoder loop, in submission order."""
+
+    def __init__(self, decode_audio: Callable[[np.ndarray], np.ndarray], sample_rate: int, codebook_size: int):
+        self.decode_audio, self.sample_rate, self.codebook_size = decode_audio, sample_rate, codebook_size
+        self._tasks: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self.busy_s = 0.0
+
+    def put(self, handle: Handle, frames: np.ndarray, final: bool) -> None:
+        """Queue `handle`'s frames completed so far (`final`: its last); taken with the row count of now."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="higgs-codec", daemon=True)
+            self._thread.start()
+        self._tasks.put((handle, frames, final, handle.request.n))
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._tasks.put(None)
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    def _run(self) -> None:
+        while (task := self._tasks.get()) is not None:
+            handle, frames, final, rows_done = task
+            if handle.finished.is_set():
+                continue
+            t0 = time.perf_counter()
+            try:
+                if handle.audio == "stream":
+                    for chunk in handle.streamer.push(frames, final, rows_done):
+                        handle._emit(chunk)
+                        if chunk.is_last:
+                            handle.result = chunk
+                elif final:  # "speech": one decode of every frame
+                    handle.result = self._speech(handle.request, frames)
+            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                if not isinstance(e, NoAudioError):
+                    log.exception("request %d failed in the codec", handle.id)
+                handle._end(e)
+                continue
+            finally:
+                self.busy_s += time.perf_counter() - t0
+            if final:
+                handle._end()
+
+    def _speech(self, req: Request, raw: np.ndarray):
+        from .pipeline import Speech
+
+        codes = codes_for_codec(raw, self.codebook_size)
+        if not codes.shape[-1]:
+            raise NoAudioError(f"the generation ended after {req.n} rows without one audio frame")
+        t0 = time.perf_counter()
+        wav = self.decode_audio(codes)
+        req.codec_s += time.perf_counter() - t0
+        req.audio_out(wav.size)
+        return Speech(waveform=wav, sample_rate=self.sample_rate, rows=req.generated.copy(), codes=codes[0].T,
+                      stop_reason=req.stop_reason, stats=req.stats(wav.size, self.sample_rate))
+
+
+class Scheduler:
+    """Owns the waiting and running requests and one slot pool (see the module docstring).
+
+    `backend`: the generation backend; `codec`: what makes audio (`decode_audio(codes)`, `codec_stream(options)`,
+    `facts`), e.g. a `HiggsTTS`; `slots`: requests decoded together; `positions`: positions of one slot (None: no
+    pool, every request a cache of its own sized for it, stepped one by one: a batch of one). `max_waiting` bounds
+    the queue (`QueueFull` beyond it; None: unbounded)."""
+
+    def __init__(self, backend, codec, slots: int = 1, positions: int | None = None,
+                 prefill: PrefillPolicy | None = None, max_waiting: int | None = None, name: str = "higgs-engine"):
+        if slots < 1:
+            raise ValueError(f"a scheduler needs >= 1 slot, got {slots}")
+        self.backend, self.codec, self.slots, self.name = backend, codec, slots, name
+        self.pool = None if positions is None else backend.pool(slots, positions)
+        self.engine = Engine(backend, self.pool)
+        self.positions = positions
+        self.prefill_policy = prefill or PrefillPolicy()
+        self.max_waiting = max_waiting
+        facts = codec.facts
+        self.codec_worker = CodecWorker(codec.decode_audio, facts.sample_rate, facts.codebook_size)
+        self._waiting: deque[Handle] = deque()
+        self._running: list[Handle] = []  # admitted: prefilling or decoding
+        self._kept: list[Handle] = []  # finished, holding their cache for a continuation
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._stepping = threading.Lock()  # one step at a time (a caller-driven scheduler shared by threads)
+        self.counts = {k: 0 for k in ("submitted", "started", "finished", "failed", "cancelled", "exclusive")}
+        self.steps = self.batch_rows = 0  # decoder steps, and the rows they advanced (mean batch = ratio)
+        self.prefill_calls = self.prefill_positions = 0
+        self.longest_stall_s = 0.0  # the longest prefill chunk run while others were decoding
+        self.exclusive_widest = 0
+
+    # -- submitting -----------------------------------------------------------------------------------------------
+    @property
+    def threaded(self) -> bool:
+        return self._thread is not None
+
+    @property
+    def capacity(self) -> int | None:
+        """Positions of one slot (None: caches of their own)."""
+        return self.positions
+
+    def submit(self, request: Request, audio: str | None = None, stream_options=None, *, keep: bool = False,
+               exclusive: bool = False, after: Handle | None = None, on_row: Callable[[int], None] | None = None,
+               sink: Callable[[Any], None] | None = None) -> Handle:
+        """Queue `request`; returns its `Handle`. `audio`: None (rows only), "stream" (AudioChunks while it is made,
+        sized by `stream_options`), "speech" (one `Speech` at the end). `keep`: hold the cache when done, for a
+        request that continues it (`after=` that handle: its prompt starts with the finished one's prompt and rows,
+        and only the rest is prefilled). `exclusive`: run alone. `on_row(n)` is called after each row (from the
+        loop's thread). `sink(event)` receives the events instead of the handle's queue (the server's event loop)."""
+        if audio not in AUDIO_MODES:
+            raise ValueError(f"audio must be one of {AUDIO_MODES}, got {audio!r}")
+        if after is not None and (after.sched is not self or not after.keep):
+            raise ValueError("after= must be a handle of this scheduler submitted with keep=True")
+        handle = Handle(self, request, audio, keep, exclusive, after, on_row, sink)
+        if audio == "stream":
+            from ..runtime.stream import StreamOptions
+
+            codec = self.codec.codec_stream(stream_options or StreamOptions())
+            handle.streamer = AudioStreamer(request, codec, self.codec.facts.sample_rate,
+                                            self.codec.facts.codebook_size)
+        with self._wake:
+            if self.max_waiting is not None and len(self._waiting) >= self.max_waiting:
+                raise QueueFull(f"{len(self._waiting)} requests are waiting")
+            self._waiting.append(handle)
+            self.counts["submitted"] += 1
+            self._wake.notify_all()
+        return handle
+
+    def _poke(self) -> None:
+        with self._wake:
+            self._wake.notify_all()
+
+    # -- the loop ----------------------------------------------------------------------------------------------
+    def start(self) -> Scheduler:
+        """Run the loop in a thread of its own (the server, the corpus actor); `stop()` ends it."""
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """End the loop's thread; requests still waiting or running fail ("shutting down")."""
+        self._stop.set()
+        self._poke()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+            self._thread = None
+        self.close(RuntimeError("the scheduler is shutting down"))
+
+    def close(self, error: BaseException | None = None) -> None:
+        """Fail what is left, free every slot, stop the codec worker."""
+        with self._lock:
+            left, self._waiting = list(self._waiting), deque()
+        for h in left + self._running:
+            h.request.release()
+            h._end(error or RuntimeError("the scheduler was closed"))
+        self._running = []
+        for h in self._kept:
+            h.request.release()
+        self._kept = []
+        self.codec_worker.stop()
+
+    def __enter__(self) -> Scheduler:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.threaded:
+            self.stop()
+        else:
+            self.close()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                worked = self.step()
+            except Exception:  # noqa: BLE001 - step handles request errors; this is a bug, keep serving
+                log.exception("scheduler step failed")
+                worked = False
+            if not worked:
+                with self._wake:
+                    if not self._waiting and not self._stop.is_set():
+                        self._wake.wait(timeout=0.5)
+
+    @property
+    def idle(self) -> bool:
+        return not self._waiting and not self._running
+
+    def step(self) -> bool:
+        """One iteration: admit, one prefill chunk, one decode step, retire. Returns False when there was nothing
+        to do (the caller may wait)."""
+        with self._stepping:
+            self._retire_cancelled()
+            self._admit()
+            if not self._running:
+                return False
+            self._prefill_chunk()
+            self._decode()
+            return True
+
+    def run_until_idle(self) -> None:
+        """Caller-driven: step until nothing waits or runs."""
+        while self.step():
+            pass
+
+    # -- the parts of a step ---------------------------------------------------------------------------------
+    def _retire_cancelled(self) -> None:
+        for h in [h for h in self._running if h.cancelled]:
+            self._running.remove(h)
+            h.request.release()
+            self.counts["cancelled"] += 1
+            h._end(Cancelled(f"request {h.id} was cancelled"))
+        with self._lock:
+            gone = [h for h in self._waiting if h.cancelled]
+            for h in gone:
+                self._waiting.remove(h)
+        for h in gone:
+            if h.after is not None:
+                self._release_kept(h.after)
+            self.counts["cancelled"] += 1
+            h._end(Cancelled(f"request {h.id} was cancelled"))
+
+    def _free_slots(self) -> int:
+        return self.slots - len(self._running) - len(self._kept)
+
+    def _admit(self) -> None:
+        while True:
+            with self._lock:
+                if not self._waiting or any(h.exclusive for h in self._running):
+                    return
+                head = self._waiting[0]
+                if head.exclusive and self._running:
+                    return  # the batch drains first; the ones behind it wait too
+                if head.after is None and self._free_slots() < 1:
+                    return
+                self._waiting.popleft()
+            try:
+                cache = None
+                if head.after is not None:
+                    prev = head.after
+                    if prev not in self._kept:
+                        raise ValueError(f"request {prev.id} is not finished or did not keep its cache")
+                    self._kept.remove(prev)
+                    cache = prev.request.hand_over()
+                self.engine.admit(head.request, cache)
+            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                if cache is not None:
+                    head.request.cache = cache
+                head.request.release()
+                self.counts["failed"] += 1
+                head._end(e)
+                continue
+            head.state = "running"
+            self._running.append(head)
+            self.counts["started"] += 1
+            if head.exclusive:
+                self.counts["exclusive"] += 1
+                return
+
+    def _prefill_chunk(self) -> None:
+        """One chunk of the oldest prompt still prefilling; while nothing decodes, every waiting prompt whole
+        (nobody waits for them)."""
+        decoding = any(x.request.decoding for x in self._running)
+        while True:
+            waiting = [h for h in self._running if h.request.embeds is not None]
+            if not waiting:
+                return
+            self._prefill_one(waiting[0], decoding)
+            if decoding:
+                return
+
+    def _prefill_one(self, h: Handle, decoding: bool) -> None:
+        limit = self.prefill_policy.size(decoding)
+        t0 = time.perf_counter()
+        try:
+            n = self.engine.prefill(h.request, limit)
+        except Exception as e:  # noqa: BLE001 - this request fails (its slot is back), the others go on
+            log.exception("request %d failed in prefill", h.id)
+            self._running.remove(h)
+            self.counts["failed"] += 1
+            h._end(e)
+            return
+        spent = time.perf_counter() - t0
+        self.prefill_policy.saw_prefill(spent, n)
+        self.prefill_calls += 1
+        self.prefill_positions += n
+        if decoding:
+            self.longest_stall_s = max(self.longest_stall_s, spent)
+
+    def _decode(self) -> None:
+        live = [h for h in self._running if h.request.decoding]
+        if not live:
+            return
+        keep = frozenset(id(h.request) for h in live if h.keep)
+        t0 = time.perf_counter()
+        try:
+            self.engine.step([h.request for h in live], keep)
+        except Exception as e:  # noqa: BLE001 - a failed step fails its batch; the scheduler goes on
+            log.exception("decoder step failed")
+            for h in live:
+                self._running.remove(h)
+                h.request.release()
+                self.counts["failed"] += 1
+                h._end(e)
+            return
+        self.prefill_policy.saw_step(time.perf_counter() - t0)
+        self.steps += 1
+        self.batch_rows += len(live)
+        for h in live:
+            h.widest = max(h.widest, len(live))
+            if h.exclusive:
+                self.exclusive_widest = max(self.exclusive_widest, len(live))
+            req = h.request
+            if h.on_row is not None:
+                try:
+                    h.on_row(req.n)
+                except Exception as e:  # noqa: BLE001 - a consumer's callback failing stops its own request
+                    req.stop_reason = req.stop_reason or "cancelled"
+                    self._running.remove(h)
+                    req.release()
+                    self.counts["failed"] += 1
+                    h._end(e)
+                    continue
+            if h.audio == "stream":
+                frames = req.new_frames()
+                if len(frames) or req.done:
+                    self.codec_worker.put(h, frames, req.done)
+            if req.done:
+                self._running.remove(h)
+                self.counts["finished"] += 1
+                if h.keep:
+                    self._kept.append(h)
+                if h.audio == "speech":
+                    self.codec_worker.put(h, req.new_frames(), True)
+                elif h.audio is None:
+                    h.result = req
+                    h._end()
+
+    def _check_progress(self, handle: Handle) -> None:
+        """Caller-driven: a request that can never start (every slot held by kept requests) is an error, not a
+        hang."""
+        if (not self.threaded and handle.state == "waiting" and not self._running and handle.after is None
+                and self._free_slots() < 1):
+            raise RuntimeError(f"request {handle.id} cannot start: all {self.slots} slots are held by finished "
+                               f"requests kept for a continuation (release or continue them)")
+
+    def _release_kept(self, handle: Handle) -> None:
+        with self._stepping:
+            if handle in self._kept:
+                self._kept.remove(handle)
+                handle.request.release()
+
+    # -- figures ----------------------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        mean = self.batch_rows / self.steps if self.steps else 0.0
+        return {"slots": self.slots, "slot_positions": self.positions, "waiting": len(self._waiting),
+                "active": len(self._running), "kept": len(self._kept), "decoder_steps": self.steps,
+                "rows": self.batch_rows, "mean_batch": round(mean, 3), "prefill_calls": self.prefill_calls,
+                "prefill_positions": self.prefill_positions, "longest_stall_s": round(self.longest_stall_s, 4),
+                "codec_busy_s": round(self.codec_worker.busy_s, 3), **self.counts,
+                "exclusive_widest_batch": self.exclusive_widest}
