@@ -101,8 +101,8 @@ class Handle:
 
     _ids = itertools.count(1)
 
-    def __init__(self, sched: Scheduler, request: Request, audio: str | None, keep: bool, exclusive: bool, after: Handle | None, on_row: Callable[[int], None] | None,
-                 sink: Callable[[Any], None] | None):
+    def __init__(self, sched: Scheduler, request: Request, audio: str | None, keep: bool, exclusive: bool,
+                 after: Handle | None, on_row: Callable[[int], None] | None, sink: Callable[[Any], None] | None):
         self.id = next(self._ids)
         self.sched, self.request, self.audio = sched, request, audio
         self.keep, self.exclusive, self.after, self.on_row = keep, exclusive, after, on_row
