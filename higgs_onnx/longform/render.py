@@ -53,7 +53,6 @@ from pathlib import Path
 import numpy as np
 
 from ..generation.contract import ContractError, check_max_rows, min_rows, needed_rows
-from ..generation.delay import apply_delay
 from ..generation.options import DEFAULT_MAX_ROWS, GenerationOptions
 from ..outputs import OutputError, check_output_file, probe_writable
 from .split import Piece, split_text
@@ -61,7 +60,8 @@ from .split import Piece, split_text
 log = logging.getLogger(__name__)
 
 PLAN = "plan.json"
-PLAN_VERSION = 1
+PLAN_VERSION = 2  # 2: lanes, and the rows as generated in every piece (KV continuation)
+PREFILL_CHUNK = 256  # fixed (not timed) prefill chunks: the same text and seed give the same decoder calls
 LOCK = "lock"  # in the work folder: held (flock) while a job runs on this output
 RETRY_SEED = 1_000_003  # added to a piece's seed for its one retry
 STOP_REASONS = ("eoc", "max_rows")
@@ -275,6 +275,51 @@ def _fade(wav: np.ndarray, fade: int) -> np.ndarray:
     return wav
 
 
+@dataclass
+class _Lane:
+    next: int  # the next piece to make
+    end: int
+    busy: _Making | None = None  # the piece being made
+    kept: object = None  # the handle whose cache the next piece continues
+    prev: object = None  # and its request
+
+
+class _Making:
+    """A piece being made: its handle, and its audio so far (fades applied, the last `fade` samples held back)."""
+
+    def __init__(self, index: int, handle, attempt: int, prev, edges: _Edges):
+        self.index, self.handle, self.attempt, self.prev, self.edges = index, handle, attempt, prev, edges
+        self.audio: list[np.ndarray] = []
+
+    def push(self, samples: np.ndarray) -> None:
+        out = self.edges.push(samples)
+        if out.size:
+            self.audio.append(out)
+
+    def finish(self) -> list[np.ndarray]:
+        return [*self.audio, self.edges.finish()]
+
+
+def split_lanes(pieces: list[Piece], lanes: int) -> list[tuple[int, int]]:
+    """Pieces [a, b) of each lane: contiguous runs of whole paragraphs of about equal length (at most one lane per
+    paragraph)."""
+    ends = [i + 1 for i, p in enumerate(pieces) if p.paragraph_end]
+    if not ends or ends[-1] != len(pieces):
+        ends.append(len(pieces))
+    lanes = max(1, min(lanes, len(ends)))
+    chars = np.cumsum([len(p.text) for p in pieces])
+    total, cuts, prev = chars[-1], [], 0
+    for k in range(1, lanes):
+        options = [e for e in ends[:-1] if e > prev and len(ends) - ends.index(e) - 1 >= lanes - k]
+        if not options:
+            break
+        cut = min(options, key=lambda e: abs(chars[e - 1] - total * k / lanes))
+        cuts.append(cut)
+        prev = cut
+    bounds = [0, *cuts, len(pieces)]
+    return [(bounds[j], bounds[j + 1]) for j in range(len(bounds) - 1)]
+
+
 class LongForm:
     """One long-form job: `tts` (a `HiggsTTS`), the text, the output path (its work folder sits beside it).
 
@@ -284,11 +329,16 @@ class LongForm:
     stream alike (default: `StreamOptions()`, the first audio after 8 frames)."""
 
     def __init__(self, tts, text: str, out: str | os.PathLike, voice=None, options: GenerationOptions | None = None,
-                 lf: LongFormOptions | None = None, resume: bool = False, stream_options=None):
+                 lf: LongFormOptions | None = None, resume: bool = False, stream_options=None,
+                 lanes: int | None = None):
+        from ..generation.options import POOL_POSITIONS
         from ..generation.prompt import check_text
         from ..runtime.stream import StreamOptions
 
+        if lanes is not None and (isinstance(lanes, bool) or not isinstance(lanes, int) or lanes < 1):
+            raise ValueError(f"lanes must be a whole number >= 1, got {lanes!r}")
         self.tts, self.voice, self.out = tts, voice, Path(out)
+        self.slot = min(tts.facts.max_positions, POOL_POSITIONS)  # positions of one lane's batching slot
         self.options, self.lf = options or GenerationOptions(), lf or LongFormOptions()
         self.codec_options = stream_options or StreamOptions()
         self._lock = None
@@ -298,15 +348,23 @@ class LongForm:
         for i, p in enumerate(self.pieces, 1):
             check_text(p.text, f"piece {i} of the text ({p.text[:40]!r})")
         self.work = work_folder(self.out)
+        self.gains: dict[int, float] | None = None
+        if lanes is None:  # a job being resumed keeps its lanes; a new one asks the machine
+            lanes = self._planned_lanes() if resume else None
+        if lanes is None:
+            lanes = self._auto_lanes()
+        self.lanes = split_lanes(self.pieces, lanes)
+        self.stats: dict = {}  # the figures of the last run (scheduler stats, positions prefilled vs generated)
         self.plan = {"version": PLAN_VERSION, "text_sha256": hashlib.sha256(text.encode()).hexdigest(),
                      "model_id": tts.model_id, "voice": None if voice is None else _voice_id(voice),
                      "options": dataclasses.asdict(self.options), "longform": dataclasses.asdict(self.lf),
-                     "pieces": [dataclasses.asdict(p) for p in self.pieces]}
+                     "pieces": [dataclasses.asdict(p) for p in self.pieces],
+                     "lanes": [[a, b] for a, b in self.lanes]}
         self.plan_id = hashlib.sha256(json.dumps(self.plan, sort_keys=True).encode()).hexdigest()
         # False unless an intact plan.json of this job was found: then pieces from before the stamp existed count too
         self._plan_intact = True
         check_outputs(self.out)
-        check_max_rows(self.options.max_rows, tts.facts.num_codebooks, tts.limits())
+        check_max_rows(self.options.max_rows, tts.facts.num_codebooks, tts.limits(self.slot))
         self._check_fit(voice, range(len(self.pieces)) if voice is not None else range(1))
         self._prepare(resume)
 
@@ -323,7 +381,7 @@ class LongForm:
     def _budget(self, i: int, voice_rows: int, voice_text: str | None) -> int:
         """Piece `i`'s row budget with this voice (no history), or a ContractError when it cannot fit at all."""
         f, text = self.tts.facts, self.pieces[i].text
-        limits = self.tts.limits()
+        limits = self.tts.limits(self.slot)
         cap = self.options.max_rows if self.options.max_rows is not None else DEFAULT_MAX_ROWS
         want = min(cap, int(len(text) * self.lf.rows_per_char) + 100)
         prompt = self._prompt_len(text, voice_rows, voice_text)
@@ -434,12 +492,14 @@ class LongForm:
             with np.load(path, allow_pickle=False) as z:
                 piece = {"codes": z["codes"], "rows": int(z["rows"]), "stop": str(z["stop"]),
                          "retried": bool(z["retried"]), "plan": str(z["plan"]) if "plan" in z.files else None,
-                         "piece": str(z["piece"]) if "piece" in z.files else None}
-            codes, f = piece["codes"], self.tts.facts
+                         "piece": str(z["piece"]) if "piece" in z.files else None, "gen": z["gen"]}
+            codes, gen, f = piece["codes"], piece["gen"], self.tts.facts
             n = f.num_codebooks
             ok = (codes.ndim == 2 and codes.shape[1] == n and codes.dtype.kind in "iu" and len(codes) > 0
                   and piece["stop"] in STOP_REASONS and len(codes) == piece["rows"] - n + 1
                   and codes.min() >= 0 and codes.max() < f.codebook_vocab
+                  and gen.shape == (piece["rows"], n) and gen.dtype.kind in "iu"
+                  and gen.min() >= 0 and gen.max() < f.codebook_vocab
                   and piece["piece"] in (None, self._piece_stamp(i)))  # its own rows, codes and text
             ours = piece["plan"] == self.plan_id or (piece["plan"] is None and self._plan_intact)
         except NPZ_ERRORS + (AttributeError,):  # cut off by a kill or a full disk, emptied, not an .npz at all
@@ -451,7 +511,7 @@ class LongForm:
             except OSError:
                 pass
             return None
-        piece["codes"] = piece["codes"].astype(np.int64)
+        piece["codes"], piece["gen"] = piece["codes"].astype(np.int64), piece["gen"].astype(np.int64)
         return piece
 
     def _piece_stamp(self, i: int) -> str:
@@ -462,107 +522,228 @@ class LongForm:
         tmp = self._piece_path(i).with_suffix(".partial.npz")
         try:
             np.savez(tmp, codes=piece["codes"], rows=piece["rows"], stop=piece["stop"], retried=piece["retried"],
-                     plan=self.plan_id, piece=self._piece_stamp(i))
+                     gen=piece["gen"], plan=self.plan_id, piece=self._piece_stamp(i))
             os.replace(tmp, self._piece_path(i))
         except OSError as e:
             raise OutputError(f"cannot save piece {i + 1} in {self.work} ({_reason(e)}); the pieces before it are "
                               f"kept there: free space and run again with --resume") from None
 
+    # -- lanes -----------------------------------------------------------------------------------------------------
+    def _planned_lanes(self) -> int | None:
+        """The lane count of the unfinished job in the work folder (resumed with the lanes it was planned with)."""
+        try:
+            old = json.loads((self.work / PLAN).read_text(encoding="utf-8"))
+            return len(old["lanes"]) if isinstance(old.get("lanes"), list) and old["lanes"] else None
+        except (OSError, ValueError, TypeError, AttributeError):
+            return None
+
+    def _auto_lanes(self) -> int:
+        """Lanes from this machine's measured batch gain: 1 where batching does not pay."""
+        from ..generation.scheduler import choose_batch, measure_batch_gain
+
+        paragraphs = sum(p.paragraph_end for p in self.pieces) or 1
+        if paragraphs < 2:
+            return 1
+        sizes = tuple(b for b in (1, 2, 4) if b <= paragraphs)
+        self.gains = measure_batch_gain(self.tts.backend, sizes)
+        return choose_batch(self.gains)
+
     def _voice_for(self, done: dict[int, dict]):
-        """The voice of every piece: the given one, or (zero-shot) the first piece's own text and codes."""
+        """The voice of every lane's first piece and of every restart: the given one, or (zero-shot) the first
+        piece's own text and codes."""
         if self.voice is not None or 0 not in done:
             return self.voice
         return self.tts.voice_from_codes(done[0]["codes"], self.pieces[0].text)
 
-    def _history(self, i: int, done: dict[int, dict], voice_is_first: bool) -> list[tuple[str, np.ndarray]]:
-        f, out = self.tts.facts, []
-        for j in range(max(0, i - self.lf.history), i):
-            if voice_is_first and j == 0:
-                continue  # the first piece already is the voice
-            out.append((self.pieces[j].text, apply_delay(done[j]["codes"], f.boc, f.eoc)))
-        return out
+    def _suffix_len(self, i: int) -> int:
+        from ..generation.prompt import build_suffix
 
-    def _request(self, i: int, done: dict[int, dict], attempt: int):
-        """Piece `i`'s request: its budget with its voice, and as much history as the contract lets fit (dropped
-        oldest first while it says `context_length_exceeded`)."""
-        piece, voice = self.pieces[i], self._voice_for(done)
+        cache = self.__dict__.setdefault("_suffixes", {})
+        if i not in cache:
+            cache[i] = len(build_suffix(self.tts.tokenizer, self.tts.tokens, self.pieces[i].text))
+        return cache[i]
+
+    def _want(self, i: int) -> int:
+        cap = self.options.max_rows if self.options.max_rows is not None else DEFAULT_MAX_ROWS
+        return min(cap, int(len(self.pieces[i].text) * self.lf.rows_per_char) + 100)
+
+    def _context(self, i: int, done: dict[int, dict]) -> tuple[bool, list[int], bool]:
+        """Piece `i`'s context: (with the voice, the earlier pieces in its prompt, continues the piece before).
+
+        A pure function of the texts and the row counts of the pieces before it in its lane, so a resumed job
+        builds exactly the prompt the uninterrupted one had. A lane's first piece hears the voice only (zero-shot
+        piece 1: nothing). Every later piece continues the one before (KV continuation: its prompt is the previous
+        prompt, its rows, and the new text) while the lane's prompt plus the piece's whole row budget fits the
+        slot; when it would not, the lane starts again from the voice and the last `history` pieces (fewer while
+        they do not fit). `history=0`: every piece hears the voice only."""
+        start = next(a for a, b in self.lanes if a <= i < b)
+        zero_shot = self.voice is None
+        voice_rows = lambda with_voice: (0, None) if not with_voice else (  # noqa: E731
+            (len(self.voice.rows), self.voice.ref_text) if not zero_shot else
+            (len(done[0]["gen"]), self.pieces[0].text))
+        with_voice, history = not (zero_shot and start == 0), []
+        for j in range(start + 1, i + 1):
+            if self.lf.history == 0:
+                with_voice, history, cont = True, [], False
+                continue
+            grown = history + [j - 1]
+            if self._fits(j, with_voice, grown, done, voice_rows):
+                history, cont = grown, True
+                continue
+            with_voice, cont = True, False  # start again from the voice and the last pieces
+            keep = [k for k in range(max(start, j - self.lf.history), j) if not (zero_shot and k == 0)]
+            while keep and not self._fits(j, True, keep, done, voice_rows):
+                keep = keep[1:]
+            history = keep
+        if i == start:
+            return with_voice, [], False
+        return with_voice, history, cont
+
+    def _fits(self, j: int, with_voice: bool, history: list[int], done: dict, voice_rows) -> bool:
+        from ..generation.prompt import build_prefix
+
+        rows, text = voice_rows(with_voice)
+        key = (rows, text)
+        prefixes = self.__dict__.setdefault("_prefixes", {})
+        if key not in prefixes:
+            prefixes[key] = len(build_prefix(self.tts.tokenizer, self.tts.tokens, rows, text))
+        prompt = prefixes[key] + sum(self._suffix_len(k) + done[k]["rows"] for k in history) + self._suffix_len(j)
+        return prompt + self._want(j) <= self.slot
+
+    def _request(self, i: int, done: dict[int, dict], attempt: int, prev=None):
+        """Piece `i`'s request in its lane's context (`_context`), and whether it continues `prev` (the request of
+        the piece before, when its cache is still in the scheduler: then only the new text is prefilled)."""
+        with_voice, history, cont = self._context(i, done)
+        voice = self._voice_for(done) if with_voice else None
         budget = self._budget(i, 0, None) if voice is None else self._budget(i, len(voice.rows), voice.ref_text)
-        history = self._history(i, done, self.voice is None and i > 0)
+        if cont:
+            budget = self._want(i)  # `_context` made sure the lane's prompt and all of it fit
         options = dataclasses.replace(self.options, seed=self.options.seed + i + attempt * RETRY_SEED,
                                       max_rows=budget)
-        while True:
-            try:
-                return self.tts.request(piece.text, voice=voice, options=options, history=history)
-            except ContractError as e:
-                if e.code != "context_length_exceeded" or not history:
-                    raise
-                log.debug("piece %d: dropping the oldest of %d history turns (%s)", i + 1, len(history), e)
-                history = history[1:]
-
-    def _generate(self, i: int, done: dict[int, dict]) -> dict:
-        result = None
-        for attempt in range(2):
-            speech = self.tts.synthesizer.speak(self._request(i, done, attempt))
-            result = {"codes": speech.codes, "rows": len(speech.rows), "stop": speech.stop_reason,
-                      "retried": attempt == 1}
-            if speech.stop_reason == "eoc":
-                break
-        return result
-
-    def _stream_piece(self, i: int, done: dict[int, dict], parts: list[np.ndarray]):
-        """Generate piece `i`, yielding ("audio", samples) while it is made (fades and pause applied, like `_audio`);
-        returns the piece (no retry: its audio is already out)."""
-        from ..generation.stream import stream_request
-
-        f = self.tts.facts
-        req = self._request(i, done, 0)
-        codec = self.tts.codec_stream(self.codec_options)
-        edges, last = _Edges(self._fade_samples()), None
-        for chunk in stream_request(self.tts.synthesizer.engine, req, codec, f.sample_rate, f.codebook_size):
-            out = edges.push(chunk.samples)
-            if out.size:
-                parts.append(out)
-                yield "audio", out
-            if chunk.is_last:
-                last = chunk
-        tail = np.concatenate([edges.finish(), self._pause(i)])
-        parts.append(tail)
-        yield "audio", tail
-        return {"codes": last.codes, "rows": len(last.rows), "stop": last.stats.stop_reason, "retried": False}
+        turns = [(self.pieces[k].text, done[k]["gen"]) for k in history]
+        continues = prev if cont and prev is not None else None
+        return self.tts.request(self.pieces[i].text, voice=voice, options=options, history=turns, slot=self.slot,
+                                continues=continues), continues is not None
 
     def _steps(self, streaming: bool):
-        """Every piece in order: ("audio", samples) as it is made (streaming only) and ("piece", PieceResult)."""
-        t0, done, made_chars, gen_s, seconds = time.perf_counter(), {}, 0, 0.0, 0.0
-        n, sr = len(self.pieces), self.tts.facts.sample_rate
+        """Every piece in order: ("audio", samples) as it is made (streaming only) and ("piece", PieceResult).
+
+        The lanes run together through one scheduler (one slot each, one decoder call per step for all of them),
+        driven from here with fixed prefill chunks, so the same text, seed and lane count give the same decoder
+        calls. A piece's audio is made by the scheduler's codec worker while the lanes go on; pieces come out in
+        text order (a piece of a later lane waits, made, until the pieces before it are out)."""
+        from ..generation.scheduler import PrefillPolicy
+
+        t0, n, sr = time.perf_counter(), len(self.pieces), self.tts.facts.sample_rate
+        done: dict[int, dict] = {}
+        resumed: set[int] = set()
         for i in range(n):
             piece = self._load(i)
-            resumed = piece is not None
-            if resumed:
-                wav = self._audio(i, piece["codes"])
-                if streaming:
-                    yield "audio", wav
-            else:
-                t = time.perf_counter()
-                if streaming:
-                    parts: list[np.ndarray] = []
-                    piece = yield from self._stream_piece(i, done, parts)
-                    wav = np.concatenate(parts)
-                else:
-                    piece = self._generate(i, done)
-                self._save(i, piece)
-                if not streaming:
-                    wav = self._audio(i, piece["codes"])
-                made_chars += len(self.pieces[i].text)
-                gen_s += time.perf_counter() - t
-            done[i] = piece
-            if i == 0 and self.voice is None and n > 1:  # zero-shot: now the voice of every later piece is known
-                self._check_fit(self._voice_for(done), range(1, n))
-            seconds += wav.size / sr
-            elapsed = time.perf_counter() - t0
-            left = sum(len(p.text) for p in self.pieces[i + 1:])
-            eta = gen_s / made_chars * left if made_chars else None  # from this run's generation speed
-            yield "piece", PieceResult(i, n, self.pieces[i].text, wav, piece["rows"], piece["stop"],
-                                       piece["retried"], resumed, seconds, elapsed, eta, wav.size / sr)
+            if piece is not None:
+                done[i] = piece
+                resumed.add(i)
+        sched = self.tts.scheduler(len(self.lanes), self.slot, PrefillPolicy(chunk=PREFILL_CHUNK))
+        lanes = [_Lane(next((i for i in range(a, b) if i not in done), b), b) for a, b in self.lanes]
+        ready: dict[int, np.ndarray] = {}  # finished pieces' audio not handed out yet
+        sent: dict[int, list] = {}  # audio of the piece on air handed out so far (streaming)
+        made: dict[int, _Making] = {}
+        out_next, seconds, made_chars = 0, 0.0, 0
+        zero_shot_checked = not (self.voice is None and n > 1)
+        if not zero_shot_checked and 0 in done:
+            self._check_fit(self._voice_for(done), range(1, n))
+            zero_shot_checked = True
+        try:
+            while out_next < n:
+                i = out_next
+                if i in resumed and i not in ready:
+                    ready[i] = self._audio(i, done[i]["codes"])
+                if i in ready:  # its turn: the rest of its audio, then the piece
+                    wav = ready.pop(i)
+                    head = sent.pop(i, [])
+                    if streaming and wav.size:
+                        yield "audio", wav
+                    full = np.concatenate([*head, wav]) if head else wav
+                    seconds += full.size / sr
+                    left = sum(len(self.pieces[k].text) for k in range(n) if k not in done)
+                    elapsed = time.perf_counter() - t0
+                    eta = elapsed / made_chars * left if made_chars else None
+                    p = done[i]
+                    yield "piece", PieceResult(i, n, self.pieces[i].text, full, p["rows"], p["stop"], p["retried"],
+                                               i in resumed, seconds, elapsed, eta, full.size / sr)
+                    out_next += 1
+                    continue
+                if streaming and i in made and made[i].audio:  # on air: what is final goes out now
+                    chunk = np.concatenate(made[i].audio)
+                    made[i].audio.clear()
+                    sent.setdefault(i, []).append(chunk)
+                    yield "audio", chunk
+                for lane in lanes:  # every idle lane starts its next piece (zero-shot: once piece 1's voice is known)
+                    if lane.busy is None and lane.next < lane.end and (self.voice is not None or lane.next == 0
+                                                                       or 0 in done):
+                        self._submit(sched, lane, lane.next, done, 0, streaming, made)
+                progressed = sched.step()
+                for lane in lanes:
+                    m = lane.busy
+                    if m is None:
+                        continue
+                    events, ended = m.handle.drain()
+                    for chunk in events:
+                        m.push(chunk.samples)
+                    if not ended:
+                        continue
+                    if m.handle.error is not None:
+                        raise m.handle.error
+                    last = m.handle.result
+                    piece = {"codes": last.codes, "rows": len(last.rows), "stop": last.stats.stop_reason,
+                             "retried": m.attempt == 1, "gen": last.rows}
+                    if piece["stop"] != "eoc" and m.attempt == 0 and not streaming:
+                        self._retry(sched, lane, done, made)
+                        continue
+                    self._save(m.index, piece)
+                    done[m.index] = piece
+                    made_chars += len(self.pieces[m.index].text)
+                    ready[m.index] = np.concatenate([*made.pop(m.index).finish(), self._pause(m.index)])
+                    lane.busy, lane.next = None, m.index + 1
+                    if lane.next < lane.end and self.lf.history > 0:
+                        lane.kept, lane.prev = m.handle, m.handle.request  # the next piece continues its cache
+                    else:
+                        m.handle.release()
+                    if m.index == 0 and not zero_shot_checked:  # zero-shot: the voice of every later piece is known
+                        self._check_fit(self._voice_for(done), range(1, n))
+                        zero_shot_checked = True
+                if not progressed:
+                    sched.wait_for_codec()
+        finally:
+            st = sched.stats()
+            sched.close()
+            self.stats = {"lanes": len(self.lanes), "mean_batch": st["mean_batch"],
+                          "decoder_steps": st["decoder_steps"], "rows_generated": st["rows"],
+                          "positions_prefilled": st["prefill_positions"], "prefill_calls": st["prefill_calls"],
+                          "pieces_made": len(done) - len(resumed), "pieces_resumed": len(resumed),
+                          "batch_gain": self.gains}
+
+    def _submit(self, sched, lane: _Lane, i: int, done: dict, attempt: int, streaming: bool, made: dict) -> None:
+        req, continued = self._request(i, done, attempt, lane.prev)
+        after, prev = (lane.kept, lane.prev) if continued else (None, None)
+        if lane.kept is not None and not continued:
+            lane.kept.release()  # the lane starts again from the voice: its old cache goes
+        lane.kept = lane.prev = None
+        # kept when done: for the next piece to continue, or (writing a file) for a retry to cut back
+        keep = self.lf.history > 0 and (i + 1 < lane.end or not streaming)
+        handle = sched.submit(req, "stream", self.codec_options, keep=keep, after=after)
+        made[i] = lane.busy = _Making(i, handle, attempt, prev, _Edges(self._fade_samples()))
+
+    def _retry(self, sched, lane: _Lane, done: dict, made: dict) -> None:
+        """The piece reached its row limit without EOC: make it once more with another seed, in the same context
+        (a continued cache is cut back to where the piece started)."""
+        m = lane.busy
+        req = m.handle.request
+        if m.prev is not None and req.cache is not None:
+            req.cache.truncate(req.cached)
+            lane.kept, lane.prev = m.handle, m.prev
+        else:
+            m.handle.release()
+        self._submit(sched, lane, m.index, done, 1, False, made)
 
     def run(self) -> Iterator[PieceResult]:
         """Generate (or read back) every piece in order, yielding each with its audio as soon as it is final."""
