@@ -5,7 +5,7 @@ Usage:
     python inference.py --model-path onnx/cpu_int4 --ref-audio me.flac --ref-text "What I said." \\
                         --text "<|emotion:elation|>New words in my voice." --out clone.wav
     python inference.py --model-path onnx/cpu_int4 --text "Hello." --stream --out - | aplay -f S16_LE -r 24000 -c 1
-    python inference.py --model-path onnx/cpu_int4 --text-file lines.txt --out-dir out/   # one wav per line
+    python inference.py --model-path onnx/cpu_int4 --text-file lines.txt --out-dir out/   # one wav per line, batched
     python inference.py --model-path onnx/cpu_int4 --text-file chapter.txt --out chapter.wav [--resume]  # one recording
     python inference.py --model-path onnx/cpu_int4 --codes rows.npy --out decoded.wav     # decode given codes
     python inference.py --model-path onnx/cpu_int4 --selftest                              # codec-only smoke test
@@ -68,8 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "folder was built for)")
     ap.add_argument("--threads", type=int, default=0, help="intra-op threads (0 = ONNX Runtime's default: one "
                     "per core)")
-    ap.add_argument("--history", type=int, default=1, help="--text-file with --out: earlier pieces kept in each "
-                    "piece's prompt as context (default %(default)s; 0 = the voice only, faster on a CPU)")
+    ap.add_argument("--history", type=int, default=1, help="--text-file with --out: each piece continues the KV "
+                    "cache of the pieces before it in its lane until the lane's context is full; then the lane starts "
+                    "again from the voice and the last HISTORY pieces (default %(default)s; 0 = every piece hears the "
+                    "voice only)")
+    ap.add_argument("--lanes", type=int, default=None, help="--text-file: pieces (--out: lanes of whole paragraphs) "
+                    "or lines (--out-dir) generated together, one decoder call for all (default: chosen from this "
+                    "machine's measured batch gain; 1 where batching does not pay)")
     ap.add_argument("--resume", action="store_true", help="--text-file with --out: continue an interrupted job from "
                     "its work folder (OUT.work/) instead of refusing to overwrite it")
     ap.add_argument("--save-codes", type=Path, help="save the delayed rows to FILE.npy and raw codes to FILE.raw.npy")
@@ -98,6 +103,13 @@ def check_args(args: argparse.Namespace) -> tuple[GenerationOptions, StreamOptio
                          "(one file per line)" + (", not both" if args.out is not None else ""))
     if args.resume and (args.text_file is None or args.out is None or str(args.out) == "-"):
         raise ValueError("--resume continues a long-form job: --text-file with --out FILE")
+    if args.lanes is not None and (args.lanes < 1 or args.text_file is None):
+        raise ValueError("--lanes is for --text-file and must be >= 1" if args.lanes is not None and args.lanes < 1
+                         else "--lanes is for --text-file (with --out or --out-dir)")
+    if args.history < 0:
+        raise ValueError(f"--history must be >= 0, got {args.history}")
+    if args.text_file is not None and args.out_dir is not None and args.save_codes is not None:
+        raise ValueError("--save-codes is for single utterances")
     if args.text_file is not None and args.out is not None and args.save_codes is not None:
         raise ValueError("--save-codes is for single utterances (long-form keeps each piece's codes in OUT.work/)")
     if (args.text is not None or args.codes is not None) and args.out is None:
@@ -256,12 +268,80 @@ def run(args: argparse.Namespace) -> int:
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     if not lines:
         raise ValueError(f"{args.text_file} has no non-empty lines")
+    return speak_lines(tts, lines, args, voice)
+
+
+def speak_lines(tts, lines: list[str], args, voice) -> int:
+    """One file per line, the lines generated together through one scheduler (`--lanes` at a time, one decoder
+    call for all of them). Every line is checked against the request contract before any work."""
+    from higgs_onnx.audio import GrowingAudioFile, write_audio
+    from higgs_onnx.generation.contract import ContractError
+    from higgs_onnx.generation.options import POOL_POSITIONS
+    from higgs_onnx.generation.scheduler import choose_batch, measure_batch_gain
+    from higgs_onnx.outputs import write_or_keep
+
+    slot = min(tts.facts.max_positions, POOL_POSITIONS)
+    requests = []
+    for i, line in enumerate(lines, 1):
+        try:
+            requests.append(tts.request(line, voice=voice, options=args.options, slot=slot))
+        except ContractError as e:
+            raise ContractError(f"line {i} of {args.text_file}: {e}", e.param, e.code, e.status) from None
+        except ValueError as e:
+            raise ValueError(f"line {i} of {args.text_file}: {e}") from None
+    lanes = args.lanes
+    if lanes is None:
+        lanes = choose_batch(measure_batch_gain(tts.backend, tuple(b for b in (1, 2, 4) if b <= len(lines))))
+    lanes = min(lanes, len(lines))
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    total = [speak(tts, line, args.out_dir / f"{i:04d}.wav", args, voice) for i, line in enumerate(lines, 1)]
-    audio, wall = sum(s.audio_s for s in total), sum(s.wall_s for s in total)
-    rtf = wall / max(audio, 1e-9)
-    print(f"{len(total)} files in {args.out_dir}: {audio:.1f} s audio in {wall:.1f} s (RTF {rtf:.2f})",
-          file=sys.stderr if args.stream else sys.stdout)
+    say = sys.stderr if args.stream else sys.stdout
+    t0, audio, made = time.perf_counter(), 0.0, 0
+    with tts.scheduler(lanes, slot) as sched:
+        mode = "stream" if args.stream else "speech"
+        handles = [sched.submit(r, mode, args.stream_options) for r in requests]
+        sinks = {h.id: None for h in handles}
+        pending = dict(zip((h.id for h in handles), enumerate(handles, 1), strict=True))
+        try:
+            while pending:
+                progressed = sched.step()
+                for hid, (i, h) in list(pending.items()):
+                    out = args.out_dir / f"{i:04d}.wav"
+                    events, ended = h.drain()
+                    for chunk in events:  # --stream: each file grows under a partial name as its line is made
+                        if sinks[hid] is None:
+                            sinks[hid] = GrowingAudioFile(out, tts.facts.sample_rate)
+                        sinks[hid].write(chunk.samples)
+                    if not ended:
+                        continue
+                    if h.error is not None:
+                        raise h.error
+                    del pending[hid]
+                    if args.stream:
+                        sinks.pop(hid).commit()
+                        stats = h.result.stats
+                    else:
+                        speech = h.result
+                        write_or_keep(lambda s=speech, o=out: write_audio(o, s.waveform, s.sample_rate),
+                                      speech.waveform, speech.sample_rate, out)
+                        stats = speech.stats
+                    made += 1
+                    audio += stats.audio_s
+                    if stats.stop_reason != "eoc":
+                        log.warning("%s: no end of speech within %d rows; the audio is cut at the limit", out,
+                                    stats.rows)
+                    print(f"{out}: {stats.audio_s:.2f} s audio; {stats.rows} rows; stop: {stats.stop_reason} "
+                          f"({made}/{len(lines)})", file=say)
+                if not progressed:
+                    sched.wait_for_codec()
+        except BaseException:
+            for sink in sinks.values():
+                if sink is not None:
+                    sink.abandon()
+            raise
+        st = sched.stats()
+    wall = time.perf_counter() - t0
+    print(f"{made} files in {args.out_dir}: {audio:.1f} s audio in {wall:.1f} s (RTF {wall / max(audio, 1e-9):.2f}); "
+          f"{lanes} lanes, mean batch {st['mean_batch']:.2f}", file=say)
     return 0
 
 
@@ -282,10 +362,14 @@ def _speak_long(tts, text: str, args, voice, tmp: Path) -> int:
     to_stdout = str(args.out) == "-"
     out = tmp / "stdout.wav" if to_stdout else args.out
     job = LongForm(tts, text, out, voice, args.options, LongFormOptions(history=args.history), resume=args.resume,
-                   stream_options=args.stream_options)
+                   stream_options=args.stream_options, lanes=args.lanes)
     n = len(job.pieces)
+    lanes = len(job.lanes)
+    chosen = "" if args.lanes is not None or job.gains is None else \
+        f", chosen from the measured batch gain {', '.join(f'G({b})={g:.2f}' for b, g in sorted(job.gains.items()))}"
     print(f"{args.text_file}: {n} pieces of {sum(len(p.text) for p in job.pieces) / n:.0f} characters on average"
-          f"{' (resuming)' if args.resume else ''}", file=sys.stderr)
+          f" in {lanes} lane{'s' if lanes > 1 else ''}{chosen}{' (resuming)' if args.resume else ''}",
+          file=sys.stderr)
     seconds, t0 = 0.0, time.perf_counter()
 
     def progress(p) -> None:
@@ -319,7 +403,10 @@ def _speak_long(tts, text: str, args, voice, tmp: Path) -> int:
                   file=sys.stderr)
             raise
     wall = time.perf_counter() - t0
-    print(f"{args.out}: {seconds:.1f} s audio from {n} pieces in {wall:.1f} s (RTF {wall / max(seconds, 1e-9):.2f})",
+    st = job.stats
+    print(f"{args.out}: {seconds:.1f} s audio from {n} pieces in {wall:.1f} s (RTF {wall / max(seconds, 1e-9):.2f}); "
+          f"{st.get('lanes', lanes)} lanes, mean batch {st.get('mean_batch', 0):.2f}; prompt positions prefilled "
+          f"{st.get('positions_prefilled', 0)} vs rows generated {st.get('rows_generated', 0)}",
           file=sys.stderr if args.stream else sys.stdout)
     return 0
 

@@ -466,6 +466,12 @@ class LongForm:
                 self._write_plan(plan)
                 return
             if old != self.plan:
+                was = old.get("lanes") if isinstance(old, dict) else None
+                if isinstance(was, list) and len(was) != len(self.lanes) and \
+                        {k: v for k, v in old.items() if k != "lanes"} == \
+                        {k: v for k, v in self.plan.items() if k != "lanes"}:
+                    raise ValueError(f"{self.work} was planned with {len(was)} lanes: resume with --lanes "
+                                     f"{len(was)} (or without --lanes), or delete it to start again")
                 raise ValueError(f"{self.work} belongs to another text, voice or settings; delete it to start "
                                  f"again with these")
         else:  # a new job (or one whose plan.json was deleted): only pieces stamped with this plan count
