@@ -3,6 +3,12 @@
 Usage:
     python benchmarks/longform.py --preset tiny --words 1500     # every piece should stop on EOC; drift table
     python benchmarks/longform.py --preset 4b --words 150 300    # RTF vs short lines; peak RSS per text length
+    python benchmarks/longform.py --model-path onnx/cpu_int4 --words 1500 --lanes 1 2 4   # lanes: chapter speed-up
+
+With `--lanes`, each lane count runs the same text (same seed) in its own child; the table adds the chapter
+speed-up over one lane, the machine's batch gain G(B) measured in that child (target: speed-up >= 0.85 x G(B)),
+the mean batch, and the prompt positions prefilled vs the rows generated (KV continuation prefills only each
+piece's own text).
 
 Each text length runs in a fresh child process (its own peak RSS). Reported per run: pieces, how many stopped on
 EOC (and how many needed the retry), piece durations (min / median / max), rows per text token of the first and
@@ -50,10 +56,14 @@ def make_text(words: int) -> str:
     return "\n\n".join(out)
 
 
-def run_one(model: Path, words: int, threads: int, history: int = 1) -> dict:
+REFERENCE = ROOT / "higgs_onnx" / "assets" / "recordings" / "ref_en_24k.flac"
+
+
+def run_one(model: Path, words: int, threads: int, history: int = 1, lanes: int = 1, clone: bool = False) -> dict:
     from bench import peak_rss_mb
 
     from higgs_onnx.generation.options import GenerationOptions
+    from higgs_onnx.generation.scheduler import measure_batch_gain
     from higgs_onnx.longform.render import LongForm, LongFormOptions
     from higgs_onnx.runtime.model import HiggsTTS
 
@@ -64,12 +74,15 @@ def run_one(model: Path, words: int, threads: int, history: int = 1) -> dict:
         sp = tts.generate(s, seed=1)
         short_rtf.append(sp.stats.rtf)
     text = make_text(words)
+    voice = tts.make_voice(REFERENCE, REFERENCE.with_suffix(".txt").read_text().strip()) if clone else None
     with tempfile.TemporaryDirectory() as d:
-        job = LongForm(tts, text, Path(d) / "long.wav", options=GenerationOptions(seed=0),
-                       lf=LongFormOptions(history=history))
+        job = LongForm(tts, text, Path(d) / "long.wav", voice=voice, options=GenerationOptions(seed=0),
+                       lf=LongFormOptions(history=history), lanes=lanes)
         t0 = time.perf_counter()
         pieces = [dataclasses.replace(p, waveform=None) for p in job.run()]  # keep figures, not audio
         wall = time.perf_counter() - t0
+        job.close()
+    gain = measure_batch_gain(tts.backend, (1, lanes)).get(lanes, 1.0) if lanes > 1 else 1.0
     secs = [p.seconds for p in pieces]
     tokens = [len(tts.tokenizer.encode(p.text, add_special_tokens=False).ids) for p in pieces]
     per_token = [p.rows / t for p, t in zip(pieces, tokens, strict=True)]
@@ -81,7 +94,19 @@ def run_one(model: Path, words: int, threads: int, history: int = 1) -> dict:
             "rows_per_token_first": statistics.mean(per_token[:q]),
             "rows_per_token_last": statistics.mean(per_token[-q:]),
             "audio_s": audio, "wall_s": wall, "rtf": wall / audio, "short_line_rtf": statistics.mean(short_rtf),
-            "peak_rss_mb": peak_rss_mb()}
+            "peak_rss_mb": peak_rss_mb(), "lanes": len(job.lanes), "paragraphs": sum(p.paragraph_end for p in
+                                                                                      job.pieces),
+            "mean_batch": job.stats["mean_batch"], "positions_prefilled": job.stats["positions_prefilled"],
+            "rows_generated": job.stats["rows_generated"], "batch_gain": gain}
+
+
+def cpu_flags() -> str:
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split("flags")[1].split("\n")[0].split())
+    except (OSError, IndexError):
+        return "unknown"
+    names = ["avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8", "amx_bf16"]
+    return " ".join(n for n in names if n in flags) or "no AVX2"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,24 +116,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--history", type=int, default=1, help="earlier pieces kept in each prompt (default 1)")
     ap.add_argument("--work", type=Path, default=ROOT / "onnx" / "bench")
+    ap.add_argument("--model-path", type=Path, help="an existing export (instead of building --preset)")
+    ap.add_argument("--lanes", type=int, nargs="+", default=[1], help="lane counts to run (default 1)")
+    ap.add_argument("--clone", action="store_true", help="clone the bundled reference recording (every lane starts at "
+                    "once; zero-shot, the other lanes wait for piece 1's voice)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--_one", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args._one:
-        print(json.dumps(run_one(Path(args._one[0]), int(args._one[1]), args.threads, args.history)))
+        print(json.dumps(run_one(Path(args._one[0]), int(args._one[1]), args.threads, args.history,
+                                 args.lanes[0], args.clone)))
         return 0
-    from bench import ensure_export
+    if args.model_path is not None:
+        export = args.model_path
+    else:
+        from bench import ensure_export
 
-    _, export = ensure_export(args.preset, "int4", args.work / args.preset)
+        _, export = ensure_export(args.preset, "int4", args.work / args.preset)
     runs = []
     for w in args.words:
-        r = subprocess.run([sys.executable, __file__, "--_one", str(export), str(w), "--threads", str(args.threads),
-                            "--history", str(args.history)],
-                           capture_output=True, text=True, cwd=ROOT)
-        if r.returncode:
-            raise SystemExit(f"run of {w} words failed:\n{r.stderr[-3000:]}")
-        runs.append(json.loads(r.stdout.strip().splitlines()[-1]))
-    print(f"\nlong-form: preset {args.preset}, int4, history {args.history}, {os.cpu_count()} CPUs")
+        for lanes in args.lanes:
+            r = subprocess.run([sys.executable, __file__, "--_one", str(export), str(w), "--threads",
+                                str(args.threads), "--history", str(args.history), "--lanes", str(lanes),
+                                *(["--clone"] if args.clone else [])],
+                               capture_output=True, text=True, cwd=ROOT)
+            if r.returncode:
+                raise SystemExit(f"run of {w} words, {lanes} lanes failed:\n{r.stderr[-3000:]}")
+            runs.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    print(f"\nlong-form: {export}, history {args.history}, {os.cpu_count()} CPUs ({cpu_flags()})")
     print(f"  {'words':>6} {'pieces':>6} {'EOC':>5} {'retry':>5} {'piece s min/med/max':>21} "
           f"{'rows/token 1st/last':>20} {'audio s':>8} {'RTF':>6} {'short RTF':>9} {'peak RSS MB':>11}")
     for r in runs:
@@ -117,6 +152,15 @@ def main(argv: list[str] | None = None) -> int:
               f"{p['min']:>7.1f}/{p['median']:>5.1f}/{p['max']:>5.1f}   "
               f"{r['rows_per_token_first']:>9.2f}/{r['rows_per_token_last']:<9.2f} {r['audio_s']:>8.1f} "
               f"{r['rtf']:>6.2f} {r['short_line_rtf']:>9.2f} {r['peak_rss_mb']:>11.0f}")
+    print(f"\n  {'words':>6} {'lanes':>5} {'wall s':>8} {'speed-up':>8} {'G(B)':>6} {'0.85 G':>6} "
+          f"{'mean batch':>10} {'RTF / short':>11} {'prefilled / generated':>22}")
+    for r in runs:
+        one = next((x for x in runs if x["words"] == r["words"] and x["lanes"] == 1), None)
+        speed = one["wall_s"] / r["wall_s"] if one else float("nan")
+        r["speed_up"] = speed
+        print(f"  {r['words']:>6} {r['lanes']:>5} {r['wall_s']:>8.1f} {speed:>8.2f} {r['batch_gain']:>6.2f} "
+              f"{0.85 * r['batch_gain']:>6.2f} {r['mean_batch']:>10.2f} {r['rtf'] / r['short_line_rtf']:>11.2f} "
+              f"{r['positions_prefilled']:>10} / {r['rows_generated']:<10}")
     if args.json:
         args.json.write_text(json.dumps(runs, indent=2))
     return 0
