@@ -136,3 +136,25 @@ def test_out_dir_a_bad_line_is_refused_before_any_work(builds, tmp_path):
     assert not list((tmp_path / "out").glob("*.wav"))
     r = cli("--model-path", builds["int4"], "--text-file", src, "--out-dir", tmp_path / "out", "--lanes", "0")
     assert r.returncode == 2 and "--lanes" in r.stderr
+
+
+@pytest.mark.slow
+def test_a_retried_piece_cuts_its_continued_cache_back(tts32, tmp_path):
+    """A piece that reaches its row limit is made once more with another seed in the same context: a continued
+    piece's cache is cut back to where the piece started, so the retry equals a from-scratch prefill of its
+    prompt."""
+    from higgs_onnx.generation.options import GenerationOptions
+
+    text = "The first sentence is here. And a second one follows it.\n\nA new paragraph starts now, and ends."
+    job = LongForm(tts32, text, tmp_path / "r.wav", options=GenerationOptions(ignore_eoc=True),
+                   lf=LongFormOptions(target_chars=30, max_chars=60), lanes=1)
+    pieces = list(job.run())
+    assert len(pieces) >= 3 and all(p.retried and p.stop_reason == "max_rows" for p in pieces)
+    done = {i: job._load(i) for i in range(len(pieces))}
+    for i in range(1, len(pieces)):
+        assert job._context(i, done)[2]  # continued
+        req, _ = job._request(i, done, 1, prev=None)  # the retry's prompt and seed, prefilled from scratch
+        with tts32.scheduler() as sched:
+            rows = sched.submit(req).wait().generated
+        np.testing.assert_array_equal(rows, done[i]["gen"], err_msg=f"piece {i + 1}")
+    job.close()
