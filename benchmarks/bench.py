@@ -3,10 +3,13 @@
 Usage:
     python benchmarks/bench.py --preset tiny                        # smoke run (seconds)
     python benchmarks/bench.py --preset 4b --frames 64 --json bench_4b.json   # real geometry (builds ~9 GB + export)
+    python benchmarks/bench.py --model-path onnx/cpu_int4 --batch 1 2 4 8 --json batch.json   # batch gain G(B)
 
 Everything is measured in one run: memory read bandwidth with the same thread count, the decoder step vs the floor
 (weight bytes / bandwidth), prefill, per-frame host overhead, codec speed, end-to-end speed and peak RSS (in a
 child process), the same rows through the PyTorch reference (bf16), and the int4 decoder export's time and RSS.
+`--batch` measures only the batch gain G(B) (rows/s at B / rows/s at B = 1) through the scheduler, in one process
+(`batch_figures`). `--model-path` benchmarks an existing export instead of the `--preset` synthetic one.
 """
 
 from __future__ import annotations
@@ -257,46 +260,121 @@ def codec_schemes(tts, frames: np.ndarray) -> list[dict]:
     return rows
 
 
-def batch_figures(model_path: Path, batch: int, rows: int, threads: int) -> dict:
-    """`batch` requests decoded together (one slot pool, one decoder call per step) for `rows` rows each: step time,
-    the decoder's share, aggregate rows/s and per-request real-time factor; peak RSS of this process."""
-    from higgs_onnx.generation.engine import Engine
+CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni")  # plus every amx_* flag
+
+
+def cpu_info() -> dict:
+    """This machine's CPU model and the SIMD / matrix flags that decide the int4 kernels' speed (from /proc/cpuinfo):
+    avx2, avx512f, avx512_vnni, avx512_bf16, avx_vnni and every amx_* flag it has."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {"model": "unknown CPU", "flags": []}
+    lines = info.splitlines()
+    model = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "?")
+    flags = set(next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), []))
+    have = [f for f in CPU_FLAGS if f in flags] + sorted(f for f in flags if f.startswith("amx_"))
+    return {"model": model, "flags": have}
+
+
+def cpu_line(cpu: dict) -> str:
+    return f"{cpu['model']}; {', '.join(cpu['flags']) or 'no AVX2'}"
+
+
+class DecoderClock:
+    """While on (a `with` block), adds up the seconds the backend spends in its decoder calls of the row loop
+    (`decode`, `decode_batch`): the timers are instance attributes over the backend's methods, removed on exit."""
+
+    CALLS = ("decode", "decode_batch")
+
+    def __init__(self, backend):
+        self.backend, self.seconds = backend, 0.0
+
+    def __enter__(self) -> DecoderClock:
+        self._saved = {name: vars(self.backend).get(name) for name in self.CALLS}  # a wrapper already there
+        for name in self.CALLS:
+            setattr(self.backend, name, self._timed(getattr(self.backend, name)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, saved in self._saved.items():
+            if saved is None:
+                delattr(self.backend, name)
+            else:
+                setattr(self.backend, name, saved)
+
+    def _timed(self, call):
+        def timed(*args):
+            t0 = time.perf_counter()
+            try:
+                return call(*args)
+            finally:
+                self.seconds += time.perf_counter() - t0
+        return timed
+
+
+def batch_run(tts, batch: int, rows: int, positions: int, seed: int = 0) -> dict:
+    """`batch` requests of exactly `rows` rows each (ignore_eoc: none stops early, so every B runs the same rows)
+    through one scheduler of `batch` slots, all submitted at once and stepped by the caller. Only decode steps are
+    timed (the first step also prefills every prompt and is left out): rows/s = rows those steps made / their
+    seconds; the decoder's share from `DecoderClock`."""
     from higgs_onnx.generation.options import GenerationOptions
-    from higgs_onnx.runtime.model import HiggsTTS
+    from higgs_onnx.generation.scheduler import PrefillPolicy
 
-    tts = HiggsTTS(model_path, threads=threads, verify=False)
-    f, be = tts.facts, tts.backend
-    timed = TimedBatch(be)
-    engine = Engine(timed, be.pool(batch, 512 + rows))
+    reqs = [tts.request(f"{TEXT} Voice number {i}.", slot=positions,
+                        options=GenerationOptions(seed=seed + i, max_rows=rows, ignore_eoc=True))
+            for i in range(batch)]
+    with tts.scheduler(batch, positions, PrefillPolicy(chunk=positions)) as sched:
+        handles = [sched.submit(r) for r in reqs]
+        timed_s = timed_rows = steps = 0
+        with DecoderClock(tts.backend) as clock:
+            while True:
+                before, prefills, decoder_s = sched.batch_rows, sched.prefill_calls, clock.seconds
+                t0 = time.perf_counter()
+                if not sched.step():
+                    break
+                spent = time.perf_counter() - t0
+                if sched.prefill_calls == prefills:  # a pure decode step
+                    timed_s, timed_rows, steps = timed_s + spent, timed_rows + sched.batch_rows - before, steps + 1
+                else:
+                    clock.seconds = decoder_s  # the prefill step's decoder call is not a row-loop one
+        widest = max(h.widest for h in handles)
+        done = [h.wait() for h in handles]
+    if widest != batch or any(r.n != rows for r in done):
+        raise RuntimeError(f"B={batch}: widest batch {widest}, rows {[r.n for r in done]} (wanted {rows} each)")
+    return {"rows_per_s": timed_rows / timed_s, "step_ms": timed_s / steps * 1e3,
+            "decoder_ms": clock.seconds / steps * 1e3, "steps": steps, "rows": timed_rows}
 
-    def run(n_rows: int) -> tuple[float, int]:
-        reqs = [tts.request(f"{TEXT} Voice number {i}.", options=GenerationOptions(seed=i, max_rows=n_rows,
-                                                                                  ignore_eoc=True))
-                for i in range(batch)]
-        for req in reqs:
-            engine.start(req)
-        timed.decoder_s, steps, t0 = 0.0, 0, time.perf_counter()
-        while not all(r.done for r in reqs):
-            engine.step(reqs)
-            steps += 1
-        return time.perf_counter() - t0, steps
 
-    run(f.num_codebooks)  # warm-up (the fewest rows a request may ask): sessions, the batch's bindings
-    loop_s, steps = run(rows)
-    step_ms = loop_s / steps * 1e3
-    decoder_ms = timed.decoder_s / steps * 1e3
+def batch_figures(tts, batches: list[int], rows: int, repeats: int = 3) -> dict:
+    """Batch gain G(B) = rows/s at B / rows/s at B = 1, all in this process on one loaded model through the
+    scheduler: each round runs every B once (interleaved, so a slow spell of a shared machine hits every B alike);
+    each B keeps its best round. B = 1 is always measured (it is the denominator)."""
+    f = tts.facts
+    batches = sorted({1, *batches})
+    positions = 512 + rows  # one slot: the prompt (well under 512 positions) and every row
+    warm = f.num_codebooks  # the fewest rows a request may ask: sessions made, each B's bindings
+    for b in batches:
+        batch_run(tts, b, warm, positions)
+    runs: dict[int, list[dict]] = {b: [] for b in batches}
+    for _ in range(repeats):
+        for b in batches:
+            runs[b].append(batch_run(tts, b, rows, positions, seed=100 * b))
+    best = {b: max(rs, key=lambda r: r["rows_per_s"]) for b, rs in runs.items()}
+    one = best[1]
     audio_s = (rows - f.num_codebooks + 1) / f.frame_rate  # per request
-    return {"batch": batch, "rows": rows, "step_ms": step_ms, "decoder_ms": decoder_ms,
-            "host_ms": step_ms - decoder_ms, "host_share": (step_ms - decoder_ms) / step_ms,
-            "rows_per_s": batch * steps / loop_s, "rtf_per_request": loop_s / audio_s, "peak_rss_mb": peak_rss_mb()}
-
-
-class TimedBatch(Timed):
-    def decode_batch(self, caches, embeds):
-        t0 = time.perf_counter()
-        out = self.backend.decode_batch(caches, embeds)
-        self.decoder_s += time.perf_counter() - t0
-        return out
+    out = []
+    for b in batches:
+        r = best[b]
+        loop_s = r["step_ms"] * rows / 1e3  # one request's rows at this step time
+        out.append({"batch": b, "rows_per_s": r["rows_per_s"], "gain": r["rows_per_s"] / one["rows_per_s"],
+                    "step_ms": r["step_ms"], "step_x_single": r["step_ms"] / one["step_ms"],
+                    "decoder_ms": r["decoder_ms"], "host_ms": r["step_ms"] - r["decoder_ms"],
+                    "host_share": (r["step_ms"] - r["decoder_ms"]) / r["step_ms"],
+                    "rtf_per_request": loop_s / audio_s, "rows_per_request": rows,
+                    "rounds_rows_per_s": [x["rows_per_s"] for x in runs[b]]})
+    return {"positions": positions, "repeats": repeats, "batches": out,
+            "gain": {str(x["batch"]): x["gain"] for x in out}, "peak_rss_mb": peak_rss_mb()}
 
 
 def peak_rss_mb() -> float:
@@ -395,9 +473,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--_torch", nargs=2, type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--_export", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--_stream", nargs=4, help=argparse.SUPPRESS)  # export seconds voice(0/1) one_shot(0/1)
-    ap.add_argument("--_batch", nargs=2, help=argparse.SUPPRESS)  # export batch
-    ap.add_argument("--batch", type=int, nargs="+", metavar="B", help="batched decoding only: requests per decoder "
-                    "call, e.g. --batch 1 2 4 8 (each in a fresh process, --frames rows each)")
+    ap.add_argument("--model-path", type=Path, help="an existing export folder to benchmark (default: the --preset "
+                    "synthetic export under --work, built if missing)")
+    ap.add_argument("--batch", type=int, nargs="+", metavar="B", help="batched decoding only: the batch gain G(B) "
+                    "for these requests per decoder call, e.g. --batch 1 2 4 8 (one process, --frames rows each)")
+    ap.add_argument("--repeats", type=int, default=3, help="--batch: interleaved rounds, best kept per B")
     ap.add_argument("--skip-stream", action="store_true", help="skip the streaming figures (TTFA, 10 s / 60 s)")
     ap.add_argument("--long-seconds", type=float, default=60.0, help="the long line of the memory check")
     args = ap.parse_args(argv)
@@ -407,6 +487,8 @@ def main(argv: list[str] | None = None) -> int:
         check_threads(args.threads)
     except ValueError as e:
         ap.error(str(e))  # a usage error: exit 2 before anything is built
+    if args.model_path is not None and not (args.model_path / "manifest.json").is_file():
+        ap.error(f"--model-path {args.model_path}: no manifest.json there (not an export folder)")
     if args._generation:
         print(json.dumps(generation_figures(args._generation, args.frames, args.threads)))
         return 0
@@ -415,9 +497,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args._export:
         print(json.dumps(export_figures(args._export)))
-        return 0
-    if args._batch:
-        print(json.dumps(batch_figures(Path(args._batch[0]), int(args._batch[1]), args.frames, args.threads)))
         return 0
     if args.batch:
         return batch_main(args)
@@ -428,9 +507,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from higgs_onnx.runtime.model import HiggsTTS
 
-    ckpt, export = ensure_export(args.preset, args.precision, args.work / args.preset, args.device, args.attention)
-    out = {"preset": args.preset, "export": export.name, "precision": args.precision, "threads": args.threads,
-           "cpus": os.cpu_count()}
+    ckpt, export = resolve_export(args)
+    precision = load_manifest(export, verify=False).data["precision"]
+    out = {"preset": args.preset if args.model_path is None else None, "export": export.name,
+           "precision": precision, "threads": args.threads, "cpus": os.cpu_count(), "cpu": cpu_info()}
     out["bandwidth_gbs"], out["bandwidth_probe"] = bandwidth_gbs(args.threads)
     data = sum(f["size"] for f in load_manifest(export, verify=False).parts["llm_decoder"]["files"].values())
     out["decoder_weight_mb"] = data / 2**20
@@ -447,10 +527,13 @@ def main(argv: list[str] | None = None) -> int:
     gen, _ = child("--_generation", str(export), "--frames", str(args.frames), "--threads", str(args.threads))
     rows = np.asarray(gen.pop("rows_generated"), np.int64)
     out["generation"] = gen
-    if not args.skip_torch:
+    if ckpt is None and not (args.skip_torch and args.skip_export):
+        print(f"no checkpoint for {export} (its manifest's source folder is gone): the PyTorch and export figures "
+              f"are skipped", file=sys.stderr)
+    if not args.skip_torch and ckpt is not None:
         out["torch"], _ = child("--_torch", str(ckpt), str(_save(rows)))
         out["speedup_vs_torch"] = gen["rows_per_s"] / out["torch"]["rows_per_s"]
-    if not args.skip_export:
+    if not args.skip_export and ckpt is not None:
         figures, _ = child("--_export", str(ckpt))
         out.update(figures)
     if not args.skip_stream:
@@ -466,29 +549,48 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def batch_main(args) -> int:
-    """`--batch B ...`: the batched-decoding table (each B in a fresh process for its peak RSS)."""
-    _, export = ensure_export(args.preset, args.precision, args.work / args.preset, args.device, args.attention)
+    """`--batch B ...`: the batch gain G(B) of this machine, every B in this one process (see `batch_figures`)."""
+    from higgs_onnx.runtime.model import HiggsTTS
+
     for b in args.batch:
         if b < 1:
             raise SystemExit(f"error: --batch sizes must be >= 1, got {b}")
-    out = {"preset": args.preset, "precision": args.precision, "threads": args.threads, "cpus": os.cpu_count(),
-           "rows": args.frames, "batches": []}
-    for b in args.batch:
-        fig, _ = child("--_batch", str(export), str(b), "--frames", str(args.frames), "--threads", str(args.threads))
-        out["batches"].append(fig)
-        print(f"  B={b}: step {fig['step_ms']:.1f} ms ...", flush=True)
-    print(f"\nbatched decoding: preset {args.preset}, {args.precision}, {args.frames} rows per request, "
-          f"{os.cpu_count()} CPUs")
-    print(f"  {'B':>3} {'step ms':>9} {'decoder ms':>11} {'host %':>7} {'rows/s':>8} {'x B=first':>10} "
-          f"{'RTF/request':>12} {'peak RSS MB':>12}")
-    first = out["batches"][0]["rows_per_s"]
-    for fig in out["batches"]:
-        print(f"  {fig['batch']:>3} {fig['step_ms']:>9.1f} {fig['decoder_ms']:>11.1f} {100 * fig['host_share']:>6.1f}% "
-              f"{fig['rows_per_s']:>8.1f} {fig['rows_per_s'] / first:>9.2f}x {fig['rtf_per_request']:>12.2f} "
-              f"{fig['peak_rss_mb']:>12.0f}")
+    if args.repeats < 1:
+        raise SystemExit(f"error: --repeats must be >= 1, got {args.repeats}")
+    _, export = resolve_export(args)
+    tts = HiggsTTS(export, threads=args.threads, verify=False)
+    cpu = cpu_info()
+    out = {"preset": None if args.model_path else args.preset, "export": str(export),
+           "precision": tts.manifest.data["precision"], "threads": args.threads, "cpus": os.cpu_count(), "cpu": cpu,
+           "rows": args.frames, **batch_figures(tts, args.batch, args.frames, args.repeats)}
+    print_batch_table(out)
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
     return 0
+
+
+def print_batch_table(o: dict) -> None:
+    pool = f"{o['threads']} intra-op threads" if o["threads"] else "ONNX Runtime's default intra-op threads"
+    print(f"\nbatched decoding through the scheduler: {o['export']} ({o['precision']}), {o['rows']} rows per "
+          f"request (ignore_eoc), best of {o['repeats']} interleaved rounds, {pool}")
+    print(f"CPU: {cpu_line(o['cpu'])} ({o['cpus']} CPUs)")
+    print(f"  {'B':>3} {'rows/s':>8} {'G(B)':>7} {'step ms':>9} {'x B=1 step':>11} {'decoder ms':>11} "
+          f"{'host %':>7} {'RTF/request':>12}")
+    for x in o["batches"]:
+        print(f"  {x['batch']:>3} {x['rows_per_s']:>8.1f} {x['gain']:>6.2f}x {x['step_ms']:>9.1f} "
+              f"{x['step_x_single']:>10.2f}x {x['decoder_ms']:>11.1f} {100 * x['host_share']:>6.1f}% "
+              f"{x['rtf_per_request']:>12.2f}")
+    print(f"  G(B) = rows/s at B / rows/s at B = 1; peak RSS of the run {o['peak_rss_mb']:.0f} MB")
+
+
+def resolve_export(args) -> tuple[Path | None, Path]:
+    """(checkpoint or None, export): `--model-path` as given (its checkpoint when the manifest's source folder is
+    still there), else the `--preset` synthetic export under `--work`, built if missing."""
+    if args.model_path is None:
+        return ensure_export(args.preset, args.precision, args.work / args.preset, args.device, args.attention)
+    source = (load_manifest(args.model_path, verify=False).data.get("source") or {}).get("path")
+    ckpt = Path(source) if isinstance(source, str) and (Path(source) / "config.json").is_file() else None
+    return ckpt, args.model_path
 
 
 def _save(rows: np.ndarray) -> Path:
@@ -544,7 +646,9 @@ def print_table(o: dict) -> None:
                       f"10 s: {a['peak_rss_mb']:.0f} MB ({100 * (b['peak_rss_mb'] / a['peak_rss_mb'] - 1):+.1f} %); "
                       f"KV cache {b['kv_cache_mb']:.0f} vs {a['kv_cache_mb']:.0f} MB; without it {net:+.1f} %"))
     pool = f"{o['threads']} intra-op threads" if o["threads"] else "ONNX Runtime's default intra-op threads"
-    print(f"\nbenchmark: preset {o['preset']}, {o['precision']}, {pool}, {o['cpus']} CPUs")
+    what = f"preset {o['preset']}" if o["preset"] else o["export"]
+    print(f"\nbenchmark: {what}, {o['precision']}, {pool}, {o['cpus']} CPUs")
+    print(f"CPU: {cpu_line(o['cpu'])}")
     for name, value, note in lines:
         print(f"  {name:<30}{value:>20}   {note}")
 

@@ -71,7 +71,7 @@ def speed(folder: Path, provider: str, steps: int, rows: int) -> dict:
     wall = time.perf_counter() - t0
     return {**figs, "rows": speech.rows.shape[0], "rows_per_s": speech.rows.shape[0] / wall,
             "rtf": wall / max(speech.waveform.size / speech.sample_rate, 1e-9),
-            "kv_memory": tts.backend.decoder.memory if hasattr(tts.backend.decoder, "memory") else "host"}
+            "kv_memory": tts.kv_memory}
 
 
 def run(args: argparse.Namespace) -> int:

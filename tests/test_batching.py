@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from higgs_onnx.generation.engine import Engine
 from higgs_onnx.generation.options import GenerationOptions
+from higgs_onnx.generation.scheduler import PrefillPolicy
 from higgs_onnx.runtime.model import HiggsTTS
 
 pytestmark = pytest.mark.slow
@@ -32,21 +32,21 @@ def tts4(builds):
 
 
 def run_batched(tts, requests, join_at, slots=4):
-    """Drive `requests` through one pooled engine; request i joins at step join_at[i]. Returns (rows, max batch)."""
-    engine = Engine(tts.backend, tts.backend.pool(slots, 1024))
-    waiting, active, step, widest = list(zip(join_at, requests, strict=True)), [], 0, 0
-    while waiting or active:
-        for at, req in [w for w in waiting if w[0] <= step]:
-            if len(active) < slots:
-                engine.start(req)
-                active.append(req)
-                waiting.remove((at, req))
-        widest = max(widest, len(active))
-        engine.step(active)
-        active = [r for r in active if not r.done]
+    """Feed `requests` to one scheduler of `slots` slots, stepping it here; request i is submitted before step
+    join_at[i] (it starts when a slot is free). Prompts prefill whole, as alone. Returns (rows, widest batch)."""
+    sched = tts.scheduler(slots, 1024, PrefillPolicy(chunk=1024))
+    pending = sorted(zip(join_at, range(len(requests)), strict=True))
+    handles, step = {}, 0
+    while pending or not sched.idle:
+        while pending and pending[0][0] <= step:
+            _, i = pending.pop(0)
+            handles[i] = sched.submit(requests[i])
+        sched.step()
         step += 1
-    assert engine.pool.in_use == 0  # every slot came back
-    return [r.generated.copy() for r in requests], widest
+    done = [handles[i].wait() for i in range(len(requests))]
+    assert sched.pool.in_use == 0  # every slot came back
+    sched.close()
+    return [r.generated.copy() for r in done], max(h.widest for h in handles.values())
 
 
 def requests(tts, options, voice=None):

@@ -40,12 +40,38 @@ def test_bench_refuses_negative_threads(tmp_path):  # fast: refused before anyth
 
 
 @pytest.mark.slow
-def test_bench_batch_table_tiny(tmp_path):
-    r = bench("--preset", "tiny", "--batch", 1, 2, "--frames", 24, "--work", tmp_path, "--json", tmp_path / "b.json",
-              timeout=600)
+def test_bench_batch_gain_tiny(tmp_path):
+    r = bench("--preset", "tiny", "--batch", 2, 4, "--frames", 24, "--repeats", 2, "--work", tmp_path, "--json",
+              tmp_path / "b.json", timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     b = json.loads((tmp_path / "b.json").read_text())
-    assert [x["batch"] for x in b["batches"]] == [1, 2]
+    assert [x["batch"] for x in b["batches"]] == [1, 2, 4]  # B = 1, the denominator, is always measured
+    assert b["gain"]["1"] == 1.0 and set(b["gain"]) == {"1", "2", "4"} and b["repeats"] == 2
     for x in b["batches"]:
-        assert x["step_ms"] >= x["decoder_ms"] > 0 and x["rows_per_s"] > 0 and x["peak_rss_mb"] > 0
-    assert "batched decoding" in r.stdout and "RTF/request" in r.stdout
+        assert x["step_ms"] >= x["decoder_ms"] > 0 and x["rows_per_s"] > 0 and x["rows_per_request"] == 24
+        assert x["gain"] == x["rows_per_s"] / b["batches"][0]["rows_per_s"] and len(x["rounds_rows_per_s"]) == 2
+    assert b["peak_rss_mb"] > 0 and isinstance(b["cpu"]["flags"], list)
+    assert "batched decoding through the scheduler" in r.stdout and "G(B)" in r.stdout and "RTF/request" in r.stdout
+    assert f"CPU: {b['cpu']['model']}" in r.stdout
+
+
+def test_bench_names_the_cpu_flags():  # fast: reads /proc/cpuinfo only
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from bench import CPU_FLAGS, cpu_info, cpu_line
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    cpu = cpu_info()
+    known = set(CPU_FLAGS)
+    assert all(f in known or f.startswith("amx_") for f in cpu["flags"])
+    info = Path("/proc/cpuinfo")
+    line = next((ln for ln in info.read_text().splitlines() if ln.startswith("flags")), "") if info.is_file() else ""
+    flags = line.split(":", 1)[-1].split()
+    assert ("avx2" in cpu["flags"]) == ("avx2" in flags)
+    assert cpu_line(cpu).startswith(cpu["model"])
+
+
+def test_bench_refuses_a_model_path_without_a_manifest(tmp_path):  # fast: refused before anything is loaded
+    r = bench("--model-path", tmp_path, "--batch", 1, "--work", tmp_path / "w", timeout=120)
+    assert r.returncode == 2 and "no manifest.json there" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "w").exists()

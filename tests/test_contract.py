@@ -107,13 +107,15 @@ def test_default_budget_is_the_default_limit_or_what_fits(tts):
     assert e.value.status == 413
 
 
-def test_an_engine_never_cuts_a_request_to_its_pool(tts):
-    from higgs_onnx.generation.engine import Engine
-
-    engine = Engine(tts.backend, tts.backend.pool(1, 64))
+def test_a_scheduler_never_cuts_a_request_to_its_pool(tts):
+    sched = tts.scheduler(1, 64)
     req = tts.request("Hello.", max_rows=100)  # made for no slot: does not fit this pool's 64 positions
+    handle = sched.submit(req)
+    sched.run_until_idle()
     with pytest.raises(ContractError, match="slots hold 64 positions"):
-        engine.start(req)
+        handle.wait()
+    assert handle.state == "failed" and sched.pool.in_use == 0
+    sched.close()
 
 
 def test_a_voice_too_long_for_the_context_is_refused(tts, monkeypatch):
@@ -138,12 +140,10 @@ def test_the_fewest_rows_give_one_frame(tts):
 
 
 def test_a_generation_without_frames_is_an_error(tts, monkeypatch):
-    from higgs_onnx.generation import pipeline
-
     req = tts.request("Hello.", max_rows=8)
     monkeypatch.setattr(req, "new_frames", lambda: np.zeros((0, tts.facts.num_codebooks), np.int64))
     with pytest.raises(NoAudioError, match="without one audio frame"):
-        pipeline.Synthesizer.speak(tts.synthesizer, req)
+        tts.run(req, "speech")
 
 
 # -- class 4: outputs checked before the work, audio kept when the final write fails ------------------------------

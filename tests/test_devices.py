@@ -63,26 +63,21 @@ def test_portable_decoder_speaks_the_gqa_decoders_codes(exports):
 def test_decoders_without_a_batched_cache_serve_batches_row_by_row(exports, name):
     """The server's slot pool over a concat cache (ORT) or host arrays (OpenVINO): each request of a batch gets the
     codes it gets alone, and every slot comes back."""
-    from higgs_onnx.generation.engine import Engine
     from higgs_onnx.generation.options import GenerationOptions
+    from higgs_onnx.generation.scheduler import PrefillPolicy
 
     texts = [TEXT, "A second, longer request that keeps going for a little while.", "Third."]
     options = GenerationOptions(temperature=0, max_rows=40)
     tts, _ = _greedy(exports[name])
     alone = [tts.generate(t, options=options).rows for t in texts]
-    engine = Engine(tts.backend, tts.backend.pool(2, 256))
-    made = [tts.request(t, options=options) for t in texts]
-    waiting, active, widest = list(made), [], 0
-    while waiting or active:
-        while waiting and len(active) < 2:
-            active.append(waiting.pop(0))
-            engine.start(active[-1])
-        widest = max(widest, len(active))
-        engine.step(active)
-        active = [r for r in active if not r.done]
-    assert engine.pool.in_use == 0 and widest == 2
-    for want, req in zip(alone, made, strict=True):
-        np.testing.assert_array_equal(req.generated, want)
+    sched = tts.scheduler(2, 256, PrefillPolicy(chunk=256))  # two slots, three requests; prompts prefill whole
+    handles = [sched.submit(tts.request(t, options=options, slot=256)) for t in texts]
+    sched.run_until_idle()
+    got = [h.wait().generated for h in handles]
+    assert sched.pool.in_use == 0 and max(h.widest for h in handles) == 2
+    sched.close()
+    for want, rows in zip(alone, got, strict=True):
+        np.testing.assert_array_equal(rows, want)
 
 
 def test_openvino_runs_every_part_and_matches_the_cpu_codes(exports):

@@ -1,6 +1,6 @@
 """Sections that run the shared generation loop on both backends; each returns its figures, none judges.
 
-Greedy, teacher-forced, speed and audio read the same greedy runs (`Evaluator.greedy_runs`, one per prompt).
+Greedy, teacher-forced, speed and audio read the same greedy runs (`EvalContext.greedy_runs`, one per prompt).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from ..parity import cosine, max_abs
 
 if TYPE_CHECKING:
     from ..generation.engine import GenerationResult
-    from .runner import Evaluator
+    from .context import EvalContext
 
 # Spectrogram frames: 1024-sample Hann windows (43 ms at 24 kHz), hop 256; magnitudes floored at -140 dB.
 N_FFT, HOP, FLOOR = 1024, 256, 1e-7
@@ -44,7 +44,7 @@ def divergence(onnx: GenerationResult, torch: GenerationResult) -> dict:
     return {"first_divergence": None, "codebook": None, "margin": None, "logit_scale": None}
 
 
-def greedy(ev: Evaluator) -> dict:
+def greedy(ev: EvalContext) -> dict:
     """Free-running greedy on both backends per prompt: first divergence, margin there, lengths, and the rows of
     both around the divergence (`window`, for the rows plot)."""
     out = []
@@ -61,7 +61,7 @@ def greedy(ev: Evaluator) -> dict:
     return {"prompts": out}
 
 
-def teacher_forced(ev: Evaluator) -> dict:
+def teacher_forced(ev: EvalContext) -> dict:
     """The reference's greedy rows fed to the export: per-codebook top-1 agreement, logit cosine, KL (T = 0.8)."""
     out = []
     for text in ev.options.prompts:
@@ -76,7 +76,7 @@ def teacher_forced(ev: Evaluator) -> dict:
     return {"prompts": out}
 
 
-def speed(ev: Evaluator) -> dict:
+def speed(ev: EvalContext) -> dict:
     """Rows per second and real-time factor of both backends over the greedy runs (same loop, same process)."""
     out = {}
     for name in ("onnx", "torch"):
@@ -95,7 +95,7 @@ def log_spectrogram(wav: np.ndarray) -> np.ndarray:
     return 20 * np.log10(np.abs(np.fft.rfft(frames, axis=-1)).T + FLOOR)
 
 
-def audio(ev: Evaluator) -> dict:
+def audio(ev: EvalContext) -> dict:
     """The first prompt's greedy codes of each backend decoded by its own codec (export / reference): durations and
     the log-spectral distance; the waveforms go to the spectrogram plot (`_` keys stay out of the JSON)."""
     text, f = ev.options.prompts[0], ev.tts.facts
@@ -114,7 +114,7 @@ def audio(ev: Evaluator) -> dict:
             "_onnx": wavs["onnx"], "_torch": wavs["torch"]}
 
 
-def sampled(ev: Evaluator) -> dict:
+def sampled(ev: EvalContext) -> dict:
     """`runs` seeds per prompt at the default sampling: clean EOC stops of the export, durations vs PyTorch."""
     rows = []
     for text in ev.options.prompts:

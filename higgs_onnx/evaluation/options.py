@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,6 +116,10 @@ class Outputs:
                 raise FileNotFoundError(f"--plots {plots}: folder {plots.parent} does not exist")
             else:
                 probe_writable(plots.parent, f"--plots {plots}")
-            from .plots import require_matplotlib
-
             require_matplotlib()
+
+
+def require_matplotlib() -> None:
+    """The plots need matplotlib (checked before the evaluation; `plots` draws with it)."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ModuleNotFoundError("matplotlib is not installed: pip install -r requirements.txt (or pass --no-plots)")

@@ -5,7 +5,6 @@ matplotlib is imported lazily and drawn on an Agg canvas (no pyplot, no display,
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 from collections.abc import Callable
@@ -15,15 +14,11 @@ import numpy as np
 
 from .gates import judge_divergence
 from .generation import HOP, log_spectrogram
+from .options import require_matplotlib
 from .report import Report
 
 log = logging.getLogger(__name__)
 DYNAMIC_RANGE_DB = 100  # spectrogram colours span the loudest bin down to this many dB below it
-
-
-def require_matplotlib() -> None:
-    if importlib.util.find_spec("matplotlib") is None:
-        raise ModuleNotFoundError("matplotlib is not installed: pip install -r requirements.txt (or pass --no-plots)")
 
 
 def _figure(width: float, height: float):

@@ -15,61 +15,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
-from ..generation.engine import GenerationResult, generate
 from ..generation.options import GenerationOptions
-from ..generation.pipeline import stop_rules
-from ..generation.prompt import build_prompt
-from ..generation.sampling import GREEDY, SamplingOptions
 from . import generation, sections
-from .gates import apply_gates, gates_for
+from .context import EvalContext
+from .gates import apply_gates
 from .options import EvalOptions, Outputs
 from .report import Report, to_json, to_markdown
 
 log = logging.getLogger(__name__)
 
 
-class Evaluator:
-    """The export, the reference and the options every section reads, plus the greedy runs several sections share."""
-
-    def __init__(self, tts, ref, options: EvalOptions | None = None):
-        from ..reference.model import ReferenceBackend
-
-        self.tts, self.ref, self.options = tts, ref, options or EvalOptions()
-        self.precision = tts.manifest.data["precision"]
-        self.gates = gates_for(self.precision, self.options.gates)
-        self.ref_backend = ReferenceBackend(ref)
-        self.rules = stop_rules(tts.facts)
-        self._greedy: dict[str, dict[str, GenerationResult]] = {}
-
-    def prompt(self, text: str) -> list[int]:
-        return build_prompt(self.tts.tokenizer, self.tts.tokens, text)
-
-    def generate(self, backend: str, text: str, sampling: SamplingOptions, seed: int, keep_logits: bool = False,
-                 teacher: np.ndarray | None = None) -> GenerationResult:
-        """One run of the shared loop on "onnx" or "torch"; `teacher` (L, N) rows are fed instead of the picks."""
-        be = self.tts.backend if backend == "onnx" else self.ref_backend
-        options = GenerationOptions.make(sampling=sampling, seed=seed, max_rows=self.options.max_rows)
-        return generate(be, self.prompt(text), self.rules, options, self.tts.facts.placeholder,
-                        keep_logits=keep_logits, teacher_rows=teacher)
-
-    def run_both(self, text: str, sampling: SamplingOptions, seed: int, keep_logits: bool = False) -> dict:
-        return {b: self.generate(b, text, sampling, seed, keep_logits) for b in ("onnx", "torch")}
-
-    def greedy_runs(self, text: str) -> dict[str, GenerationResult]:
-        """Greedy runs of both backends with their logits, made once per prompt (greedy, teacher-forced, speed, audio
-        read them)."""
-        if text not in self._greedy:
-            self._greedy[text] = self.run_both(text, GREEDY, 0, keep_logits=True)
-        return self._greedy[text]
-
-    def meta(self) -> dict:
-        o, m = self.options, self.tts.manifest.data
-        return {"model_path": str(self.tts.manifest.folder), "precision": self.precision, "device": m["device"],
-                "provider": self.tts.provider,
-                "checkpoint": str(self.ref.folder), "gates": self.gates, "prompts": list(o.prompts), "runs": o.runs,
-                "max_rows": o.max_rows, "recordings": [Path(p).name for p in o.recordings], "seconds": {}}
+class Evaluator(EvalContext):
+    """An `EvalContext` that runs the sections of `SECTIONS`, skipping those the options leave out or that would
+    run through a part that failed its parity check."""
 
     def skip_reason(self, name: str, report: Report) -> str | None:
         section = SECTIONS[name]
@@ -105,10 +63,6 @@ class Evaluator:
         report.meta["ran_on"] = self.ran_on()
         return report
 
-    def ran_on(self) -> dict[str, str]:
-        """part -> the provider/device its session ran on (each checked at load: no silent fallback)."""
-        return self.tts.ran_on()
-
 
 def _not_asked_sampled(o: EvalOptions) -> str | None:
     return None if o.runs else "--runs 0"
@@ -120,7 +74,7 @@ def _not_asked_teacher_codes(o: EvalOptions) -> str | None:
 
 @dataclass(frozen=True)
 class Section:
-    run: Callable[[Evaluator], dict]  # -> figures (keys starting with "_" hold arrays kept out of the JSON)
+    run: Callable[[EvalContext], dict]  # -> figures (keys starting with "_" hold arrays kept out of the JSON)
     needs: tuple[str, ...] = ()  # exported parts it runs through
     unasked: Callable[[EvalOptions], str | None] = lambda options: None  # why the options leave it out
 

@@ -1,6 +1,7 @@
 """Sections that measure one part or the decoder on fixed inputs; each returns its figures (a dict), none judges.
 
-`ev` is the `runner.Evaluator`: the export (`ev.tts`), the PyTorch reference (`ev.ref`) and the options.
+`ev` is an `EvalContext` (context.py; `runner.Evaluator` is one): the export (`ev.tts`), the PyTorch reference
+(`ev.ref`) and the options.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from ..generation.options import GREEDY_OPTIONS
 from ..parity import check_part, compare_decoder
 
 if TYPE_CHECKING:
-    from .runner import Evaluator
+    from .context import EvalContext
 
 PARTS_SEED = 101  # fixed inputs of the per-part checks (optimize.py uses its own seed: two draws, not one)
 DECODER_SEED = 7  # random audio rows fed after the first prompt in the decoder-steps section
@@ -26,7 +27,7 @@ DECODER_SEED = 7  # random audio rows fed after the first prompt in the decoder-
 TEXT_HEAD_ROWS = 8192
 
 
-def parts(ev: Evaluator) -> dict:
+def parts(ev: EvalContext) -> dict:
     """Every exported part on fixed inputs vs the reference: {part: figures with `ok` and `precision`}."""
     rows = {}
     for part, entry in ev.tts.manifest.parts.items():
@@ -39,7 +40,7 @@ def parts(ev: Evaluator) -> dict:
     return rows
 
 
-def decoder_steps(ev: Evaluator) -> dict:
+def decoder_steps(ev: EvalContext) -> dict:
     """The decoder on the first prompt, then `decode_steps` single-row decode steps of random audio rows, vs one
     full reference forward over the same (reference) embeddings: figures with `per_step` cosine / max abs."""
     f, rng = ev.tts.facts, np.random.default_rng(DECODER_SEED)
@@ -52,7 +53,7 @@ def decoder_steps(ev: Evaluator) -> dict:
     return fig
 
 
-def encoder(ev: Evaluator) -> dict:
+def encoder(ev: EvalContext) -> dict:
     """The export's codec encoder vs the reference's on real recordings: share of equal codes, per codebook."""
     from ..audio import load_reference
 
@@ -84,7 +85,7 @@ def text_argmax(table, hidden: np.ndarray) -> np.ndarray:
     return arg.numpy()
 
 
-def text_lm(ev: Evaluator) -> dict:
+def text_lm(ev: EvalContext) -> dict:
     """The decoder as a plain text LM with the tied text head applied outside the graph: next-token agreement over
     the last prompt and a greedy continuation of `text_tokens` tokens on both."""
     from ..runtime.decoder import SimpleDecoder
@@ -109,7 +110,7 @@ def text_lm(ev: Evaluator) -> dict:
             "first_difference": first, "onnx": gen_o, "torch": gen_t}
 
 
-def teacher_codes(ev: Evaluator) -> dict:
+def teacher_codes(ev: EvalContext) -> dict:
     """Delayed rows from another implementation teacher-forced through the export: share of codes within
     `tolerance` of the export's top logit (ramp-in BOCs are forced, not sampled, and not judged)."""
     o = ev.options
@@ -127,7 +128,7 @@ def teacher_codes(ev: Evaluator) -> dict:
             "rows_outside": np.flatnonzero(~within.all(-1)).tolist()[:50]}
 
 
-def intelligibility(ev: Evaluator) -> dict:
+def intelligibility(ev: EvalContext) -> dict:
     """WER of greedy ONNX and PyTorch audio against the prompt text, with faster-whisper + jiwer if installed.
 
     The ASR model is `$HIGGS_ASR_MODEL` (default `base`), fetched by faster-whisper on first use.
@@ -150,7 +151,7 @@ def intelligibility(ev: Evaluator) -> dict:
             "torch_wer": float(np.mean([r["torch_wer"] for r in rows]))}
 
 
-def _wer_row(ev: Evaluator, asr, text: str) -> dict:
+def _wer_row(ev: EvalContext, asr, text: str) -> dict:
     import jiwer
 
     from ..audio import resample

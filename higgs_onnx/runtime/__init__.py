@@ -1,1 +1,4 @@
-"""ONNX Runtime side: sessions with verified providers, the decoder's KV cache, the ONNX backend. No torch here."""
+"""ONNX Runtime side (and the OpenVINO runtime behind the same part interface); no torch here. `model.HiggsTTS` is
+the facade; its pieces: `parts` (the export folder and its sessions), `backend` (the generation backend and KV
+caches, via `decoder`), `codec` (+ `stream`), `voice` (+ `voice_cache`); `session` / `openvino` / `checks` run a
+part."""

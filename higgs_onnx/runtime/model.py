@@ -5,287 +5,148 @@
     speech.waveform, speech.sample_rate, speech.codes, speech.rows, speech.stats
     for chunk in tts.stream("Hello there."):       # audio while the model is still talking
         play(chunk.samples)
+    sched = tts.scheduler(4, 1024)                  # several requests, one batched decoder call per step
+    h = sched.submit(tts.request("Hi.", seed=1, slot=1024), "speech"); sched.run_until_idle(); h.speech()
+
+`HiggsTTS` is the facade only: it composes the pieces and every job goes through its scheduler.
+
+- `runtime.parts.ModelParts` (`tts.parts`): the manifest checked, facts, tokenizer, the parts' sessions;
+- `runtime.backend.OnnxBackend` (`tts.backend`): the generation backend on those parts (decoder + KV cache);
+- `runtime.codec.OnnxCodec` (`tts.codec`): reference audio -> codes -> audio, streamed or in one piece;
+- `runtime.voice.Voice` and `runtime.voice_cache.VoiceCache` (`tts.voices`): voices made once, kept, saved;
+- `generation.scheduler.Scheduler` (`tts.scheduler()`): `generate` / `stream` / `run` are a batch of one on it.
 
 Thread safety: one `HiggsTTS` may be shared by threads. Each call makes its own `Request` (KV cache, sampler RNG,
-rows), the ONNX Runtime sessions allow concurrent runs, and the lazily made sessions and the voice cache are
-guarded by a lock; concurrent calls compete for the same cores, so they do not run faster together (batching
-them into one decoder call is what the server does).
+rows), the ONNX Runtime sessions allow concurrent runs, and the lazily made sessions, the backend and the voice
+cache are guarded by locks; concurrent calls compete for the same cores, so they do not run faster together
+(batching them into one decoder call is what a shared `scheduler(slots, positions)` does).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
-import json
-import logging
 import os
 import threading
 import time
-import zipfile
-import zlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
-from .. import providers
-from ..audio import load_reference, prepare_reference
-from ..checkpoint import ModelFacts
-from ..generation.contract import ContractError, Limits, check_max_rows, min_rows
-from ..generation.engine import Request, prompt_embeddings
+from ..generation.contract import Limits, check_max_rows
+from ..generation.engine import Request
 from ..generation.options import GenerationOptions
 from ..generation.pipeline import Speech, Synthesizer, reference_rows
-from ..generation.prompt import PromptTokens, build_prefix, encode_user_text
+from ..generation.prompt import encode_user_text
 from ..generation.scheduler import PrefillPolicy, Scheduler
 from ..generation.stream import AudioChunk
-from ..manifest import ManifestError, load_manifest
-from .decoder import BoundDecoder, ConcatDecoder, SimpleDecoder
-from .session import Part, check_threads, open_part
-from .stream import CodecStream, StatefulCodecStream, StreamOptions
+from .backend import OnnxBackend
+from .codec import OnnxCodec
+from .parts import STATEFUL_CODEC, ModelParts
+from .session import Part
+from .stream import StreamOptions
+from .voice import VOICE_FILE, Voice, VoiceFileError, prefill_voice
 from .voice_cache import DEFAULT_VOICE_CACHE_BYTES, VoiceCache
 
-log = logging.getLogger(__name__)
-
-STATEFUL_CODEC = "audio_tokenizer_stream"
-
-
-VOICE_FILE = "a voice file is the .npz written by inference.py --save-voice (or HiggsTTS.make_voice(...).save(path))"
-# what np.load / reading an archive member raises on a file that is not an intact .npz
-_NPZ_ERRORS = (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error)
-
-
-class VoiceFileError(ValueError):
-    """A file given as a voice that `Voice.save` did not write (or that was damaged since)."""
-
-
-def _read_voice(path: Path) -> dict:
-    """The fields of a `Voice` from an .npz written by `Voice.save`, checked; VoiceFileError says what is wrong."""
-    try:
-        npz = np.load(path, allow_pickle=False)
-    except _NPZ_ERRORS:
-        raise VoiceFileError("not an .npz archive") from None
-    if not isinstance(npz, np.lib.npyio.NpzFile):
-        raise VoiceFileError("a single .npy array, not an .npz archive")
-    with npz:
-        missing = [k for k in ("rows", "prefix", "meta") if k not in npz.files]
-        if not any(k.startswith("kv:") for k in npz.files):
-            missing.append("kv:* (the prefill state)")
-        if missing:
-            raise VoiceFileError(f"missing {', '.join(missing)}")
-        try:
-            a = {k: npz[k] for k in npz.files}
-        except _NPZ_ERRORS:
-            raise VoiceFileError("a damaged or non-numeric array inside") from None
-    try:
-        meta = json.loads(str(a["meta"]))
-        ref_text, model_id = meta["ref_text"], meta["model_id"]
-        if not isinstance(model_id, str) or not isinstance(ref_text, (str, type(None))):
-            raise TypeError(meta)
-    except (ValueError, KeyError, TypeError):
-        raise VoiceFileError("meta is not the JSON Voice.save writes") from None
-    rows, prefix, state = a["rows"], a["prefix"], {k[3:]: v for k, v in a.items() if k.startswith("kv:")}
-    if rows.ndim != 2 or rows.dtype.kind not in "iu":
-        raise VoiceFileError(f"rows must be integer codes (R, N), got {rows.dtype} {rows.shape}")
-    if prefix.ndim != 1 or prefix.dtype.kind not in "iu":
-        raise VoiceFileError(f"prefix must be integer token ids (P,), got {prefix.dtype} {prefix.shape}")
-    for name, kv in state.items():  # (1, kv_heads, P, head_dim): the cache after the P prefix positions
-        if kv.dtype.kind != "f" or kv.ndim != 4 or kv.shape[2] != len(prefix):
-            raise VoiceFileError(f"kv:{name} must be a float (1, H, {len(prefix)}, D) cache, got {kv.dtype} "
-                                 f"{kv.shape}")
-    return {"rows": rows.astype(np.int64), "ref_text": ref_text, "prefix": prefix.astype(np.int64).tolist(),
-            "state": state, "model_id": model_id}
-
-
-@dataclass
-class Voice:
-    """A reference voice, ready to reuse: its delayed code rows and the decoder state after its prompt prefix."""
-
-    rows: np.ndarray  # (R, N) delayed reference rows
-    ref_text: str | None
-    prefix: list[int]  # prompt ids before <|text|>
-    state: dict[str, np.ndarray]  # KV cache of the prefix, per past input name
-    model_id: str  # the export it belongs to
-
-    def save(self, path: str | os.PathLike) -> Path:
-        """An .npz (no pickle) with the rows, the prefix ids, the KV state and the owning export's id."""
-        path = Path(path)
-        meta = json.dumps({"ref_text": self.ref_text, "model_id": self.model_id})
-        tmp = path.with_name(path.name + ".partial.npz")
-        np.savez(tmp, rows=self.rows, prefix=np.asarray(self.prefix, np.int64), meta=np.asarray(meta),
-                 **{f"kv:{n}": a for n, a in self.state.items()})
-        os.replace(tmp, path)
-        return path
-
-    @classmethod
-    def load(cls, path: str | os.PathLike, model_id: str) -> Voice:
-        """A voice saved by `save`; anything else is refused with what makes a voice file."""
-        path = Path(path)
-        if path.is_dir():
-            raise IsADirectoryError(f"voice file {path} is a folder; {VOICE_FILE}")
-        if not path.is_file():
-            raise FileNotFoundError(f"voice file {path} does not exist")
-        try:
-            voice = cls(**_read_voice(path))
-        except VoiceFileError as e:
-            raise VoiceFileError(f"{path} is not a voice file ({e}); {VOICE_FILE}") from None
-        if voice.model_id != model_id:
-            raise ValueError(f"{path} was made with another export; make it again with --save-voice")
-        return voice
-
-
-class OnnxBackend:
-    """The generation `Backend` protocol on the exported parts; every request gets its own KV cache."""
-
-    def __init__(self, tts: HiggsTTS, kv_cache: str = "bound"):
-        self.tts = tts
-        part = tts.part("llm_decoder")
-        p = providers.get(tts.provider)
-        if kv_cache != "bound" or p.ort_name is None:  # the OpenVINO runtime: host arrays in and out
-            self.decoder = SimpleDecoder(part, tts.facts)
-        elif tts.manifest.decoder["cache"] == "concat":
-            self.decoder = ConcatDecoder(part, tts.facts, p.memory)
-        else:
-            self.decoder = BoundDecoder(part, tts.facts, p.memory, p.offset_binding)
-
-    def embed_text(self, ids: np.ndarray) -> np.ndarray:
-        return self.tts.part("text_embed")(input_ids=ids[None])["embeddings"][0].astype(np.float32, copy=False)
-
-    def embed_audio(self, rows: np.ndarray) -> np.ndarray:
-        return self.tts.part("audio_embed")(audio_codes=rows[None])["embeddings"][0].astype(np.float32, copy=False)
-
-    def new_cache(self, max_len: int, state: dict | None = None):
-        return self.decoder.new_cache(max_len, state)
-
-    def prefill(self, cache, embeds: np.ndarray) -> np.ndarray:
-        return self.decoder.run(cache, embeds)[-1]
-
-    def decode(self, cache, embed: np.ndarray) -> np.ndarray:
-        return self.decoder.run(cache, embed)[-1]
-
-    def audio_logits(self, hidden: np.ndarray) -> np.ndarray:
-        """(B, D) -> (B, N, V): the B rows go through the head as positions of one sequence."""
-        return self.tts.part("audio_heads")(hidden_states=hidden[None])["logits"][0].astype(np.float32, copy=False)
-
-    def pool(self, slots: int, max_len: int):
-        """Slots for continuous batching: one batched decoder call per step on the GQA graph (`SlotPool`), rows
-        stepped one by one otherwise (`SerialPool`)."""
-        return self.decoder.pool(slots, max_len)
-
-    def decode_batch(self, caches: list, embeds: np.ndarray) -> np.ndarray:
-        return caches[0].pool.run_batch(caches, embeds)
+__all__ = ["STATEFUL_CODEC", "VOICE_FILE", "HiggsTTS", "OnnxBackend", "Voice", "VoiceFileError"]
 
 
 class HiggsTTS:
-    """One exported model folder: its manifest, tokenizer and ONNX Runtime sessions (created on first use)."""
+    """One exported model folder: its parts (sessions created on first use), backend, codec, voices and scheduler.
+
+    `provider`: the runtime (default: the folder's device); `threads`: intra-op threads per session (0: ONNX
+    Runtime's default); `verify`: check the files' hashes at load; `kv_cache`: "bound" (the decoder graph's own
+    layout on the provider's device) or "host" (NumPy arrays); `voice_cache_bytes` bounds the voices kept."""
 
     def __init__(self, model_path: str | os.PathLike, provider: str | None = None, threads: int = 0,
                  verify: bool = True, kv_cache: str = "bound", voice_cache_bytes: int = DEFAULT_VOICE_CACHE_BYTES):
-        from tokenizers import Tokenizer
-
-        check_threads(threads)  # before the (slow) hashing of the model files
-        self.manifest = load_manifest(model_path, verify=verify)
-        built_for = self.manifest.data["device"]
-        self.provider = provider or built_for
-        if self.provider not in providers.runners(built_for):
-            raise ValueError(f"{model_path} was built for {self.manifest.data['execution_provider']} "
-                             f"(device {built_for}); run it with --provider {built_for}, or build a "
-                             f"{self.provider} export: python optimize.py --device {self.provider} ...")
-        folder = self.manifest.folder
-        try:
-            self.facts = ModelFacts.from_dict(self.manifest.model)
-        except ValueError as e:
-            raise ManifestError(f"{folder}/manifest.json: {e}") from None
-        tok_path = self.manifest.path(self.manifest.data["tokenizer"])
-        try:
-            self.tokenizer = Tokenizer.from_file(str(tok_path))
-        except Exception as e:  # tokenizers raises a bare Exception on unreadable files
-            raise ManifestError(f"cannot load the tokenizer {tok_path}: {e}") from None
-        self.tokens = PromptTokens.from_tokenizer(self.tokenizer, self.facts.placeholder)  # ids by string
-        if self.manifest.data["tokens"] != dataclasses.asdict(self.tokens):
-            raise ManifestError(f"{folder}: the token ids in manifest.json disagree with {tok_path.name}")
-        self._check_genai_config()
-        self.threads, self.kv_cache = threads, kv_cache
-        self._parts: dict[str, Part] = {}
-        self._synth: Synthesizer | None = None
+        self.parts = ModelParts(model_path, provider, threads, verify)
+        p = self.parts
+        self.manifest, self.provider, self.facts = p.manifest, p.provider, p.facts
+        self.tokenizer, self.tokens, self.threads = p.tokenizer, p.tokens, p.threads
+        self.kv_cache = kv_cache
+        self.codec = OnnxCodec(p)
         self.voices = VoiceCache(voice_cache_bytes)  # voices made from references, LRU by bytes
-        self._lock = threading.RLock()  # sessions and the voice cache are made once, whichever thread asks first
+        self._backend: OnnxBackend | None = None
+        self._synth: Synthesizer | None = None
+        self._lock = threading.Lock()  # the backend and the synthesizer are made once, whichever thread asks first
 
-    def _check_genai_config(self) -> None:
-        import json
-
-        path = self.manifest.path(self.manifest.data.get("genai_config", "genai_config.json"))
-        try:
-            dec = json.loads(path.read_text())["model"]["decoder"]
-            ok = (dec["head_size"], dec["num_key_value_heads"]) == (self.facts.head_dim, self.facts.kv_heads)
-        except (OSError, ValueError, KeyError, TypeError):
-            raise ManifestError(f"{path} is missing or malformed (rebuild with optimize.py --force)") from None
-        if not ok:
-            raise ManifestError(f"{path}: head size / KV heads disagree with the manifest's model facts")
-
+    # -- the parts -------------------------------------------------------------------------------------------
     def part(self, name: str) -> Part:
-        if name not in self._parts:
-            with self._lock:
-                if name not in self._parts:
-                    part = open_part(name, self.manifest.part_file(name), self.provider, self.threads)
-                    self._check_io(name, part)
-                    self._parts[name] = part
-        return self._parts[name]
+        """The part's session, made on first use and checked against the manifest (`ModelParts.part`)."""
+        return self.parts.part(name)
 
     def ran_on(self) -> dict[str, str]:
         """{part: the provider/device its session runs on} for the parts loaded so far (each was checked at load:
         a part that would fall back to another device is an error, never a silent fallback)."""
-        return {n: p.session.get_providers()[0] for n, p in sorted(self._parts.items())}
+        return self.parts.ran_on()
 
-    def _check_io(self, name: str, part: Part) -> None:
-        """The session's I/O must be what the manifest recorded and fit the model facts (readable diff if not)."""
-        entry = self.manifest.parts[name]
-        recorded = {x["name"] for x in entry["inputs"]}, {x["name"] for x in entry["outputs"]}
-        actual = {i.name for i in part.session.get_inputs()}, {o.name for o in part.session.get_outputs()}
-        if recorded != actual:
-            raise ManifestError(f"{name}: the graph's inputs/outputs {sorted(actual[0])} -> {sorted(actual[1])} differ "
-                                f"from the manifest's {sorted(recorded[0])} -> {sorted(recorded[1])}")
-        f = self.facts
-        want = {"llm_decoder": ("inputs_embeds", -1, f.hidden), "text_embed": ("embeddings", -1, f.hidden),
-                "audio_embed": ("audio_codes", -1, f.num_codebooks), "audio_heads": ("logits", -1, f.codebook_vocab),
-                "audio_tokenizer": ("audio_codes", 1, f.num_codebooks),
-                STATEFUL_CODEC: ("audio_codes", 1, f.num_codebooks)}.get(name)
-        if want:
-            io, axis, size = want
-            shapes = {x.name: x.shape for x in part.session.get_inputs() + part.session.get_outputs()}
-            dim = shapes[io][axis]
-            if isinstance(dim, int) and dim != size:
-                raise ManifestError(f"{name}: {io} has size {dim} on axis {axis}; the manifest's model facts say "
-                                    f"{size}")
-
-    @property
-    def synthesizer(self) -> Synthesizer:
-        if self._synth is None:
-            with self._lock:
-                if self._synth is None:
-                    self._synth = Synthesizer(OnnxBackend(self, self.kv_cache), self, self.tokenizer, self.tokens,
-                                              self.facts)
-        return self._synth
+    def preload(self, names: tuple[str, ...] | None = None) -> dict[str, str]:
+        """Make the sessions of `names` (default: every part of the export) and the backend now, so that the first
+        request does not pay for loading them; returns `ran_on()`."""
+        self.backend  # noqa: B018 - the decoder's session and its KV-cache layout
+        for name in self.manifest.parts if names is None else names:
+            self.part(name)
+        return self.ran_on()
 
     @property
     def backend(self) -> OnnxBackend:
-        return self.synthesizer.backend
+        """The generation backend (`runtime.backend.OnnxBackend`), public: `backend.decoder` is the KV-cache
+        decoder (benchmarks time its steps), `backend.pool(slots, positions)` a slot pool, `backend.kv_memory`
+        where the cache lives. Made on first use."""
+        if self._backend is None:
+            with self._lock:
+                if self._backend is None:
+                    self._backend = OnnxBackend(self.parts, self.kv_cache)
+        return self._backend
+
+    @property
+    def kv_memory(self) -> str:
+        """Where the decoder's KV cache lives: "cpu", "cuda", "dml" (the ORT memory of its buffers) or "host"
+        (NumPy arrays fed back each step: the OpenVINO runtime, `kv_cache="host"`)."""
+        return self.backend.kv_memory
+
+    @property
+    def synthesizer(self) -> Synthesizer:
+        """The prompt side (text + voice -> `Request`) on this model's backend and codec. Internal: run requests
+        with `run(request, ...)` or a `scheduler()`, not with `synthesizer.speak` / `synthesizer.engine`."""
+        if self._synth is None:
+            backend = self.backend
+            with self._lock:
+                if self._synth is None:
+                    self._synth = Synthesizer(backend, self, self.tokenizer, self.tokens, self.facts)
+        return self._synth
+
+    @property
+    def model_id(self) -> str:
+        """Identity of the parts a voice state depends on (hashes from the manifest)."""
+        return self.parts.model_id
 
     # -- codec ------------------------------------------------------------------------------------------------
     def encode_audio(self, wav: np.ndarray) -> np.ndarray:
         """(L,) float32 mono at the codec rate -> (T, N) int64 codes."""
-        return self.part("audio_encoder")(waveform=wav[None])["audio_codes"][0].T.astype(np.int64)
+        return self.codec.encode_audio(wav)
 
     def decode_audio(self, codes: np.ndarray) -> np.ndarray:
         """(1, N, T) int64 codes in [0, codebook_size) -> (hop*T,) float32."""
-        return self.part("audio_tokenizer")(audio_codes=codes)["waveform"][0, 0].astype(np.float32, copy=False)
+        return self.codec.decode_audio(codes)
 
     def reference(self, ref_audio) -> np.ndarray:
         """A file path, or (waveform, sample_rate) -> mono waveform at the codec rate."""
-        if isinstance(ref_audio, (str, os.PathLike)):
-            return load_reference(ref_audio, self.facts.sample_rate)
-        wav, sr = ref_audio
-        return prepare_reference(np.asarray(wav), int(sr), self.facts.sample_rate)
+        return self.codec.reference(ref_audio)
+
+    @property
+    def has_stateful_codec(self) -> bool:
+        """Whether the export has the stateful streaming codec (folders built before it decode windows)."""
+        return self.codec.has_stateful_codec
+
+    def codec_stream(self, options: StreamOptions):
+        """The incremental codec decoder for one stream (see `runtime.stream`): the stateful graph (every frame
+        decoded once) unless the export predates it or `options.codec` asks for overlapping windows."""
+        return self.codec.codec_stream(options, self.decode_audio)
+
+    def decode_rows(self, rows: np.ndarray, delayed: bool = True) -> np.ndarray:
+        """Code rows from elsewhere -> waveform; `delayed` rows are reversed first, codes >= codebook size -> 0."""
+        return self.codec.decode_rows(rows, delayed, self.decode_audio)
 
     # -- generation ----------------------------------------------------------------------------------------------
     def request(self, text: str, ref_audio=None, ref_text: str | None = None, voice: Voice | None = None,
@@ -332,8 +193,7 @@ class HiggsTTS:
         codec encoder and the reference's prefill. `max_frames` is the old name of `max_rows`."""
         req = self.request(text, ref_audio, ref_text, voice, options, temperature=temperature, top_k=top_k,
                            top_p=top_p, seed=seed, max_rows=_rows(max_rows, max_frames))
-        with self.scheduler() as sched:  # a batch of one, on a cache of its own
-            return sched.submit(req, "speech", on_row=on_row).speech()
+        return self.run(req, "speech", on_row=on_row)
 
     def stream(self, text: str, ref_audio=None, ref_text: str | None = None, voice: Voice | None = None,
                options: GenerationOptions | None = None, stream_options: StreamOptions | None = None, *,
@@ -345,13 +205,25 @@ class HiggsTTS:
         early (closing the iterator) frees the request's state. Bad arguments raise here, not at the first chunk."""
         req = self.request(text, ref_audio, ref_text, voice, options, temperature=temperature, top_k=top_k,
                            top_p=top_p, seed=seed, max_rows=max_rows)
-        sched = self.scheduler()  # a batch of one, on a cache of its own
-        try:
-            handle = sched.submit(req, "stream", stream_options or StreamOptions(), on_row=on_row)
-        except BaseException:
-            sched.close()
-            raise
-        return _closing(handle.chunks(), sched)
+        return self.run(req, "stream", stream_options, on_row=on_row)
+
+    def run(self, request: Request, audio: str | None = "speech", stream_options: StreamOptions | None = None, *,
+            on_row: Callable[[int], None] | None = None):
+        """Run one prepared `request` (from `request(...)`, no slot) to its end as a batch of one on a scheduler of
+        its own: `audio="speech"` returns its `Speech` (one codec decode at the end), `"stream"` an iterator of
+        `AudioChunk`s while it is made (closing it early frees the request), None the finished `Request` (its
+        `generated` rows, no audio). `on_row(n)` is called after each row. For several requests decoded together,
+        use one `scheduler(slots, positions)`."""
+        if audio == "stream":
+            sched = self.scheduler()
+            try:
+                handle = sched.submit(request, "stream", stream_options or StreamOptions(), on_row=on_row)
+            except BaseException:
+                sched.close()
+                raise
+            return _closing(handle.chunks(), sched)
+        with self.scheduler() as sched:
+            return sched.submit(request, audio, on_row=on_row).wait()
 
     def scheduler(self, slots: int = 1, positions: int | None = None, prefill: PrefillPolicy | None = None,
                   max_waiting: int | None = None) -> Scheduler:
@@ -359,30 +231,6 @@ class HiggsTTS:
         (None: a batch of one on caches of their own, as `generate` / `stream` use). Requests for it are made with
         `request(..., slot=positions)`. Caller-driven until `start()` gives it a thread."""
         return Scheduler(self.backend, self, slots, positions, prefill, max_waiting)
-
-    @property
-    def has_stateful_codec(self) -> bool:
-        """Whether the export has the stateful streaming codec (folders built before it decode windows)."""
-        return STATEFUL_CODEC in self.manifest.parts
-
-    def codec_stream(self, options: StreamOptions):
-        """The incremental codec decoder for one stream (see `runtime.stream`): the stateful graph (every frame
-        decoded once) unless the export predates it or `options.codec` asks for overlapping windows."""
-        f = self.facts
-        if options.codec == "stateful" and not self.has_stateful_codec:
-            raise ValueError(f"{self.manifest.folder} has no {STATEFUL_CODEC} part (built before it existed); "
-                             f"rebuild with optimize.py, or stream with codec='window'")
-        if options.codec != "window" and self.has_stateful_codec:
-            return StatefulCodecStream(self.part(STATEFUL_CODEC), f.hop, f.codebook_size, options)
-        return CodecStream(self.decode_audio, f.hop, f.codebook_size, options)
-
-    @property
-    def model_id(self) -> str:
-        """Identity of the parts a voice state depends on (hashes from the manifest)."""
-        parts = self.manifest.parts
-        hashes = [parts[p]["files"][parts[p]["file"]]["sha256"] for p in
-                  ("llm_decoder", "text_embed", "audio_embed", "audio_encoder")]
-        return hashlib.sha256("".join(hashes).encode()).hexdigest()
 
     def make_voice(self, ref_audio, ref_text: str | None = None) -> Voice:
         """Encode a reference and prefill its prompt prefix once; kept in memory for later calls."""
@@ -403,33 +251,14 @@ class HiggsTTS:
     def _voice(self, key: tuple, make_rows: Callable[[], np.ndarray], ref_text: str | None) -> Voice:
         voice = self.voices.get(key)
         if voice is None:
-            rows = make_rows()
-            prefix = build_prefix(self.tokenizer, self.tokens, len(rows), ref_text)
-            room = self.facts.max_positions - len(prefix)
-            if room < min_rows(self.facts.num_codebooks) + 3:  # + <|text|>, one token, <|audio|>
-                raise ContractError(f"the voice's prompt is {len(prefix)} positions ({len(rows)} reference rows and "
-                                    f"its transcript), but the model's context holds {self.facts.max_positions}: "
-                                    f"use a shorter reference clip or transcript", "ref_text" if ref_text else "file",
-                                    "context_length_exceeded")
-            be = self.backend
-            embeds = prompt_embeddings(be, prefix, self.facts.placeholder, rows)
-            cache = be.new_cache(len(prefix))
-            be.prefill(cache, embeds)
-            voice = Voice(rows=rows, ref_text=ref_text, prefix=prefix, state=be.decoder.snapshot(cache),
-                          model_id=self.model_id)
+            voice = prefill_voice(self.backend, self.tokenizer, self.tokens, self.facts, make_rows(), ref_text,
+                                  self.model_id)
             voice = self.voices.put(key, voice)
         return voice
 
     def forget_voice(self, voice: Voice) -> bool:
         """Drop a voice from the cache (a deleted voice): its memory is freed once no request uses it."""
         return self.voices.forget(voice) > 0
-
-    def decode_rows(self, rows: np.ndarray, delayed: bool = True) -> np.ndarray:
-        """Code rows from elsewhere -> waveform; `delayed` rows are reversed first, codes >= codebook size -> 0."""
-        from ..generation.delay import codes_for_codec, reverse_delay
-
-        raw = reverse_delay(rows) if delayed else rows
-        return self.decode_audio(codes_for_codec(raw, self.facts.codebook_size))
 
 
 def _closing(chunks: Iterator[AudioChunk], sched: Scheduler) -> Iterator[AudioChunk]:

@@ -53,7 +53,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .session import ProviderError, check_finite, check_threads
+from .checks import ProviderError, check_finite, check_threads
 
 log = logging.getLogger(__name__)
 

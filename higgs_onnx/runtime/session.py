@@ -1,52 +1,30 @@
-"""ONNX Runtime sessions fed by name, with dtype casting, provider verification and output guards."""
+"""ONNX Runtime sessions fed by name, with dtype casting, provider verification and output guards.
+
+The checks the OpenVINO runtime shares (`ProviderError`, `check_threads`, `check_finite`) live in `checks` and are
+re-exported here; `open_part` reaches the OpenVINO runtime (`openvino.OvPart`) lazily.
+"""
 
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 import numpy as np
 
 from .. import providers
+from .checks import (  # noqa: F401 - re-exported: callers import them from here
+    UNGUARDED_PREFIX,
+    ProviderError,
+    check_finite,
+    check_threads,
+    max_threads,
+)
 
 log = logging.getLogger(__name__)
 
 PROVIDERS = tuple(providers.PROVIDERS)  # what --provider takes
 ORT_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
               "tensor(int32)": np.int32, "tensor(bool)": np.bool_}
-
-
-# Outputs the NaN/Inf guard skips: a decoder's KV cache (tens of MB a step on the 4b geometry, ~10 ms to scan). A
-# non-finite cache row reaches the next step's hidden states, which the decoder checks (decoder._check).
-UNGUARDED_PREFIX = "present."
-
-
-def check_finite(name: str, outs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    for k, v in outs.items():
-        if v.dtype.kind == "f" and not k.startswith(UNGUARDED_PREFIX) and not np.isfinite(v).all():
-            raise FloatingPointError(f"{name} produced NaN/Inf in output {k}")
-    return outs
-
-
-class ProviderError(RuntimeError):
-    """A requested execution provider is not available or was not used."""
-
-
-def check_threads(threads: int) -> int:
-    """An intra-op thread count: 0 lets ONNX Runtime choose (one per physical core); negative counts are refused
-    (ORT would take them without complaint)."""
-    if threads < 0:
-        raise ValueError(f"threads must be >= 0 (0 = ONNX Runtime's default, one per core); got {threads}")
-    most = max_threads()
-    if threads > most:
-        raise ValueError(f"threads must be at most {most} (4 per core of this machine's {os.cpu_count() or 1}); "
-                         f"got {threads}: more threads than cores only slow a run down")
-    return threads
-
-
-def max_threads() -> int:
-    return 4 * (os.cpu_count() or 1)
 
 
 def session_options(threads: int = 0, spin: bool = False):

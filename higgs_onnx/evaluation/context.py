@@ -1,0 +1,66 @@
+"""`EvalContext`: what every section of the report reads: the export (`tts`), the PyTorch reference (`ref`), the
+options and gates, and the greedy runs several sections share (made once per prompt).
+
+Sections (`sections`, `generation`) take an `EvalContext`; `runner.Evaluator` is one that also runs the sections.
+This module imports no section, so the sections and the runner never import each other in a circle.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ..generation.engine import GenerationResult, generate
+from ..generation.options import GenerationOptions
+from ..generation.pipeline import stop_rules
+from ..generation.prompt import build_prompt
+from ..generation.sampling import GREEDY, SamplingOptions
+from .gates import gates_for
+from .options import EvalOptions
+
+
+class EvalContext:
+    """The export, the reference and the options every section reads, plus the greedy runs several sections share."""
+
+    def __init__(self, tts, ref, options: EvalOptions | None = None):
+        from ..reference.model import ReferenceBackend
+
+        self.tts, self.ref, self.options = tts, ref, options or EvalOptions()
+        self.precision = tts.manifest.data["precision"]
+        self.gates = gates_for(self.precision, self.options.gates)
+        self.ref_backend = ReferenceBackend(ref)
+        self.rules = stop_rules(tts.facts)
+        self._greedy: dict[str, dict[str, GenerationResult]] = {}
+
+    def prompt(self, text: str) -> list[int]:
+        return build_prompt(self.tts.tokenizer, self.tts.tokens, text)
+
+    def generate(self, backend: str, text: str, sampling: SamplingOptions, seed: int, keep_logits: bool = False,
+                 teacher: np.ndarray | None = None) -> GenerationResult:
+        """One run of the shared loop on "onnx" or "torch"; `teacher` (L, N) rows are fed instead of the picks."""
+        be = self.tts.backend if backend == "onnx" else self.ref_backend
+        options = GenerationOptions.make(sampling=sampling, seed=seed, max_rows=self.options.max_rows)
+        return generate(be, self.prompt(text), self.rules, options, self.tts.facts.placeholder,
+                        keep_logits=keep_logits, teacher_rows=teacher)
+
+    def run_both(self, text: str, sampling: SamplingOptions, seed: int, keep_logits: bool = False) -> dict:
+        return {b: self.generate(b, text, sampling, seed, keep_logits) for b in ("onnx", "torch")}
+
+    def greedy_runs(self, text: str) -> dict[str, GenerationResult]:
+        """Greedy runs of both backends with their logits, made once per prompt (greedy, teacher-forced, speed, audio
+        read them)."""
+        if text not in self._greedy:
+            self._greedy[text] = self.run_both(text, GREEDY, 0, keep_logits=True)
+        return self._greedy[text]
+
+    def meta(self) -> dict:
+        o, m = self.options, self.tts.manifest.data
+        return {"model_path": str(self.tts.manifest.folder), "precision": self.precision, "device": m["device"],
+                "provider": self.tts.provider,
+                "checkpoint": str(self.ref.folder), "gates": self.gates, "prompts": list(o.prompts), "runs": o.runs,
+                "max_rows": o.max_rows, "recordings": [Path(p).name for p in o.recordings], "seconds": {}}
+
+    def ran_on(self) -> dict[str, str]:
+        """part -> the provider/device its session ran on (each checked at load: no silent fallback)."""
+        return self.tts.ran_on()

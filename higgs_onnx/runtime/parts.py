@@ -1,0 +1,138 @@
+"""An export folder opened for running: the manifest checked, the tokenizer and model facts read, and the parts'
+sessions made on first use, each checked against what the manifest recorded.
+
+    parts = ModelParts("onnx/cpu_int4")              # manifest (+ file hashes), provider, facts, tokenizer
+    parts.part("llm_decoder")                       # the session, made once (thread-safe), I/O checked
+    parts.ran_on()                                  # {part: the provider/device its session runs on}
+
+`HiggsTTS` (runtime.model) composes this with the backend (runtime.backend), the codec (runtime.codec) and the
+voices (runtime.voice); nothing here generates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import threading
+
+from .. import providers
+from ..checkpoint import ModelFacts
+from ..generation.prompt import PromptTokens
+from ..manifest import Manifest, ManifestError, load_manifest
+from .checks import check_threads
+from .session import Part, open_part
+
+STATEFUL_CODEC = "audio_tokenizer_stream"
+GENERATION_PARTS = ("llm_decoder", "text_embed", "audio_embed", "audio_heads")  # what every request runs through
+VOICE_PARTS = ("llm_decoder", "text_embed", "audio_embed", "audio_encoder")  # what a saved voice's state depends on
+
+
+class ModelParts:
+    """One exported model folder: its manifest, model facts, tokenizer and the parts' sessions (made on first use).
+
+    `provider`: the runtime to run on (None: the device the folder was built for; refused if it cannot run the
+    export). `threads`: intra-op threads per session (0: ONNX Runtime's default). `verify`: check every file's
+    sha256 against the manifest at load."""
+
+    def __init__(self, model_path: str | os.PathLike, provider: str | None = None, threads: int = 0,
+                 verify: bool = True):
+        from tokenizers import Tokenizer
+
+        check_threads(threads)  # before the (slow) hashing of the model files
+        self.manifest: Manifest = load_manifest(model_path, verify=verify)
+        built_for = self.manifest.data["device"]
+        self.provider = provider or built_for
+        if self.provider not in providers.runners(built_for):
+            raise ValueError(f"{model_path} was built for {self.manifest.data['execution_provider']} "
+                             f"(device {built_for}); run it with --provider {built_for}, or build a "
+                             f"{self.provider} export: python optimize.py --device {self.provider} ...")
+        folder = self.manifest.folder
+        try:
+            self.facts = ModelFacts.from_dict(self.manifest.model)
+        except ValueError as e:
+            raise ManifestError(f"{folder}/manifest.json: {e}") from None
+        tok_path = self.manifest.path(self.manifest.data["tokenizer"])
+        try:
+            self.tokenizer = Tokenizer.from_file(str(tok_path))
+        except Exception as e:  # tokenizers raises a bare Exception on unreadable files
+            raise ManifestError(f"cannot load the tokenizer {tok_path}: {e}") from None
+        self.tokens = PromptTokens.from_tokenizer(self.tokenizer, self.facts.placeholder)  # ids by string
+        if self.manifest.data["tokens"] != dataclasses.asdict(self.tokens):
+            raise ManifestError(f"{folder}: the token ids in manifest.json disagree with {tok_path.name}")
+        check_genai_config(self.manifest, self.facts)
+        self.threads = threads
+        self._sessions: dict[str, Part] = {}
+        self._lock = threading.Lock()  # each session is made once, by whichever thread asks first
+
+    def part(self, name: str) -> Part:
+        """The part's session (an ONNX Runtime `Part`, or an OpenVINO `OvPart`), made on first use; its inputs and
+        outputs are checked against the manifest and the model facts (`check_io`)."""
+        if name not in self._sessions:
+            with self._lock:
+                if name not in self._sessions:
+                    part = open_part(name, self.manifest.part_file(name), self.provider, self.threads)
+                    check_io(self.manifest, self.facts, name, part)
+                    self._sessions[name] = part
+        return self._sessions[name]
+
+    def loaded(self) -> list[str]:
+        """The parts whose sessions exist so far."""
+        return sorted(self._sessions)
+
+    def ran_on(self) -> dict[str, str]:
+        """{part: the provider/device its session runs on} for the parts loaded so far (each was checked at load:
+        a part that would fall back to another device is an error, never a silent fallback)."""
+        return {n: p.session.get_providers()[0] for n, p in sorted(self._sessions.items())}
+
+    @property
+    def has_stateful_codec(self) -> bool:
+        """Whether the export has the stateful streaming codec (folders built before it decode windows)."""
+        return STATEFUL_CODEC in self.manifest.parts
+
+    @property
+    def decoder_cache(self) -> str:
+        """The decoder graph's KV-cache layout from the manifest ("shared-buffer" or "concat")."""
+        return self.manifest.decoder["cache"]
+
+    @property
+    def model_id(self) -> str:
+        """Identity of the parts a voice state depends on (hashes from the manifest)."""
+        parts = self.manifest.parts
+        hashes = [parts[p]["files"][parts[p]["file"]]["sha256"] for p in VOICE_PARTS]
+        return hashlib.sha256("".join(hashes).encode()).hexdigest()
+
+
+def check_genai_config(manifest: Manifest, facts: ModelFacts) -> None:
+    """ModelBuilder's genai_config.json must exist and agree with the model facts (head size, KV heads)."""
+    path = manifest.path(manifest.data.get("genai_config", "genai_config.json"))
+    try:
+        dec = json.loads(path.read_text())["model"]["decoder"]
+        ok = (dec["head_size"], dec["num_key_value_heads"]) == (facts.head_dim, facts.kv_heads)
+    except (OSError, ValueError, KeyError, TypeError):
+        raise ManifestError(f"{path} is missing or malformed (rebuild with optimize.py --force)") from None
+    if not ok:
+        raise ManifestError(f"{path}: head size / KV heads disagree with the manifest's model facts")
+
+
+def check_io(manifest: Manifest, facts: ModelFacts, name: str, part: Part) -> None:
+    """The session's I/O must be what the manifest recorded and fit the model facts (readable diff if not)."""
+    entry = manifest.parts[name]
+    recorded = {x["name"] for x in entry["inputs"]}, {x["name"] for x in entry["outputs"]}
+    actual = {i.name for i in part.session.get_inputs()}, {o.name for o in part.session.get_outputs()}
+    if recorded != actual:
+        raise ManifestError(f"{name}: the graph's inputs/outputs {sorted(actual[0])} -> {sorted(actual[1])} differ "
+                            f"from the manifest's {sorted(recorded[0])} -> {sorted(recorded[1])}")
+    f = facts
+    want = {"llm_decoder": ("inputs_embeds", -1, f.hidden), "text_embed": ("embeddings", -1, f.hidden),
+            "audio_embed": ("audio_codes", -1, f.num_codebooks), "audio_heads": ("logits", -1, f.codebook_vocab),
+            "audio_tokenizer": ("audio_codes", 1, f.num_codebooks),
+            STATEFUL_CODEC: ("audio_codes", 1, f.num_codebooks)}.get(name)
+    if want:
+        io, axis, size = want
+        shapes = {x.name: x.shape for x in part.session.get_inputs() + part.session.get_outputs()}
+        dim = shapes[io][axis]
+        if isinstance(dim, int) and dim != size:
+            raise ManifestError(f"{name}: {io} has size {dim} on axis {axis}; the manifest's model facts say "
+                                f"{size}")

@@ -1,0 +1,122 @@
+"""`Voice`: a reference voice ready to reuse (its delayed code rows and the decoder's KV state after its prompt
+prefix), its file format (an .npz without pickle: `Voice.save` / `Voice.load`), and `prefill_voice`, which makes
+one from reference rows on a backend.
+
+A voice belongs to the export that made it (`model_id`: the hashes of the parts its state depends on); loading it
+for another export is refused. The bounded in-memory cache of voices is `runtime.voice_cache.VoiceCache`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zipfile
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..generation.contract import ContractError, min_rows
+from ..generation.engine import prompt_embeddings
+from ..generation.prompt import build_prefix
+
+VOICE_FILE = "a voice file is the .npz written by inference.py --save-voice (or HiggsTTS.make_voice(...).save(path))"
+# what np.load / reading an archive member raises on a file that is not an intact .npz
+_NPZ_ERRORS = (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error)
+
+
+class VoiceFileError(ValueError):
+    """A file given as a voice that `Voice.save` did not write (or that was damaged since)."""
+
+
+def read_voice(path: Path) -> dict:
+    """The fields of a `Voice` from an .npz written by `Voice.save`, checked; VoiceFileError says what is wrong."""
+    try:
+        npz = np.load(path, allow_pickle=False)
+    except _NPZ_ERRORS:
+        raise VoiceFileError("not an .npz archive") from None
+    if not isinstance(npz, np.lib.npyio.NpzFile):
+        raise VoiceFileError("a single .npy array, not an .npz archive")
+    with npz:
+        missing = [k for k in ("rows", "prefix", "meta") if k not in npz.files]
+        if not any(k.startswith("kv:") for k in npz.files):
+            missing.append("kv:* (the prefill state)")
+        if missing:
+            raise VoiceFileError(f"missing {', '.join(missing)}")
+        try:
+            a = {k: npz[k] for k in npz.files}
+        except _NPZ_ERRORS:
+            raise VoiceFileError("a damaged or non-numeric array inside") from None
+    try:
+        meta = json.loads(str(a["meta"]))
+        ref_text, model_id = meta["ref_text"], meta["model_id"]
+        if not isinstance(model_id, str) or not isinstance(ref_text, (str, type(None))):
+            raise TypeError(meta)
+    except (ValueError, KeyError, TypeError):
+        raise VoiceFileError("meta is not the JSON Voice.save writes") from None
+    rows, prefix, state = a["rows"], a["prefix"], {k[3:]: v for k, v in a.items() if k.startswith("kv:")}
+    if rows.ndim != 2 or rows.dtype.kind not in "iu":
+        raise VoiceFileError(f"rows must be integer codes (R, N), got {rows.dtype} {rows.shape}")
+    if prefix.ndim != 1 or prefix.dtype.kind not in "iu":
+        raise VoiceFileError(f"prefix must be integer token ids (P,), got {prefix.dtype} {prefix.shape}")
+    for name, kv in state.items():  # (1, kv_heads, P, head_dim): the cache after the P prefix positions
+        if kv.dtype.kind != "f" or kv.ndim != 4 or kv.shape[2] != len(prefix):
+            raise VoiceFileError(f"kv:{name} must be a float (1, H, {len(prefix)}, D) cache, got {kv.dtype} "
+                                 f"{kv.shape}")
+    return {"rows": rows.astype(np.int64), "ref_text": ref_text, "prefix": prefix.astype(np.int64).tolist(),
+            "state": state, "model_id": model_id}
+
+
+@dataclass
+class Voice:
+    """A reference voice, ready to reuse: its delayed code rows and the decoder state after its prompt prefix."""
+
+    rows: np.ndarray  # (R, N) delayed reference rows
+    ref_text: str | None
+    prefix: list[int]  # prompt ids before <|text|>
+    state: dict[str, np.ndarray]  # KV cache of the prefix, per past input name
+    model_id: str  # the export it belongs to
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """An .npz (no pickle) with the rows, the prefix ids, the KV state and the owning export's id."""
+        path = Path(path)
+        meta = json.dumps({"ref_text": self.ref_text, "model_id": self.model_id})
+        tmp = path.with_name(path.name + ".partial.npz")
+        np.savez(tmp, rows=self.rows, prefix=np.asarray(self.prefix, np.int64), meta=np.asarray(meta),
+                 **{f"kv:{n}": a for n, a in self.state.items()})
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, model_id: str) -> Voice:
+        """A voice saved by `save`; anything else is refused with what makes a voice file."""
+        path = Path(path)
+        if path.is_dir():
+            raise IsADirectoryError(f"voice file {path} is a folder; {VOICE_FILE}")
+        if not path.is_file():
+            raise FileNotFoundError(f"voice file {path} does not exist")
+        try:
+            voice = cls(**read_voice(path))
+        except VoiceFileError as e:
+            raise VoiceFileError(f"{path} is not a voice file ({e}); {VOICE_FILE}") from None
+        if voice.model_id != model_id:
+            raise ValueError(f"{path} was made with another export; make it again with --save-voice")
+        return voice
+
+
+def prefill_voice(backend, tokenizer, tokens, facts, rows: np.ndarray, ref_text: str | None, model_id: str) -> Voice:
+    """A `Voice` from delayed reference `rows` (and their transcript): its prompt prefix prefilled once on `backend`
+    (an `OnnxBackend`: `new_cache`, `prefill`, `snapshot`). A prefix that leaves no room for one frame in the
+    model's context is a ContractError."""
+    prefix = build_prefix(tokenizer, tokens, len(rows), ref_text)
+    room = facts.max_positions - len(prefix)
+    if room < min_rows(facts.num_codebooks) + 3:  # + <|text|>, one token, <|audio|>
+        raise ContractError(f"the voice's prompt is {len(prefix)} positions ({len(rows)} reference rows and "
+                            f"its transcript), but the model's context holds {facts.max_positions}: "
+                            f"use a shorter reference clip or transcript", "ref_text" if ref_text else "file",
+                            "context_length_exceeded")
+    embeds = prompt_embeddings(backend, prefix, facts.placeholder, rows)
+    cache = backend.new_cache(len(prefix))
+    backend.prefill(cache, embeds)
+    return Voice(rows=rows, ref_text=ref_text, prefix=prefix, state=backend.snapshot(cache), model_id=model_id)

@@ -1,0 +1,136 @@
+"""The package's structure, read from the source (fast: no export, no model): no import circle among the
+higgs_onnx modules, counting every import (module level, inside functions, under `if TYPE_CHECKING:`), and the
+runtime facade's names importable from where callers import them."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "higgs_onnx"
+
+
+def modules(root: Path = PACKAGE) -> dict[str, tuple[Path, bool]]:
+    """{dotted module name: (file, is a package's __init__)} for every .py file of the package."""
+    out = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        out[".".join(parts[:-1] if is_package else parts)] = (path, is_package)
+    return out
+
+
+def _owner(name: str, known: dict) -> str | None:
+    """The package module `name` refers to: itself, or the module that defines it (`pkg.mod.Name` -> `pkg.mod`)."""
+    while name and name not in known:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def imports(name: str, path: Path, is_package: bool, known: dict) -> set[str]:
+    """The package modules that importing module `name` imports: every `import` / `from ... import` anywhere in
+    its file (functions and TYPE_CHECKING blocks included), resolved to modules, plus the packages those live in
+    that are not `name`'s own parents (importing `a.b.c` runs `a/b/__init__.py` first)."""
+    here = name if is_package else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = ".".join(here.split(".")[:len(here.split(".")) - node.level + 1])
+                module = f"{base}.{node.module}" if node.module else base
+            else:
+                module = node.module or ""
+            targets = [f"{module}.{a.name}" if f"{module}.{a.name}" in known else module for a in node.names]
+        else:
+            continue
+        for target in targets:
+            owner = _owner(target, known)
+            while owner:  # the module and the packages above it that `name` is not inside of
+                if owner != name and not name.startswith(owner + "."):
+                    found.add(owner)
+                owner = owner.rpartition(".")[0] or None
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imports(name, path, pkg, known) for name, (path, pkg) in known.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan), each as one circle's path."""
+    index, low, stack, on_stack, groups = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(_circle(graph, set(group)))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return groups
+
+
+def _circle(graph: dict[str, set[str]], group: set[str]) -> list[str]:
+    """One circle through the group, for the failure message: start -> ... -> start."""
+    start = min(group)
+    paths, seen = [[start]], {start}
+    while paths:
+        path = paths.pop(0)
+        for w in sorted(graph[path[-1]] & group):
+            if w == start:
+                return [*path, start]
+            if w not in seen:
+                seen.add(w)
+                paths.append([*path, w])
+    return sorted(group)
+
+
+def test_the_package_has_no_import_circle():
+    graph = import_graph()
+    assert len(graph) > 50 and graph["higgs_onnx.runtime.model"]  # the walk found the package and its imports
+    found = cycles(graph)
+    assert not found, "import circles: " + "; ".join(" -> ".join(c) for c in found)
+
+
+def test_the_graph_counts_function_level_and_type_checking_imports(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from .sub.b import thing\n")
+    (pkg / "sub" / "b.py").write_text("def thing():\n    from .. import c\n")
+    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import x\n")
+    known = modules(pkg)
+    graph = {n: imports(n, p, is_pkg, known) for n, (p, is_pkg) in known.items()}
+    assert graph["pkg.a"] == {"pkg.sub.b", "pkg.sub"} and graph["pkg.sub.b"] == {"pkg.c"}
+    assert graph["pkg.c"] == {"pkg.a"}
+    assert cycles(graph) == [["pkg.a", "pkg.sub.b", "pkg.c", "pkg.a"]]
+
+
+def test_the_runtime_facade_reexports_its_pieces():
+    from higgs_onnx.runtime import backend, codec, model, voice
+    from higgs_onnx.runtime.model import HiggsTTS, OnnxBackend, Voice, VoiceFileError
+
+    assert OnnxBackend is backend.OnnxBackend and Voice is voice.Voice and VoiceFileError is voice.VoiceFileError
+    assert isinstance(HiggsTTS.backend, property) and isinstance(HiggsTTS.kv_memory, property)
+    assert model.OnnxCodec is codec.OnnxCodec
