@@ -78,8 +78,8 @@ def test_full_queue_refuses_and_cancel_frees(tts):
                 sched.submit("   ")
             first = await anext(aiter(a))  # a is generating; b waits
             assert first.samples.size > 0
+            b.cancel()  # b first: it leaves the queue before a's slot could be given to it
             a.cancel()
-            b.cancel()
             for job in (a, b):
                 async for _ in job:
                     pass

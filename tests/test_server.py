@@ -654,6 +654,8 @@ def test_bad_command_lines_exit_2(builds):
         cases = [(["--model-path", model, "--port", "70000"], "--port"),
                  (["--model-path", model, "--max-batch", "0"], "--max-batch"),
                  (["--model-path", model, "--max-queue", "-1"], "--max-queue"),
+                 (["--model-path", model, "--prefill-chunk", "0"], "--prefill-chunk"),
+                 (["--model-path", model, "--prefill-chunk", "x"], "--prefill-chunk"),
                  (["--model-path", model, "--api-key", " "], "--api-key"),
                  (["--model-path", str(REPO / "no_such_export")], "--model-path"),
                  (["--model-path", model, "--port", str(busy.getsockname()[1])], "cannot listen")]

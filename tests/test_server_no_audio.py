@@ -3,7 +3,7 @@
 The request contract makes it unreachable with a real model (every request can hold one frame), so the app runs
 in this process (ASGI called directly, tiny fp32 export, the real scheduler) with the codec replaced by one that
 decodes nothing (the generation ends without audio: `NoAudioError`), and with a scheduler whose job ends without
-any chunk at all.
+any chunk at all. A request that comes once the scheduler has stopped is a 503.
 """
 
 from __future__ import annotations
@@ -96,3 +96,14 @@ def test_a_job_with_no_chunk_is_an_error(tts, tmp_path):
     app = create_app(tts, scheduler, tmp_path / "voices")
     status, body = run(app, scheduler, BODY)
     assert status == 500 and json.loads(body)["error"]["code"] == "no_audio", body
+
+
+def test_a_request_after_shutdown_is_503(tts, tmp_path):
+    scheduler = Scheduler(tts, max_batch=1, max_queue=1)
+    app = create_app(tts, scheduler, tmp_path / "voices")
+    scheduler.start()
+    scheduler.stop()
+    status, body = asyncio.run(call(app, BODY))
+    err = json.loads(body)["error"]
+    assert status == 503 and err["code"] == "shutting_down", body
+    assert scheduler.stats()["submitted"] == 0

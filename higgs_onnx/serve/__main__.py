@@ -1,10 +1,15 @@
 """Start the speech server: one model, loaded once, behind an OpenAI-compatible HTTP API and a web page.
 
     python -m higgs_onnx.serve --model-path onnx/cpu_int4 [--host 127.0.0.1] [--port 8000] [--max-batch 4]
-                               [--max-queue 16] [--voices DIR] [--api-key KEY] [--threads N]
+                               [--max-queue 16] [--prefill-chunk N] [--voices DIR] [--api-key KEY] [--threads N]
 
 Prints one line, `higgs-onnx speech server: http://HOST:PORT/ ...`, once it accepts requests (with --port 0 the
 line has the port the system chose). Ctrl-C stops it (in-flight streams get a few seconds to finish).
+
+Every request feeds one scheduler (`generation.scheduler`): up to --max-batch requests advance together, one
+decoder call per step; a new prompt is prefilled in chunks between the running requests' steps (sized by time, about
+one decode step each, unless --prefill-chunk fixes the number of positions), and audio is decoded on a codec thread
+of its own, so a long prompt or the codec never stops the streams in flight.
 
 Slow or stuck clients are bounded (serve/limits.py has the table): request headers within --header-timeout,
 request bodies within --body-timeout with pauses of at most --body-idle-timeout, a response the client stops
@@ -42,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-batch", type=int, default=4, help="requests generated together (default %(default)s)")
     ap.add_argument("--max-queue", type=int, default=16, help="requests that may wait for a batch slot; more get "
                     "HTTP 429 (default %(default)s)")
+    ap.add_argument("--prefill-chunk", type=int, metavar="N", help="prompt positions prefilled per decoder step "
+                    "while other requests decode (default: sized by time, about one decode step's worth)")
     ap.add_argument("--voices", type=Path, help="folder of saved voices (default: MODEL_PATH/voices; a voice "
                     "belongs to the export that made it); created if missing")
     ap.add_argument("--api-key", default=os.environ.get("HIGGS_API_KEY"), help="require 'Authorization: Bearer "
@@ -82,6 +89,9 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--voice-cache-mb must be >= 0, got {args.voice_cache_mb}")
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.prefill_chunk is not None and args.prefill_chunk < 1:
+        raise ValueError(f"--prefill-chunk must be >= 1 position, got {args.prefill_chunk} (leave it out to size "
+                         f"chunks by time)")
     timeouts_of(args)
     check_threads(args.threads)
     if args.api_key is not None and not args.api_key.strip():
@@ -167,14 +177,15 @@ def serve(args: argparse.Namespace) -> int:
     if not loopback and args.api_key is None:
         print(f"warning: listening on {args.host} without --api-key: anyone who reaches this port can use it",
               file=sys.stderr)
-    scheduler = Scheduler(tts, max_batch=args.max_batch, max_queue=args.max_queue)
+    scheduler = Scheduler(tts, max_batch=args.max_batch, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk)
     timeouts = timeouts_of(args)
     app = create_app(tts, scheduler, voices, args.api_key, allowed_hosts=LOOPBACK_NAMES if loopback else None,
                      timeouts=timeouts)
     port = sock.getsockname()[1]
     shown = f"[{args.host}]" if ":" in args.host else args.host
     banner = (f"higgs-onnx speech server: http://{shown}:{port}/ (model {Path(tts.manifest.folder).name}, "
-              f"batch {args.max_batch}, queue {args.max_queue}, voices in {voices}"
+              f"batch {args.max_batch}, queue {args.max_queue}, prefill chunk "
+              f"{args.prefill_chunk or 'by time'}, voices in {voices}"
               f"{', API key required' if args.api_key else ''})")
 
     class Server(uvicorn.Server):

@@ -8,9 +8,9 @@ for whatever reason, cancels the job, which frees its batch slot.
 Errors are OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, one clear line, never a traceback:
 4xx for what the client sent, 401 for the API key, 408 for a body that stops arriving, 413 for one too large (or a
 prompt that does not fit), 429 when the queue is full, 500 (server log has the details) for a failure of the server
-itself. Every request is checked against the request contract (`generation.contract`) before it is queued: a
-`ContractError` is answered with its own status, param and code; a generation that ends without audio is an error,
-never a 200 with an empty body.
+itself, 503 for a request that had no audio yet when the server shut down. Every request is checked against the
+request contract (`generation.contract`) before it is queued: a `ContractError` is answered with its own status,
+param and code; a generation that ends without audio is an error, never a 200 with an empty body.
 
 The OpenAPI schema is at `/openapi.json`; there is no `/docs` page (FastAPI's Swagger page loads its script from a
 CDN, which a server on an offline machine cannot reach, and the page's CSP would refuse it).
@@ -55,7 +55,7 @@ from .limits import (
     ClientGone,
     Timeouts,
 )
-from .scheduler import QueueFull
+from .scheduler import QueueFull, ShuttingDown
 from .voices import DEFAULT, UnknownVoice, VoiceError, VoiceExists, VoiceStore, check_name
 
 log = logging.getLogger(__name__)
@@ -389,20 +389,25 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
     async def first_chunk(job, chunks: AsyncIterator, request: Request):
         """The job's first chunk (None: no audio at all); a client that leaves meanwhile cancels the job."""
         task = asyncio.ensure_future(anext(chunks, None))
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.25)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=0.25)
+                if done:
+                    return task.result()
+                if await request.is_disconnected():
+                    raise ConnectionAbortedError
+        finally:
+            if not task.done():  # the client left, or this handler was cancelled (shutdown): nobody waits for it
                 job.cancel()
                 task.cancel()
-                raise ConnectionAbortedError
 
     def failure(e: Exception) -> ApiError:
         if isinstance(e, ContractError):
             return contract_error(e)
         if isinstance(e, NoAudioError):
             return ApiError(500, f"{e}; no audio to send (try another seed or text)", None, "no_audio")
+        if isinstance(e, ShuttingDown):
+            return ApiError(503, f"{e}; try again shortly", None, "shutting_down", {"Retry-After": "1"})
         if isinstance(e, ValueError):
             return ApiError(400, str(e), None, "invalid_value")
         return ApiError(500, "speech generation failed; the server log has the details", None, "server_error")
@@ -428,6 +433,8 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
         except QueueFull as e:
             raise ApiError(429, f"the server is busy ({e}); try again shortly", None, "rate_limit_exceeded",
                            {"Retry-After": "1"}) from None
+        except ShuttingDown as e:
+            raise failure(e) from None
         except ContractError as e:  # a stored voice's transcript is checked with the request: it is the voice's
             raise contract_error(e, {"ref_text": "voice"}) from None
         except ValueError as e:

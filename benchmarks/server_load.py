@@ -1,0 +1,440 @@
+"""The speech server under load: do running streams keep their pace while a new clone request is prefilled, and how
+many rows/s does the server make with 4 clients against the same export decoding 4 requests in process?
+
+    python benchmarks/server_load.py --model-path onnx/cpu_int4 [--threads 0] [--prefill-chunk N] [--json out.json]
+
+It starts the real server (`python -m higgs_onnx.serve` in a subprocess on a free port, a voices folder of its
+own), then:
+
+1. **stall**: uploads a clone voice (`POST /v1/voices`, the bundled `ref_en_24k.flac` and its transcript), starts 3
+   streaming clients (`/v1/audio/speech`, `response_format=pcm`, `stream_format=sse`: one event per audio chunk of
+   the server, so every chunk's arrival is timed exactly), waits until they decode, then sends a 4th request in the
+   clone voice whose prompt is ~300 positions (`--clone-words`). The voice's prefix (reference rows + transcript) is
+   restored from its saved KV state; the scheduler prefills the rest of the prompt in chunks between the streams'
+   decoder steps. Per running stream: its median chunk interval before the 4th request came (each chunk is 1 s
+   of audio = 25 rows), its largest gap overlapping the window [4th request sent, its first audio], their ratio
+   (target: <= 3x), and the median interval after the window (4 in the batch). `/health` gives the 4th request's
+   prefill calls and positions.
+2. **upload** (`--skip-upload` to leave out): the same 3 streams while a *new* voice is uploaded. Making a voice
+   (the codec encoder and the prefix prefill, `HiggsTTS.make_voice`) runs in the upload handler's thread, outside
+   the scheduler, so it competes with the decoder loop for the cores: the same gap figures show what that costs.
+3. **throughput**: 4 concurrent clients (`--rows` rows each); aggregate rows/s from `/health`'s row counter over
+   the wall time, and from the audio (seconds x 25 frames/s).
+4. **in process** (`--skip-inprocess` to leave out): after the server has stopped, a child process decodes 4
+   requests of `--rows` rows together on the same export through one scheduler (what `bench.py --batch 4` does on a
+   synthetic preset), for the server's rows/s to be compared with.
+
+Prints a table naming the CPU's flags (avx2, avx512f, avx512_vnni, amx); `--json` writes every figure, the chunk
+arrival times included. Nothing here is asserted: the figures depend on the machine (and another process on it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import os
+import queue
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("CI", "1")
+
+REC = ROOT / "higgs_onnx" / "assets" / "recordings"
+FRAME_RATE = 25  # audio frames (rows) per second of speech
+STREAM_TEXT = ("The quick brown fox jumps over the lazy dog while the speech synthesizer keeps talking about "
+               "everything it sees along the river, the hills, the town and the people in it. ") * 6
+TARGET = 3.0  # a running stream's largest gap during the prefill, in normal chunk intervals
+
+
+def cpu_info() -> dict:
+    """The CPU model and the flags that choose ONNX Runtime's int4 / int8 kernels (from /proc/cpuinfo)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return {"model": "unknown CPU", "flags": {}, "cpus": os.cpu_count()}
+    model = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "?")
+    flags = set(next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), []))
+    have = {f: f in flags for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni")}
+    have["amx"] = any(f.startswith("amx") for f in flags)
+    return {"model": model, "flags": have, "amx_flags": sorted(f for f in flags if f.startswith("amx")),
+            "cpus": os.cpu_count()}
+
+
+def cpu_line(cpu: dict) -> str:
+    flags = " ".join(f"{k} {'yes' if v else 'no'}" for k, v in cpu["flags"].items())
+    amx = f" ({', '.join(cpu['amx_flags'])})" if cpu.get("amx_flags") else ""
+    return f"{cpu['model']}, {cpu['cpus']} CPUs: {flags}{amx}"
+
+
+# -- the server ----------------------------------------------------------------------------------------------------
+class Server:
+    """`python -m higgs_onnx.serve` in a subprocess; `url` once it printed its ready line."""
+
+    def __init__(self, model: Path, work: Path, *args: str, timeout: float = 600.0):
+        import httpx2 as httpx
+
+        self.log = work / "server.log"
+        cmd = [sys.executable, "-m", "higgs_onnx.serve", "--model-path", str(model), "--port", "0",
+               "--voices", str(work / "voices"), *args]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=self.log.open("w"), text=True,
+                                     env={**os.environ, "CI": "1"})
+        lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(x) for x in self.proc.stdout], daemon=True).start()
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = lines.get(timeout=0.2)
+            except queue.Empty:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise SystemExit(f"error: the server did not start:\n{self.log.read_text()[-2000:]}") from None
+                continue
+            if m := re.search(r"http://[^/\s]+", line):
+                self.url, self.banner = m.group(0), line.strip()
+                break
+        self.http = httpx.Client(base_url=self.url, timeout=600)
+
+    def stats(self) -> dict:
+        return self.http.get("/health").json()["scheduler"]
+
+    def wait(self, done, what: str, timeout: float = 600.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if done(stats := self.stats()):
+                return stats
+            time.sleep(0.02)
+        raise SystemExit(f"error: {what}: not reached within {timeout:.0f} s; scheduler {self.stats()}")
+
+    def upload(self, name: str, audio: bytes, transcript: str) -> float:
+        t0 = time.perf_counter()
+        r = self.http.post("/v1/voices", data={"name": name, "transcript": transcript},
+                           files={"file": ("ref.flac", audio, "application/octet-stream")})
+        if r.status_code != 201:
+            raise SystemExit(f"error: uploading the voice {name} failed: {r.status_code} {r.text[:300]}")
+        return time.perf_counter() - t0
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class Stream:
+    """One streaming client: POST /v1/audio/speech as SSE (pcm), every audio event's arrival time recorded."""
+
+    def __init__(self, server: Server, text: str, voice: str = "default", seed: int = 0,
+                 max_rows: int | None = None, stop: threading.Event | None = None):
+        self.server, self.text, self.voice, self.seed, self.max_rows = server, text, voice, seed, max_rows
+        self.stop = stop or threading.Event()
+        self.sent = self.done_at = None
+        self.arrivals: list[float] = []  # perf_counter of each audio chunk
+        self.samples: list[int] = []
+        self.stats: dict = {}
+        self.error: str | None = None
+
+    def run(self) -> Stream:
+        import httpx2 as httpx
+
+        body = {"model": "tts-1", "input": self.text, "voice": self.voice, "response_format": "pcm",
+                "stream_format": "sse", "seed": self.seed, **({"max_rows": self.max_rows} if self.max_rows else {})}
+        try:
+            with httpx.Client(base_url=self.server.url, timeout=600) as client:
+                self.sent = time.perf_counter()
+                with client.stream("POST", "/v1/audio/speech", json=body) as r:
+                    if r.status_code != 200:
+                        r.read()
+                        self.error = f"{r.status_code} {r.text[:200]}"
+                        return self
+                    for line in r.iter_lines():
+                        if not line.startswith("data: "):
+                            continue
+                        event = json.loads(line[6:])
+                        if event["type"] == "speech.audio.delta":
+                            self.arrivals.append(time.perf_counter())
+                            self.samples.append(len(base64.b64decode(event["audio"])) // 2)
+                        elif event["type"] == "speech.audio.done":
+                            self.stats = event.get("stats", {})
+                        elif event["type"] == "error":
+                            self.error = event["error"]["message"]
+                        if self.stop.is_set():
+                            break  # leaving cancels the job on the server
+        except Exception as e:  # noqa: BLE001 - reported with the figures
+            self.error = f"{type(e).__name__}: {e}"
+        self.done_at = time.perf_counter()
+        return self
+
+    @property
+    def first_audio_s(self) -> float | None:
+        return self.arrivals[0] - self.sent if self.arrivals else None
+
+    def audio_s(self, rate: int = 24000) -> float:
+        return sum(self.samples) / rate
+
+
+def gap_figures(stream: Stream, start: float, end: float) -> dict:
+    """A running stream's chunk intervals (each 25 rows): the median of those that ended before `start` (its normal
+    pace), the largest that overlaps [start, end], their ratio, and the median after `end` (the pace with one more
+    request in the batch). A last, partial chunk is left out."""
+    a = stream.arrivals[:-1] if stream.stats else stream.arrivals  # a stream cut early has no partial last chunk
+    gaps = [(a[i], a[i + 1]) for i in range(len(a) - 1)]
+    before = [b - x for x, b in gaps if b <= start]
+    inside = [b - x for x, b in gaps if b > start and x < end]
+    after = [b - x for x, b in gaps if x >= end]
+    normal = statistics.median(before) if before else None
+    largest = max(inside) if inside else None
+    return {"chunks": len(stream.arrivals), "median_interval_s": normal, "largest_gap_s": largest,
+            "ratio": largest / normal if largest and normal else None, "intervals_in_window": len(inside),
+            "median_after_s": statistics.median(after) if after else None, "error": stream.error}
+
+
+def running_streams(server: Server, n: int, stop: threading.Event, pool: ThreadPoolExecutor, baseline: int):
+    """Start `n` long streams; return them (futures) once the server decodes all of them and each has had
+    `baseline` chunk intervals of normal pace."""
+    streams = [Stream(server, STREAM_TEXT, seed=i, max_rows=2000, stop=stop) for i in range(n)]
+    futures = [pool.submit(s.run) for s in streams]
+    server.wait(lambda s: s["active"] >= n and s["prefilling"] == 0, f"{n} streams decoding")
+    deadline = time.monotonic() + 600
+    while min(len(s.arrivals) for s in streams) < baseline + 2:
+        if time.monotonic() > deadline or any(f.done() for f in futures):
+            raise SystemExit(f"error: the streams did not reach {baseline} chunks: "
+                             f"{[(len(s.arrivals), s.error) for s in streams]}")
+        time.sleep(0.02)
+    return streams, futures
+
+
+def finish_streams(streams, futures, stop: threading.Event, window_end: float, after: int) -> None:
+    """Let every stream have `after` more chunks after the window, then cut them (the server cancels the jobs)."""
+    deadline = time.monotonic() + 600
+    while any(sum(t > window_end for t in s.arrivals) < after for s in streams if not s.done_at):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    stop.set()
+    for f in futures:
+        f.result()
+
+
+def stall_phase(server: Server, args, voice: str) -> dict:
+    stop = threading.Event()
+    with ThreadPoolExecutor(4) as pool:
+        streams, futures = running_streams(server, 3, stop, pool, args.baseline_chunks)
+        before = server.stats()
+        text = " ".join(["word"] * args.clone_words) + "."
+        clone = Stream(server, text, voice=voice, seed=99, max_rows=args.clone_rows)
+        pool.submit(clone.run).result()
+        during = server.stats()
+        if clone.error or not clone.arrivals:
+            raise SystemExit(f"error: the clone request failed: {clone.error}")
+        start, end = clone.sent, clone.arrivals[0]
+        finish_streams(streams, futures, stop, end, args.baseline_chunks)
+    figures = [gap_figures(s, start, end) for s in streams]
+    return {"clone": {"prompt_positions": clone.stats.get("prompt_tokens"),
+                      "prefilled_positions": during["prefill_positions"] - before["prefill_positions"],
+                      "prefill_calls": during["prefill_calls"] - before["prefill_calls"],
+                      "first_audio_s": clone.first_audio_s, "rows": clone.stats.get("rows"),
+                      "longest_stall_s": during["longest_stall_s"], "prefill_chunk": during.get("prefill_chunk")},
+            "window_s": end - start, "streams": figures, "arrivals": [arrivals(s, start) for s in streams],
+            "worst_ratio": max((f["ratio"] for f in figures if f["ratio"]), default=None)}
+
+
+def upload_phase(server: Server, args, audio: bytes, transcript: str) -> dict:
+    stop = threading.Event()
+    with ThreadPoolExecutor(3) as pool:
+        streams, futures = running_streams(server, 3, stop, pool, args.baseline_chunks)
+        start = time.perf_counter()
+        upload_s = server.upload("second_voice", audio, transcript)
+        end = time.perf_counter()
+        finish_streams(streams, futures, stop, end, args.baseline_chunks)
+    figures = [gap_figures(s, start, end) for s in streams]
+    return {"upload_s": upload_s, "window_s": end - start, "streams": figures,
+            "arrivals": [arrivals(s, start) for s in streams],
+            "worst_ratio": max((f["ratio"] for f in figures if f["ratio"]), default=None)}
+
+
+def arrivals(s: Stream, zero: float) -> list[float]:
+    return [round(t - zero, 4) for t in s.arrivals]
+
+
+def throughput_phase(server: Server, args) -> dict:
+    server.wait(lambda s: s["in_flight"] == 0, "an idle server")
+    before = server.stats()
+    streams = [Stream(server, STREAM_TEXT, seed=200 + i, max_rows=args.rows) for i in range(4)]
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(Stream.run, streams))
+    wall = time.perf_counter() - t0
+    after = server.stats()
+    rows = after["rows"] - before["rows"]
+    steps = after["decoder_steps"] - before["decoder_steps"]
+    audio = sum(s.audio_s() for s in streams)
+    return {"clients": 4, "rows": rows, "decoder_steps": steps, "mean_batch": rows / steps if steps else None,
+            "wall_s": wall, "step_ms": wall / steps * 1e3 if steps else None, "rows_per_s": rows / wall,
+            "codec_busy_s": after["codec_busy_s"] - before["codec_busy_s"], "audio_s": audio,
+            "audio_rows_per_s": audio * FRAME_RATE / wall, "first_audio_s": [s.first_audio_s for s in streams],
+            "errors": [s.error for s in streams if s.error]}
+
+
+# -- in process: 4 requests decoded together on the same export (a child process) ---------------------------------
+def inprocess_figures(model: Path, batch: int, rows: int, threads: int) -> dict:
+    from higgs_onnx.generation.options import GenerationOptions
+    from higgs_onnx.generation.scheduler import PrefillPolicy
+    from higgs_onnx.runtime.model import HiggsTTS
+
+    tts = HiggsTTS(model, threads=threads, verify=False)
+    positions = 512 + rows
+
+    def run(n_rows: int) -> tuple[float, int, int]:
+        sched = tts.scheduler(batch, positions, PrefillPolicy(chunk=positions))
+        reqs = [tts.request(f"{STREAM_TEXT[:200]} Voice {i}.", slot=positions,
+                            options=GenerationOptions(seed=i, max_rows=n_rows, ignore_eoc=True))
+                for i in range(batch)]
+        t0 = time.perf_counter()
+        with sched:
+            handles = [sched.submit(r) for r in reqs]
+            sched.run_until_idle()
+            for h in handles:
+                h.wait()
+            stats = sched.stats()
+        return time.perf_counter() - t0, stats["rows"], stats["decoder_steps"]
+
+    run(tts.facts.num_codebooks)  # warm-up: sessions and the batch's bindings
+    wall, n, steps = run(rows)
+    return {"batch": batch, "rows": n, "decoder_steps": steps, "wall_s": wall, "rows_per_s": n / wall,
+            "step_ms": wall / steps * 1e3}
+
+
+def inprocess(model: Path, rows: int, threads: int) -> dict:
+    r = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--model-path", str(model), "--rows",
+                        str(rows), "--threads", str(threads), "--_inprocess"], capture_output=True, text=True,
+                       cwd=ROOT)
+    if r.returncode:
+        raise SystemExit(f"error: the in-process run failed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+# -- report ------------------------------------------------------------------------------------------------------
+def fmt(x, spec: str = ".3f", unit: str = "") -> str:
+    return "-" if x is None else f"{x:{spec}}{unit}"
+
+
+def print_gaps(title: str, phase: dict) -> None:
+    print(f"\n{title}")
+    print(f"  {'stream':>6} {'chunks':>7} {'interval before':>16} {'largest gap in window':>22} {'ratio':>7} "
+          f"{'interval after':>15}")
+    for i, f in enumerate(phase["streams"]):
+        print(f"  {i:>6} {f['chunks']:>7} {fmt(f['median_interval_s'], '.3f', ' s'):>16} "
+              f"{fmt(f['largest_gap_s'], '.3f', ' s'):>22} {fmt(f['ratio'], '.2f', 'x'):>7} "
+              f"{fmt(f['median_after_s'], '.3f', ' s'):>15}{'  ' + f['error'] if f['error'] else ''}")
+    worst = phase["worst_ratio"]
+    verdict = "-" if worst is None else "PASS" if worst <= TARGET else "FAIL"
+    print(f"  worst ratio {fmt(worst, '.2f', 'x')} (target <= {TARGET:.0f}x): {verdict}")
+
+
+def report(out: dict) -> None:
+    print(f"\nserver load: {out['model_path']} ({out['banner']})")
+    print(f"CPU: {cpu_line(out['cpu'])}")
+    if "stall" in out:
+        s, c = out["stall"], out["stall"]["clone"]
+        print_gaps(f"1. stall: 3 streams, then a clone request: prompt {c['prompt_positions']} positions, "
+                   f"{c['prefilled_positions']} prefilled by the scheduler in {c['prefill_calls']} calls (the "
+                   f"voice's prefix comes from its saved KV state); first audio after {fmt(c['first_audio_s'])} s, "
+                   f"window {s['window_s']:.3f} s, longest prefill chunk beside decoding {c['longest_stall_s']} s",
+                   s)
+    if "upload" in out:
+        u = out["upload"]
+        print_gaps(f"2. upload: 3 streams while a new voice is made ({u['upload_s']:.3f} s; make_voice runs in the "
+                   f"upload handler's thread, outside the scheduler)", u)
+    if "throughput" in out:
+        t = out["throughput"]
+        print(f"\n3. throughput: {t['clients']} concurrent clients, {t['rows']} rows in {t['wall_s']:.2f} s "
+              f"({t['decoder_steps']} decoder steps, mean batch {fmt(t['mean_batch'], '.2f')}, wall per step "
+              f"{fmt(t['step_ms'], '.1f')} ms; codec thread busy {t['codec_busy_s']:.2f} s)")
+        print(f"  {'how':<44} {'rows/s':>8}")
+        print(f"  {'server, /health rows / wall':<44} {t['rows_per_s']:>8.1f}")
+        print(f"  {'server, audio seconds x 25 / wall':<44} {t['audio_rows_per_s']:>8.1f}")
+        if "inprocess" in out:
+            i = out["inprocess"]
+            print(f"  {'in process, 4 requests in one scheduler':<44} {i['rows_per_s']:>8.1f}   "
+                  f"(step {i['step_ms']:.1f} ms, {i['rows']} rows)")
+            print(f"  server / in process: {t['rows_per_s'] / i['rows_per_s']:.2f}x")
+        if t["errors"]:
+            print(f"  errors: {t['errors']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-path", type=Path, required=True, help="an onnx/<device>_<precision> export")
+    ap.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (0 = one per core)")
+    ap.add_argument("--max-batch", type=int, default=4)
+    ap.add_argument("--prefill-chunk", type=int, help="passed to the server (default: sized by time)")
+    ap.add_argument("--clone-words", type=int, default=40, help="words of the clone request's text (40: a prompt of "
+                    "~310 positions with the bundled reference)")
+    ap.add_argument("--clone-rows", type=int, default=100, help="rows of the clone request")
+    ap.add_argument("--rows", type=int, default=200, help="rows per request in the throughput phases")
+    ap.add_argument("--baseline-chunks", type=int, default=3, help="chunk intervals of normal pace before and "
+                    "after the window, per stream")
+    ap.add_argument("--skip-upload", action="store_true")
+    ap.add_argument("--skip-inprocess", action="store_true")
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--_inprocess", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args._inprocess:
+        print(json.dumps(inprocess_figures(args.model_path, 4, args.rows, args.threads)))
+        return 0
+    if not (args.model_path / "manifest.json").is_file():
+        raise SystemExit(f"error: {args.model_path} is not an export (no manifest.json)")
+    import numpy as np
+    import soundfile as sf
+
+    ref = (REC / "ref_en_24k.flac").read_bytes()
+    transcript = (REC / "ref_en_24k.txt").read_text().strip()
+    wav, sr = sf.read(REC / "ref_en_24k.flac", dtype="float32")
+    other = io.BytesIO()  # another recording for the upload phase (the same one would come from the voice cache)
+    sf.write(other, (0.7 * wav).astype(np.float32), sr, format="FLAC")
+    flags = ["--max-batch", str(args.max_batch), "--max-queue", "8", "--threads", str(args.threads)]
+    if args.prefill_chunk:
+        flags += ["--prefill-chunk", str(args.prefill_chunk)]
+    out: dict = {"model_path": str(args.model_path), "cpu": cpu_info(), "args": {k: (str(v) if isinstance(v, Path)
+                                                                                   else v)
+                                                                               for k, v in vars(args).items()}}
+    with tempfile.TemporaryDirectory() as work:
+        server = Server(args.model_path, Path(work), *flags)
+        out["banner"] = server.banner
+        try:
+            out["voice_upload_s"] = server.upload("clone", ref, transcript)
+            out["stall"] = stall_phase(server, args, "clone")
+            if not args.skip_upload:
+                out["upload"] = upload_phase(server, args, other.getvalue(), transcript)
+            out["throughput"] = throughput_phase(server, args)
+            out["scheduler"] = server.stats()
+        finally:
+            server.stop()
+            log = (Path(work) / "server.log").read_text()
+            if "Traceback" in log:
+                print(f"warning: the server log has a traceback:\n{log[-3000:]}", file=sys.stderr)
+    if not args.skip_inprocess:
+        out["inprocess"] = inprocess(args.model_path, args.rows, args.threads)
+    report(out)
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2))
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
