@@ -5,14 +5,26 @@
 
 Each input line is `{"id": ..., "text": ...}` plus optional `voice` (a voice file, or a name in `--voices`), `seed`,
 `temperature`, `top_k`, `top_p`, `max_rows`. Every worker is one long-lived Ray actor holding one loaded `HiggsTTS`
-and a slot pool: it decodes up to `--batch` rows per decoder call (continuous batching), so on a CPU, whose decode
-step is bound by reading the weights, batching inside a worker beats more workers. Without `--address` a local Ray
-instance is started (workers x threads <= cores); with one, the same code joins a cluster, and every node needs the
-export folder at the same path (or on a shared filesystem).
+and ONE scheduler (`generation.scheduler`) with one slot pool of `--batch` slots for its whole life. The driver
+keeps 2 x batch + 2 rows in flight on each worker (a threaded actor: one call per row), so a batch is decoding and
+the rest waits in the scheduler; a finished row's slot is taken by a waiting row at the next decoder step and the
+driver sends the next row: no unit boundaries, and rows go to whichever worker frees a slot. The codec decode of a
+finished row runs on the scheduler's codec thread and its file is written by its call's thread, off the decoder loop.
+On a CPU, whose decode step is bound by reading the weights, batching inside a worker beats more workers. Without
+`--address` a local Ray instance is started (workers x threads <= cores); with one, the same code joins a cluster,
+and every node needs the export folder at the same path (or on a shared filesystem).
+
+A worker whose process dies (killed, out of memory, its node gone) is replaced by a new one (at most 2 per
+`--workers`), and its rows in flight go to the queue again; a row in flight on two workers that died is recorded as
+failed (a rerun tries it again). A worker that cannot load the model ends the job (one line, exit 1).
 
 Output: `<out>/<id>.wav` (written atomically, following the umask) and `<out>/manifest.jsonl`, one line per row,
-in input order: id, file, duration_s, rows, stop_reason, seconds, worker, error (a failed row: id, line, error). A
-rerun skips rows whose file and successful manifest line exist, so a killed job finishes only what is missing.
+in input order: id, file, duration_s, rows, stop_reason, seconds, worker, worker_peak_rss_mb, error (a failed row:
+id, line, error). A rerun skips rows whose file and successful manifest line exist, so a killed job finishes only
+what is missing; the hidden temp file of a row a killed worker was writing is removed before the row is made again.
+`<out>/summary.json` has the run's figures: rows/s, and per worker its mean batch (decoder rows / decoder steps, over
+the job and while `--batch` or more of its rows remained), slot pools made, rows made and rows/s; the summary line
+prints them.
 
 Bad rows are recorded with their one-line error and the job goes on: a row the request contract refuses (each
 request is built for the pool's slot of 3,072 positions, so a text too long for it, `max_rows` below the codebook
@@ -46,6 +58,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,6 +69,13 @@ MANIFEST = "manifest.jsonl"
 ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # a plain file name: cannot leave the folder
 OPTION_FIELDS = ("seed", "temperature", "top_k", "top_p", "max_rows")
 FORMATS = ("wav", "flac")
+SUMMARY = "summary.json"
+# rows in flight per worker: IN_FLIGHT x --batch + IN_FLIGHT_EXTRA (a batch decoding, the rest waiting in its
+# scheduler, so a freed slot is taken at the next step while the driver sends the next row: a round trip)
+IN_FLIGHT, IN_FLIGHT_EXTRA = 2, 2
+MAX_DEATHS = 2  # a row in flight on this many workers that died is recorded as failed (a rerun tries it again)
+MAX_REPLACEMENTS = 2  # new workers per --workers for ones that die
+ROWS_PER_CHAR = 2  # a row's expected length: ~25 rows a second of speech at ~13 characters a second
 log = logging.getLogger(__name__)
 RAY_TEMP_PREFIX = "higgs-ray-"
 # Ray puts its unix sockets at <temp>/session_<date>_<time>_<us>_<pid>/sockets/plasma_store (~65 bytes after
@@ -184,32 +204,90 @@ class RowWriteError(OSError):
     """A row's file could not be written (the message is the one line for its manifest entry)."""
 
 
+class BatchTrace:
+    """What one scheduler's decoder steps did: steps, the rows they advanced, and those counts at each of the last
+    `batch` retirements, so that the end can tell the mean batch while `batch` or more rows remained."""
+
+    def __init__(self, batch: int):
+        self.batch = batch
+        self.steps = self.rows = self.finished = 0
+        self.tail: deque[tuple[int, int]] = deque(maxlen=batch)  # (steps, rows) when each of the last rows ended
+
+    def saw(self, requests) -> None:
+        """One decoder step over `requests` (every one of them decoding), after it ran."""
+        self.steps += 1
+        self.rows += len(requests)
+        for req in requests:
+            if req.done:
+                self.finished += 1
+                self.tail.append((self.steps, self.rows))
+
+    def full(self) -> tuple[int, int] | None:
+        """(steps, rows) of the steps that began with `batch` or more of this worker's rows still unfinished: up to
+        the step in which the `batch`-th row from the end finished (None: fewer rows than `batch`)."""
+        return self.tail[0] if self.finished >= self.batch else None
+
+
 class Worker:
-    """A Ray actor: one loaded model, one slot pool; `run(rows)` generates a list of rows with continuous batching."""
+    """A Ray actor: one loaded model and ONE scheduler, with one slot pool, for its whole life.
+
+    The actor is threaded (`max_concurrency`): the driver keeps several `run(rows)` calls in flight on it, each
+    submits its rows to the shared scheduler (its own thread runs the decoder loop: admit into free slots, prefill,
+    one batched decoder call per step, retire), so rows of different calls share the batch and a finished row's slot
+    is taken by a waiting one at the next step: no unit boundaries. A row's codec decode runs on the scheduler's
+    codec thread (`audio="speech"`), its file is written by the call's thread; neither holds up the decoder loop."""
 
     def __init__(self, model_path: str, out: str, batch: int, threads: int, voices: str | None, fmt: str):
         import socket
 
+        from .generation.options import POOL_POSITIONS
+        from .generation.scheduler import PrefillPolicy
         from .runtime.model import HiggsTTS
 
         self.tts = HiggsTTS(model_path, threads=threads, verify=False)
         self.out, self.batch, self.voices, self.fmt = Path(out), batch, voices, fmt
         self.name = f"{socket.gethostname()}:{os.getpid()}"
         self._voice_cache: dict[str, object] = {}
+        self._lock = threading.Lock()
+        self.pools = 0  # slot pools made (one per actor)
+        self.made = self.failed = 0
+        self.first_at: float | None = None  # the first row reached this worker / the last row was done
+        self.last_at: float | None = None
+        backend, make_pool = self.tts.backend, self.tts.backend.pool
+
+        def pool(*args, **kwargs):
+            self.pools += 1
+            return make_pool(*args, **kwargs)
+
+        backend.pool = pool  # counted, so the figures can show the pool is made once
+        # the pool's slot: every request is built for it, and one that does not fit is refused, never cut
+        self.slot = min(self.tts.facts.max_positions, POOL_POSITIONS)
+        # a prompt is prefilled whole (as it is alone): no latency target here, and the same calls every run
+        self.sched = self.tts.scheduler(batch, self.slot, PrefillPolicy(chunk=self.slot))
+        self.trace = BatchTrace(batch)
+        engine, step = self.sched.engine, self.sched.engine.step
+
+        def counted_step(requests, keep=frozenset()):
+            step(requests, keep)
+            self.trace.saw(requests)
+
+        engine.step = counted_step
+        self.sched.start()
 
     def _voice(self, ref):
         from .runtime.model import Voice
 
         if ref is None:
             return None
-        if ref not in self._voice_cache:
-            path = Path(ref)
-            if not path.suffix and self.voices and ID_PATTERN.match(str(ref)):
-                path = Path(self.voices) / f"{ref}.npz"
-            if not path.is_file():
-                raise ValueError(f"unknown voice {ref!r} (a voice file, or a name in --voices)")
-            self._voice_cache[ref] = Voice.load(path, self.tts.model_id)
-        return self._voice_cache[ref]
+        with self._lock:
+            if ref not in self._voice_cache:
+                path = Path(ref)
+                if not path.suffix and self.voices and ID_PATTERN.match(str(ref)):
+                    path = Path(self.voices) / f"{ref}.npz"
+                if not path.is_file():
+                    raise ValueError(f"unknown voice {ref!r} (a voice file, or a name in --voices)")
+                self._voice_cache[ref] = Voice.load(path, self.tts.model_id)
+            return self._voice_cache[ref]
 
     def failure(self, row: dict, e: BaseException) -> dict:
         """A failed row's manifest entry: one line saying what went wrong."""
@@ -221,69 +299,66 @@ class Worker:
             message = f"{type(e).__name__}: {e}"
         return {"id": row["id"], "error": message, "worker": self.name}
 
-    def finish(self, row: dict, req, t0: float) -> dict:
-        """A generated row -> its file and manifest entry; a generation without one audio frame is a failure."""
+    def finish(self, row: dict, speech, t0: float) -> dict:
+        """A generated row's `Speech` -> its file and manifest entry; a generation without audio is a failure."""
         from .audio import write_audio
         from .generation.contract import NoAudioError
 
-        tts = self.tts
-        if req.n < tts.facts.num_codebooks:  # frames = rows - N + 1
-            raise NoAudioError(f"the generation ended after {req.n} rows ({req.stop_reason}) without one audio "
-                               f"frame")
-        wav = tts.decode_rows(req.generated)
+        wav, rate = speech.waveform, self.tts.facts.sample_rate
         if not wav.size:
-            raise NoAudioError(f"the generation ended after {req.n} rows ({req.stop_reason}) without audio")
+            raise NoAudioError(f"the generation ended after {len(speech.rows)} rows ({speech.stop_reason}) without "
+                               f"audio")
         path = self.out / f"{row['id']}.{self.fmt}"
         try:
-            write_audio(path, wav, tts.facts.sample_rate)
+            write_audio(path, wav, rate)
         except OSError as e:
             # write_audio's own messages name the path; an OS error is its words ("No space left on device")
             raise RowWriteError(f"cannot write {path}: {e.strerror}" if e.strerror else str(e)) from None
-        return {"id": row["id"], "file": path.name, "duration_s": wav.size / tts.facts.sample_rate, "rows": req.n,
-                "stop_reason": req.stop_reason, "seconds": time.perf_counter() - t0, "worker": self.name,
+        return {"id": row["id"], "file": path.name, "duration_s": wav.size / rate, "rows": len(speech.rows),
+                "stop_reason": speech.stop_reason, "seconds": time.perf_counter() - t0, "worker": self.name,
                 "worker_peak_rss_mb": peak_rss() / 2**20, "error": None}
 
     def run(self, rows: list[dict]) -> list[dict]:
-        from .generation.engine import Engine
-        from .generation.options import POOL_POSITIONS, GenerationOptions
+        """Make `rows` on this worker's scheduler (called from several threads at once); their manifest entries."""
+        from .generation.options import GenerationOptions
 
-        tts, results, waiting = self.tts, [], list(rows)
-        engine = Engine(tts.backend, tts.backend.pool(self.batch, min(tts.facts.max_positions, POOL_POSITIONS)))
-        active = []  # (row, request, started)
-
-        while waiting or active:
-            while waiting and len(active) < self.batch:
-                row = waiting.pop(0)
-                t0, req = time.perf_counter(), None
-                try:  # built for this pool's slot: a request that does not fit is refused (the contract), not cut
-                    req = tts.request(row["text"], voice=self._voice(row["voice"]),
-                                      options=GenerationOptions.make(None, **row["options"]),
-                                      slot=engine.pool.capacity)
-                    engine.start(req)
-                except Exception as e:  # noqa: BLE001 - the row is recorded as failed, the others go on
-                    if req is not None:
-                        req.release()
-                    results.append(self.failure(row, e))
-                    continue
-                active.append((row, req, t0))
-            if not active:
-                break
-            try:
-                engine.step([r for _, r, _ in active])
-            except Exception as e:  # noqa: BLE001 - a failed decoder step fails its batch; the rest goes on
-                for row, req, _ in active:
-                    req.release()
-                    results.append(self.failure(row, e))
-                active.clear()
-                continue
-            for item in [a for a in active if a[1].done]:
-                active.remove(item)
-                row, req, t0 = item
-                try:
-                    results.append(self.finish(row, req, t0))
-                except Exception as e:  # noqa: BLE001
-                    results.append(self.failure(row, e))
+        submitted, results = [], []
+        for row in rows:
+            t0 = time.perf_counter()
+            with self._lock:
+                self.first_at = self.first_at or t0
+            try:  # built for the pool's slot: a request that does not fit is refused (the contract), not cut
+                req = self.tts.request(row["text"], voice=self._voice(row["voice"]),
+                                       options=GenerationOptions.make(None, **row["options"]), slot=self.slot)
+                submitted.append((row, self.sched.submit(req, audio="speech"), t0))
+            except Exception as e:  # noqa: BLE001 - the row is recorded as failed, the others go on
+                results.append(self.failure(row, e))
+        for row, handle, t0 in submitted:
+            try:  # the codec decode ran on the codec thread; the file is written here, off the decoder loop
+                results.append(self.finish(row, handle.speech(), t0))
+            except Exception as e:  # noqa: BLE001 - a failed row (its step, its codec, its file); the rest goes on
+                results.append(self.failure(row, e))
+        with self._lock:
+            self.last_at = time.perf_counter()
+            for entry in results:
+                if entry["error"] is None:
+                    self.made += 1
+                else:
+                    self.failed += 1
         return results
+
+    def stats(self) -> dict:
+        """This worker's figures: the scheduler's (decoder steps and rows, mean batch), the mean batch while
+        `batch` or more of its rows remained, slot pools made, rows made and rows/s over its busy time."""
+        s, full = self.sched.stats(), self.trace.full()
+        busy = (self.last_at - self.first_at) if self.first_at is not None and self.last_at is not None else 0.0
+        return {"worker": self.name, "batch": self.batch, "pools": self.pools, "decoder_steps": s["decoder_steps"],
+                "decoder_rows": s["rows"], "mean_batch": s["mean_batch"],
+                "full_steps": full[0] if full else 0, "full_mean_batch": round(full[1] / full[0], 3) if full else None,
+                "made": self.made, "failed": self.failed, "busy_s": round(busy, 3),
+                "rows_per_s": round(self.made / busy, 3) if busy > 0 else None,
+                "codec_busy_s": s["codec_busy_s"], "prefill_calls": s["prefill_calls"],
+                "peak_rss_mb": round(peak_rss() / 2**20, 1)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -362,10 +437,12 @@ def run(args: argparse.Namespace) -> int:
 
         for r in bad:
             record({"id": r.id, "line": r.line, "error": r.error})
+        figures = None
         if todo:
+            remove_partials(args.out, {r.id for r in todo}, args.format)
             stop = StopSignal()
             try:
-                generate_all(args, todo, record, stop)
+                figures = generate_all(args, todo, record, stop)
             except (KeyboardInterrupt, SystemExit) as e:
                 if isinstance(e, SystemExit):  # Ray's own SIGTERM handler, while ray.init runs
                     if e.code != signal.SIGTERM:
@@ -381,8 +458,49 @@ def run(args: argparse.Namespace) -> int:
                 if r.key in done and done[r.key].get("error") is None) / 3600
     print(f"{args.out}: {len(rows) - len(failed)} of {len(rows)} rows made ({hours * 60:.1f} min of audio); "
           f"{len(failed)} failed{': ' + ', '.join(failed[:5]) if failed else ''}"
-          f"{' ...' if len(failed) > 5 else ''} (see {MANIFEST})")
+          f"{' ...' if len(failed) > 5 else ''} (see {MANIFEST}){summary_words(figures, args.batch)}")
+    write_summary(args, rows, failed, figures)
     return 1 if failed else 0
+
+
+def summary_words(figures: dict | None, batch: int) -> str:
+    """The figures of this run for the summary line: rows/s, and each worker's mean batch and rows/s."""
+    if not figures:
+        return ""
+    parts = []
+    for w in figures["workers"]:
+        full = "" if w["full_mean_batch"] is None else f" ({w['full_mean_batch']:.2f} while >= {batch} rows remained)"
+        rate = "" if w["rows_per_s"] is None else f", {w['rows_per_s']:.2f} rows/s"
+        parts.append(f"{w['worker']} mean batch {w['mean_batch']:.2f}{full}{rate}")
+    made, wall = figures["made"], figures["wall_s"] or 0.0
+    total = f"; {made / wall:.2f} rows/s in all" if wall > 0 and made else ""
+    return f"{total}; {'; '.join(parts)}" if parts else total
+
+
+def write_summary(args, rows: list[Row], failed: list[str], figures: dict | None) -> None:
+    """`<out>/summary.json`: this run's counts and figures (atomically; a folder in its place is only a warning)."""
+    data = {"rows": len(rows), "made": len(rows) - len(failed), "failed": len(failed), "batch": args.batch,
+            "workers_asked": args.workers, **(figures or {"workers": []})}
+    path = args.out / SUMMARY
+    try:
+        tmp = args.out / (SUMMARY + ".partial")
+        tmp.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as e:
+        print(f"warning: cannot write {path}: {os_reason(e)}", file=sys.stderr)
+
+
+def remove_partials(out: Path, ids: set[str], fmt: str) -> None:
+    """Remove the temp files a killed worker may have left while writing one of these rows, about to be made again
+    (`.<id>.XXXXXXXX.wav` from write_audio's mkstemp: hidden, and never taken for a made row)."""
+    pattern = re.compile(rf"^\.(.+)\.[a-z0-9_]{{8}}\.{re.escape(fmt)}$")
+    for path in out.iterdir():
+        m = pattern.match(path.name)
+        if m and m.group(1) in ids and path.is_file():
+            try:
+                path.unlink()
+            except OSError:  # gone, or not ours to remove
+                pass
 
 
 class StopSignal:
@@ -505,10 +623,41 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def generate_all(args, todo: list[Row], record, stop: StopSignal | None = None) -> None:
+def expected_rows(row: Row) -> int:
+    """A row's expected length, to send the longest rows first (so the last rows to finish are short ones and the
+    batch drains fast): its text's length in rows, at most its max_rows."""
+    from .generation.options import DEFAULT_MAX_ROWS
+
+    most = (row.options or {}).get("max_rows") or DEFAULT_MAX_ROWS
+    return min(int(most), ROWS_PER_CHAR * len(row.text or ""))
+
+
+class Lane:
+    """One worker actor on the driver's side: the rows it has in flight (a call each)."""
+
+    def __init__(self, actor):
+        self.actor, self.inflight, self.name = actor, {}, None  # name: the worker's, once it has answered
+
+
+def death_reason(e: BaseException) -> str:
+    """A Ray actor's death as a short line: the error, the pid, and Ray's first words on why."""
+    text = " ".join(str(e).split())
+    pid = re.search(r"\bpid: (\d+)", text)
+    why = [f"{label}{m.group(1).strip()}" for label, m in (
+        ("", re.search(r"The actor is dead because ([^.]*)\.", text)),
+        ("exit type ", re.search(r"Worker exit type: (\S+)", text)),
+        ("", re.search(r"Worker exit detail: ([^.]*)", text))) if m]
+    head = f"{type(e).__name__}{f' (pid {pid.group(1)})' if pid else ''}"
+    return f"{head}: {', '.join(why)[:300]}" if why else head
+
+
+def generate_all(args, todo: list[Row], record, stop: StopSignal | None = None) -> dict:
+    """Make `todo` on `args.workers` actors; `record(entry)` each row's manifest entry as it comes back. Returns the
+    run's figures: wall time, rows/s, each worker's `stats()`."""
     import shutil
 
     import ray
+    from ray.exceptions import RayActorError, RayError
     from tqdm import tqdm
 
     stop = stop or StopSignal()
@@ -517,6 +666,7 @@ def generate_all(args, todo: list[Row], record, stop: StopSignal | None = None) 
     threads = args.threads or max(1, cores // args.workers)
     temp = None if args.address else ray_temp_dir()
     keep_temp = getattr(args, "log_level", "WARNING") == "DEBUG"
+    figures = {"made": 0, "wall_s": None, "workers": [], "lost_workers": 0}
     try:
         if args.address:
             ray.init(address=args.address, log_to_driver=False)
@@ -524,27 +674,88 @@ def generate_all(args, todo: list[Row], record, stop: StopSignal | None = None) 
             ray.init(address="local", num_cpus=max(cores, args.workers * threads), include_dashboard=False,
                      log_to_driver=False, _temp_dir=temp)
         stop.install()
-        actor = ray.remote(num_cpus=threads if not args.address else 1)(Worker)
-        workers = [actor.remote(str(args.model_path.resolve()), str(args.out.resolve()), args.batch, threads,
-                                str(args.voices.resolve()) if args.voices else None, args.format)
-                   for _ in range(args.workers)]
-        units = [todo[i:i + args.batch] for i in range(0, len(todo), args.batch)]
-        payload = [[{"id": r.id, "text": r.text, "voice": r.voice, "options": r.options} for r in u] for u in units]
+        depth = IN_FLIGHT * args.batch + IN_FLIGHT_EXTRA  # rows in flight per worker
+        actor = ray.remote(num_cpus=threads if not args.address else 1, max_concurrency=depth + 2)(Worker)
+
+        def new_lane() -> Lane:
+            return Lane(actor.remote(str(args.model_path.resolve()), str(args.out.resolve()), args.batch, threads,
+                                     str(args.voices.resolve()) if args.voices else None, args.format))
+
+        lanes = [new_lane() for _ in range(args.workers)]
+        spare = MAX_REPLACEMENTS * args.workers  # new workers for ones that die
+        waiting = deque({"id": r.id, "text": r.text, "voice": r.voice, "options": r.options}
+                        for r in sorted(todo, key=expected_rows, reverse=True))  # the longest first: a short tail
+        deaths: dict[str, int] = {}  # row id -> workers that died while it was in flight on them
+        pending: dict = {}  # call -> its lane
+
+        def feed() -> None:  # every lane gets rows until it has `depth` in flight: rows go where slots free
+            for lane in lanes:
+                while waiting and len(lane.inflight) < depth:
+                    row = waiting.popleft()
+                    ref = lane.actor.run.remote([row])
+                    lane.inflight[ref] = row
+                    pending[ref] = lane
+
+        def lost(lane: Lane, e: BaseException) -> list[dict]:
+            """`lane`'s worker died: its rows in flight go back to the queue, and a new worker takes its place while
+            there are spares. Returns the entries of the rows that failed for it: in flight on their second dead
+            worker."""
+            nonlocal spare
+            if getattr(e, "actor_init_failed", False):  # the model did not load: every new worker would fail too
+                raise RuntimeError(f"a worker could not start: {str(e).strip().splitlines()[-1][:500]}") from None
+            reason = death_reason(e)
+            rows = list(lane.inflight.values())
+            for ref in lane.inflight:
+                pending.pop(ref, None)
+            lane.inflight.clear()
+            lanes.remove(lane)
+            figures["lost_workers"] += 1
+            try:
+                ray.kill(lane.actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+            again, failed = [], []
+            for row in rows:
+                deaths[row["id"]] = deaths.get(row["id"], 0) + 1
+                if deaths[row["id"]] >= MAX_DEATHS:
+                    failed.append({"id": row["id"], "error": f"the worker making it died, {deaths[row['id']]} times "
+                                   f"({reason}): rerun to try it again", "worker": lane.name})
+                else:
+                    again.append(row)
+            waiting.extendleft(reversed(again))
+            remove_partials(args.out, {row["id"] for row in rows}, args.format)  # it may have died writing one
+            print(f"worker {lane.name or '(not started)'} died ({reason}); {len(again)} of its rows go to "
+                  f"{'a new worker' if spare else 'the others'}", file=sys.stderr)
+            if spare:
+                spare -= 1
+                lanes.append(new_lane())
+            return failed
+
         t0, made, audio = time.perf_counter(), 0, 0.0
         bar = tqdm(total=len(todo), unit="row", file=sys.stderr, disable=not sys.stderr.isatty())
-        pending = {}
-        for w in workers:  # one unit per worker at a time: the next goes to whichever finishes first
-            if payload:
-                pending[w.run.remote(payload.pop(0))] = w
+        feed()
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1)
-            w = pending.pop(ready[0])
-            for entry in ray.get(ready[0]):
+            ref = ready[0]
+            lane = pending.pop(ref)
+            row = lane.inflight.pop(ref)
+            try:
+                entries = ray.get(ref)
+            except RayActorError as e:  # the worker's process died (killed, out of memory, its node gone)
+                lane.inflight[ref] = row
+                entries = lost(lane, e)
+            except RayError as e:  # the call failed, not the worker: its row is recorded as failed
+                entries = [{"id": row["id"], "error": f"{type(e).__name__}: {str(e).strip().splitlines()[-1]}",
+                            "worker": lane.name}]
+            for entry in entries:
+                lane.name = entry.get("worker") or lane.name
                 record(entry)
                 made += 1
+                figures["made"] += entry.get("error") is None
                 audio += entry.get("duration_s", 0.0)
-            if payload:
-                pending[w.run.remote(payload.pop(0))] = w
+            feed()
+            if not entries:
+                continue
             rate = made / (time.perf_counter() - t0)
             eta = (len(todo) - made) / rate if rate else 0.0
             bar.update(made - bar.n)
@@ -554,6 +765,14 @@ def generate_all(args, todo: list[Row], record, stop: StopSignal | None = None) 
             print(f"{made}/{len(todo)} rows, {audio / 3600:.3f} h of audio, {rate:.2f} rows/s, ETA {eta:.0f} s",
                   file=sys.stderr)
         bar.close()
+        figures["wall_s"] = time.perf_counter() - t0
+        if waiting:
+            print(f"every worker died: {len(waiting)} rows were not made; rerun the same command to make them",
+                  file=sys.stderr)
+        try:
+            figures["workers"] = ray.get([lane.actor.stats.remote() for lane in lanes], timeout=60)
+        except (RayError, TimeoutError) as e:  # a worker gone at the very end: its figures are missing
+            log.warning("worker figures are missing: %s", e)
     finally:
         stop.shield()
         try:
@@ -566,6 +785,7 @@ def generate_all(args, todo: list[Row], record, stop: StopSignal | None = None) 
                     shutil.rmtree(temp, ignore_errors=True)
         finally:
             stop.restore()
+    return figures
 
 
 def compact(out: Path, rows: list[Row], done: dict[str, dict]) -> None:

@@ -1,7 +1,8 @@
 """Corpus synthesis on a real local Ray instance with 2 workers: bad rows recorded (malformed lines by their line,
 whatever the other ids; rows the request contract refuses; a file that cannot be written), reruns skip, a killed job
 finishes on rerun with identical audio, SIGTERM / Ctrl-C to the driver alone stops every Ray process of its
-instance, duplicate ids refused before anything starts. Usage errors and the pieces without Ray:
+instance, duplicate ids refused before anything starts, one worker's batch kept full by its one scheduler, workers
+killed mid-job replaced without losing a row. Usage errors and the pieces without Ray:
 tests/test_corpus_input.py."""
 
 from __future__ import annotations
@@ -117,6 +118,83 @@ def test_kill_and_rerun_gives_identical_audio(builds, tmp_path):
     for p in whole.glob("*.wav"):
         assert (cut / p.name).read_bytes() == p.read_bytes(), p.name
     assert len(manifest(cut)) == 10
+
+
+# mixed lengths: each row stops at its max_rows (the tiny model's own stop comes at ~260 rows), 24 to 259 rows
+MIXED = [{"id": f"m{i:02d}", "text": f"Mixed row {i} says {'a few more words ' * (1 + i % 4)}for the batch.",
+          "seed": i, "max_rows": 24 + (i * 53) % 236} for i in range(24)]
+
+
+def test_one_worker_keeps_its_batch_full(builds, tmp_path):
+    """24 rows of mixed lengths through one worker at batch 4: one scheduler and one slot pool for the actor's life,
+    rows pulled as slots free, so every decoder step that began with 4 or more rows still to make advanced ~4 rows
+    (static batching of 4-row units, as before, gives 2.37 on these lengths: each unit waits for its longest row)."""
+    src = write_rows(tmp_path / "in.jsonl", MIXED, malformed=False)
+    out = tmp_path / "out"
+    r = corpus("--model-path", builds["int4"], "--input", src, "--out", out, "--workers", 1, "--batch", 4)
+    assert r.returncode == 0, r.stderr
+    entries = manifest(out)
+    assert len(entries) == 24 and all(e["error"] is None for e in entries)
+    assert len({e["rows"] for e in entries}) >= 12  # mixed lengths indeed
+    summary = json.loads((out / "summary.json").read_text())
+    [w] = summary["workers"]
+    assert w["pools"] == 1 and w["made"] == 24  # 24 calls, one pool
+    assert w["decoder_rows"] == sum(e["rows"] for e in entries)  # the scheduler's count: every generated row
+    assert w["full_steps"] > 0 and w["full_mean_batch"] >= 0.95 * 4, w
+    assert w["mean_batch"] <= w["full_mean_batch"] and w["rows_per_s"] > 0
+    assert f"{w['worker']} mean batch {w['mean_batch']:.2f} ({w['full_mean_batch']:.2f} while >= 4 rows remained)" \
+        in r.stdout and "rows/s in all" in r.stdout, r.stdout
+
+
+def test_workers_that_die_mid_job_are_replaced_and_no_row_is_lost(builds, tmp_path):
+    """SIGKILL of the worker's process (an out-of-memory kill, say) while it has rows in flight, then of the worker
+    that took its place: the rows go to a new worker each time, a row in flight on both dead workers is recorded as
+    failed (exit 1), nothing half-written is left, and a rerun makes exactly the failed rows."""
+    import soundfile
+
+    src = write_rows(tmp_path / "in.jsonl", MIXED, malformed=False)
+    out = tmp_path / "out"
+    args = ["--model-path", builds["int4"], "--input", src, "--out", out, "--workers", 1, "--batch", 4]
+    proc = subprocess.Popen([sys.executable, "-m", "higgs_onnx.corpus", *map(str, args)], cwd=ROOT,
+                            env={**os.environ, "CI": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    victims = []
+    try:
+        deadline, log = time.monotonic() + 300, out / "manifest.jsonl"
+        for count in (3, 1):  # the first worker after 3 rows, its successor after its first row
+            while proc.poll() is None:
+                assert time.monotonic() < deadline
+                names = [json.loads(x)["worker"] for x in log.read_text().splitlines()] if log.is_file() else []
+                mine = [n for n in names if n not in victims]
+                if len(mine) >= count:
+                    victims.append(mine[0])
+                    os.kill(int(mine[0].rsplit(":", 1)[1]), signal.SIGKILL)
+                    break
+                time.sleep(0.005)
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert len(victims) == 2 and proc.returncode == 1, (victims, stderr)
+    for victim in victims:
+        assert f"worker {victim} died (ActorDiedError (pid {victim.rsplit(':', 1)[1]}): " in stderr, stderr
+    assert "Traceback" not in stderr, stderr
+    entries = manifest(out)
+    assert [e["id"] for e in entries] == [r["id"] for r in MIXED]  # every row has its line
+    twice = [e for e in entries if e["error"] is not None]
+    assert twice and all(e["error"].startswith("the worker making it died, 2 times (ActorDiedError") and
+                         e["worker"] == victims[1] for e in twice), twice
+    made = [e for e in entries if e["error"] is None]
+    assert len({e["worker"] for e in made} - set(victims)) == 1  # the third worker made the rest
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temp file of a half-written row
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["lost_workers"] == 2 and [w["pools"] for w in summary["workers"]] == [1]
+    assert f"{len(made)} of 24 rows made" in stdout, stdout
+    r = corpus(*args)
+    assert r.returncode == 0 and f"{len(made)} done before, {len(twice)} to make" in r.stderr, r.stderr
+    for e in manifest(out):  # every file whole: its length is the entry's
+        assert e["error"] is None and soundfile.info(str(out / e["file"])).frames == round(e["duration_s"] * 24000)
 
 
 def test_duplicate_ids_are_refused_before_anything_starts(builds, tmp_path):

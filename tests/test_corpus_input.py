@@ -1,6 +1,8 @@
 """Corpus input and output checks that need no Ray: the input's encoding and lines, malformed lines keyed by their
 line number, usage errors refused before Ray starts (exit 2, one line), a row's failures as one line, the clean-up
-of a local instance's leftovers, SIGTERM handled like Ctrl-C. The runs on a real local Ray are in test_corpus.py."""
+of a local instance's leftovers, SIGTERM handled like Ctrl-C, the worker's one scheduler in this process (calls
+sharing it, failures mid-batch), its batch figures, a dead worker's temp files and reason, the benchmark's helpers.
+The runs on a real local Ray are in test_corpus.py."""
 
 from __future__ import annotations
 
@@ -92,31 +94,28 @@ def test_manifest_entries_are_keyed_by_id_or_line(tmp_path):
 
 # -- a row that fails inside a worker: one line ---------------------------------------------------------------------
 
-class FakeRequest:
-    def __init__(self, n):
-        self.n, self.stop_reason = n, "eoc"
-        self.generated = np.zeros((n, 8), np.int64)
+def fake_speech(rows: int, samples: int = 960):
+    return SimpleNamespace(waveform=np.zeros(samples, np.float32), rows=np.zeros((rows, 8), np.int64),
+                           stop_reason="eoc")
 
 
-def fake_worker(tmp_path: Path, samples: int = 960):
+def fake_worker(tmp_path: Path):
     w = corpus.Worker.__new__(corpus.Worker)
-    facts = SimpleNamespace(num_codebooks=8, sample_rate=24000)
-    w.tts = SimpleNamespace(facts=facts, decode_rows=lambda rows: np.zeros(samples, np.float32))
+    w.tts = SimpleNamespace(facts=SimpleNamespace(num_codebooks=8, sample_rate=24000))
     w.out, w.fmt, w.name = tmp_path, "wav", "test:1"
     return w
 
 
 def test_a_generation_without_audio_is_a_failed_row(tmp_path):
     w = fake_worker(tmp_path)
-    with pytest.raises(NoAudioError, match="ended after 7 rows .* without one audio frame"):
-        w.finish({"id": "a"}, FakeRequest(7), 0.0)
-    with pytest.raises(NoAudioError, match="without audio"):
-        fake_worker(tmp_path, samples=0).finish({"id": "a"}, FakeRequest(8), 0.0)
-    entry = w.failure({"id": "a"}, NoAudioError("the generation ended after 7 rows (eoc) without one audio frame"))
-    assert entry["error"] == "NoAudioError: the generation ended after 7 rows (eoc) without one audio frame"
+    with pytest.raises(NoAudioError, match=r"ended after 8 rows \(eoc\) without audio"):
+        w.finish({"id": "a"}, fake_speech(8, samples=0), 0.0)
+    # the codec worker's answer for rows without one frame: the row's entry is that one line
+    entry = w.failure({"id": "a"}, NoAudioError("the generation ended after 7 rows without one audio frame"))
+    assert entry["error"] == "NoAudioError: the generation ended after 7 rows without one audio frame"
     assert not list(tmp_path.iterdir())  # nothing written
-    ok = w.finish({"id": "a"}, FakeRequest(8), 0.0)
-    assert ok["error"] is None and (tmp_path / "a.wav").is_file()
+    ok = w.finish({"id": "a"}, fake_speech(8), 0.0)
+    assert ok["error"] is None and ok["rows"] == 8 and (tmp_path / "a.wav").is_file()
 
 
 def test_a_write_error_is_one_line_without_errno(tmp_path, monkeypatch):
@@ -128,7 +127,7 @@ def test_a_write_error_is_one_line_without_errno(tmp_path, monkeypatch):
     monkeypatch.setattr(higgs_onnx.audio, "write_audio", full)
     w = fake_worker(tmp_path)
     with pytest.raises(corpus.RowWriteError) as e:
-        w.finish({"id": "a"}, FakeRequest(20), 0.0)
+        w.finish({"id": "a"}, fake_speech(20), 0.0)
     entry = w.failure({"id": "a"}, e.value)
     assert entry["error"] == f"cannot write {tmp_path / 'a.wav'}: No space left on device", entry
     other = w.failure({"id": "a"}, PermissionError(errno.EACCES, "Permission denied", "/v/x.npz"))
@@ -261,3 +260,118 @@ def test_only_bad_rows_exit_1_without_ray_and_reruns_report_them(builds, tmp_pat
         entries = [json.loads(x) for x in (out / corpus.MANIFEST).read_text().splitlines()]
         assert [(e["id"], e["line"]) for e in entries] == [(None, 1), ("e", 2), ("line-1", 3)]
 
+
+
+# -- the worker's one scheduler, without Ray ------------------------------------------------------------------------
+
+def test_the_batch_trace_counts_the_steps_while_a_batch_of_rows_remained():
+    class Req:  # compared by identity
+        def __init__(self, left):
+            self.left, self.done = left, False
+
+    trace = corpus.BatchTrace(2)
+    lengths = [3, 1, 2]  # rows each request still needs; two slots, the third request takes the first free one
+    live, third = [Req(3), Req(1)], Req(2)
+    while live:
+        for r in live:
+            r.left -= 1
+            r.done = r.left == 0
+        trace.saw(live)
+        live = [r for r in live if not r.done]
+        if third not in live and not third.done and len(live) < 2:
+            live.append(third)
+    # steps: [a, b] (b ends), [a, c], [a, c] (a and c end): the second row from the end ended in step 3
+    assert (trace.steps, trace.rows, trace.finished) == (3, 6, 3) and sum(lengths) == 6
+    assert trace.full() == (3, 6)
+    assert corpus.BatchTrace(4).full() is None  # fewer rows than the batch: no such phase
+
+
+def test_a_killed_workers_temp_files_are_removed_for_the_rows_made_again(tmp_path):
+    names = [".r01.abcd_123.wav", ".r01.abcd_123.flac", ".r02.zzzzzzzz.wav", "r01.wav", ".r01.wav", "summary.json"]
+    for n in names:
+        (tmp_path / n).write_bytes(b"x")
+    corpus.remove_partials(tmp_path, {"r01"}, "wav")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(set(names) - {".r01.abcd_123.wav"})
+
+
+def test_a_dead_workers_reason_is_one_short_line():
+    class ActorDiedError(Exception):
+        pass
+
+    e = ActorDiedError("The actor died unexpectedly before finishing this task.\n\tclass_name: Worker\n\tpid: 4242\n"
+                       "The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR Worker "
+                       "exit detail: Worker unexpectedly exits with a connection error code 2. End of file. Some ...")
+    assert corpus.death_reason(e) == ("ActorDiedError (pid 4242): its worker process has died, exit type "
+                                      "SYSTEM_ERROR, Worker unexpectedly exits with a connection error code 2")
+    assert corpus.death_reason(ActorDiedError("")) == "ActorDiedError"
+
+
+@pytest.mark.slow
+def test_calls_share_one_scheduler_and_a_failure_mid_batch_fails_only_its_rows(builds, tmp_path):
+    """A worker in this process (what the Ray actor runs): three calls at once and a later one share one scheduler
+    and one slot pool; a codec failure fails its row only, a failed decoder step the rows of that step only, and the
+    loop goes on for the rest."""
+    import threading
+
+    w = corpus.Worker(str(builds["int4"]), str(tmp_path), 4, 1, None, "wav")
+    try:
+        codec, real_codec = w.sched.codec_worker, w.sched.codec_worker.decode_audio
+
+        def codec_fails(codes):  # the row of 30 rows: 23 frames
+            if codes.shape[-1] == 30 - 8 + 1:
+                raise RuntimeError("codec broke")
+            return real_codec(codes)
+
+        backend, real_batch, calls = w.tts.backend, w.tts.backend.decode_batch, []
+
+        def decoder_fails(caches, embeds):
+            calls.append(len(caches))
+            if len(calls) == 40:
+                raise RuntimeError("decoder broke")
+            return real_batch(caches, embeds)
+
+        codec.decode_audio, backend.decode_batch = codec_fails, decoder_fails
+        rows = [{"id": f"x{i:02d}", "text": f"Row {i} of the batch.", "voice": None,
+                 "options": {"seed": i, "max_rows": 30 + 17 * i}} for i in range(12)]
+        results = []
+        threads = [threading.Thread(target=lambda part: results.extend(w.run(part)), args=(rows[i::3],))
+                   for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        later = w.run([{**rows[0], "id": "late", "options": {"seed": 1, "max_rows": 40}}])
+        stats, sched = w.stats(), w.sched.stats()
+    finally:
+        w.sched.stop()
+    by_id = {e["id"]: e for e in results + later}
+    assert len(by_id) == 13 and len(results) == 12
+    assert by_id["x00"]["error"] == "RuntimeError: codec broke"
+    broke = [k for k, e in by_id.items() if e["error"] == "RuntimeError: decoder broke"]
+    assert len(broke) == calls[39] and 2 <= len(broke) <= 4, (broke, calls[39])
+    ok = {k: e for k, e in by_id.items() if e["error"] is None}
+    assert len(ok) == 13 - 1 - len(broke) and by_id["late"]["error"] is None
+    for k, e in ok.items():
+        most = 40 if k == "late" else 30 + 17 * int(k[1:])
+        assert (tmp_path / f"{k}.wav").is_file() and (e["rows"] == most or e["rows"] < most and
+                                                       e["stop_reason"] == "eoc"), e
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp file left
+    assert stats["pools"] == 1 and stats["decoder_steps"] == sched["decoder_steps"] > 0
+    assert stats["made"] == len(ok) and stats["failed"] == 1 + len(broke)
+
+
+def test_the_corpus_benchmark_makes_mixed_rows_and_reads_the_batch_gain(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("corpus_bench", Path(corpus.__file__).parent.parent / "benchmarks" /
+                                                  "corpus.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = bench.rows(24, 24, 260)
+    lengths = [r["max_rows"] for r in rows]
+    assert len(set(lengths)) == 24 and min(lengths) >= 24 and max(lengths) < 260  # mixed, none alike
+    (tmp_path / "b.json").write_text(json.dumps({"batches": [{"batch": 1, "rows_per_s": 10.0},
+                                                             {"batch": 4, "rows_per_s": 25.0}]}))
+    assert bench.bench_gain(tmp_path / "b.json", 4) == 2.5 and bench.bench_gain(tmp_path / "b.json", 8) is None
+    model, flags = bench.cpu()
+    assert isinstance(model, str) and all(f in bench.FLAGS or f.startswith("amx") for f in flags)
