@@ -265,13 +265,7 @@ class Worker:
         # a prompt is prefilled whole (as it is alone): no latency target here, and the same calls every run
         self.sched = self.tts.scheduler(batch, self.slot, PrefillPolicy(chunk=self.slot))
         self.trace = BatchTrace(batch)
-        engine, step = self.sched.engine, self.sched.engine.step
-
-        def counted_step(requests, keep=frozenset()):
-            step(requests, keep)
-            self.trace.saw(requests)
-
-        engine.step = counted_step
+        self.sched.on_step = self.trace.saw  # the width of every decoder step
         self.sched.start()
 
     def _voice(self, ref):

@@ -199,11 +199,13 @@ class Handle:
         self.sched._poke()
 
     def _end(self, error: BaseException | None = None) -> None:
+        """The request is over (done, failed or cancelled), its codec work too; counted once, here."""
         if self.finished.is_set():
             return
         self.error = error
         self.state = "failed" if error is not None and not isinstance(error, Cancelled) else \
             "cancelled" if error is not None else "done"
+        self.sched._count({"done": "finished"}.get(self.state, self.state))
         self.finished.set()
         self._emit(_END)
 
@@ -251,10 +253,11 @@ class CodecWorker:
                             handle.result = chunk
                 elif final:  # "speech": one decode of every frame
                     handle.result = self._speech(handle.request, frames)
-            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+            except Exception as e:  # noqa: BLE001 - this request fails (its slot is freed at the next step)
                 if not isinstance(e, NoAudioError):
                     log.exception("request %d failed in the codec", handle.id)
                 handle._end(e)
+                handle.sched._poke()
                 continue
             finally:
                 self.busy_s += time.perf_counter() - t0
@@ -303,11 +306,15 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._stepping = threading.Lock()  # one step at a time (a caller-driven scheduler shared by threads)
-        self.counts = {k: 0 for k in ("submitted", "started", "finished", "failed", "cancelled", "exclusive")}
+        # submitted, started, retired (decoded to its end), and how each handle ended: finished, failed, cancelled
+        self.counts = {k: 0 for k in ("submitted", "started", "retired", "finished", "failed", "cancelled",
+                                      "exclusive")}
         self.steps = self.batch_rows = 0  # decoder steps, and the rows they advanced (mean batch = ratio)
         self.prefill_calls = self.prefill_positions = 0
         self.longest_stall_s = 0.0  # the longest prefill chunk run while others were decoding
         self.exclusive_widest = 0
+        # called after every decoder step with the requests it advanced (the loop's thread): per-step figures
+        self.on_step: Callable[[list[Request]], None] | None = None
 
     # -- submitting -----------------------------------------------------------------------------------------------
     @property
@@ -345,6 +352,10 @@ class Scheduler:
             self.counts["submitted"] += 1
             self._wake.notify_all()
         return handle
+
+    def _count(self, what: str) -> None:
+        with self._lock:
+            self.counts[what] += 1
 
     def _poke(self) -> None:
         with self._wake:
@@ -430,10 +441,11 @@ class Scheduler:
 
     # -- the parts of a step ---------------------------------------------------------------------------------
     def _retire_cancelled(self) -> None:
-        for h in [h for h in self._running if h.cancelled]:
+        """Cancelled requests, and requests whose codec work failed while they were still decoding, leave the
+        batch and give their slot back."""
+        for h in [h for h in self._running if h.cancelled or h.finished.is_set()]:
             self._running.remove(h)
             h.request.release()
-            self.counts["cancelled"] += 1
             h._end(Cancelled(f"request {h.id} was cancelled"))
         with self._lock:
             gone = [h for h in self._waiting if h.cancelled]
@@ -442,25 +454,28 @@ class Scheduler:
         for h in gone:
             if h.after is not None:
                 self._release_kept(h.after)
-            self.counts["cancelled"] += 1
             h._end(Cancelled(f"request {h.id} was cancelled"))
 
     def _free_slots(self) -> int:
         return self.slots - len(self._running) - len(self._kept)
 
     def _admit(self) -> None:
+        """Waiting requests into the batch: in order while slots are free; a request that continues a kept cache
+        needs no new slot, so it never waits behind one that does."""
         while True:
             with self._lock:
                 if not self._waiting or any(h.exclusive for h in self._running):
                     return
-                head = self._waiting[0]
-                if head.exclusive and self._running:
-                    return  # the batch drains first; the ones behind it wait too
-                if head.after is None and self._free_slots() < 1:
-                    return
-                self._waiting.popleft()
+                head = next((h for h in self._waiting if h.after is not None), None)
+                if head is None:
+                    head = self._waiting[0]
+                    if head.exclusive and self._running:
+                        return  # the batch drains first; the ones behind it wait too
+                    if self._free_slots() < 1:
+                        return
+                self._waiting.remove(head)
+            cache = None
             try:
-                cache = None
                 if head.after is not None:
                     prev = head.after
                     if prev not in self._kept:
@@ -469,10 +484,9 @@ class Scheduler:
                     cache = prev.request.hand_over()
                 self.engine.admit(head.request, cache)
             except Exception as e:  # noqa: BLE001 - this request fails, the others go on
-                if cache is not None:
+                if cache is not None and head.request.cache is None:
                     head.request.cache = cache
                 head.request.release()
-                self.counts["failed"] += 1
                 head._end(e)
                 continue
             head.state = "running"
@@ -502,7 +516,6 @@ class Scheduler:
         except Exception as e:  # noqa: BLE001 - this request fails (its slot is back), the others go on
             log.exception("request %d failed in prefill", h.id)
             self._running.remove(h)
-            self.counts["failed"] += 1
             h._end(e)
             return
         spent = time.perf_counter() - t0
@@ -525,12 +538,13 @@ class Scheduler:
             for h in live:
                 self._running.remove(h)
                 h.request.release()
-                self.counts["failed"] += 1
                 h._end(e)
             return
         self.prefill_policy.saw_step(time.perf_counter() - t0)
         self.steps += 1
         self.batch_rows += len(live)
+        if self.on_step is not None:
+            self.on_step([h.request for h in live])
         for h in live:
             h.widest = max(h.widest, len(live))
             if h.exclusive:
@@ -543,7 +557,6 @@ class Scheduler:
                     req.stop_reason = req.stop_reason or "cancelled"
                     self._running.remove(h)
                     req.release()
-                    self.counts["failed"] += 1
                     h._end(e)
                     continue
             if h.audio == "stream":
@@ -552,7 +565,7 @@ class Scheduler:
                     self.codec_worker.put(h, frames, req.done)
             if req.done:
                 self._running.remove(h)
-                self.counts["finished"] += 1
+                self.counts["retired"] += 1
                 if h.keep:
                     self._kept.append(h)
                 if h.audio == "speech":
@@ -578,8 +591,10 @@ class Scheduler:
     # -- figures ----------------------------------------------------------------------------------------------
     def stats(self) -> dict:
         mean = self.batch_rows / self.steps if self.steps else 0.0
+        running = list(self._running)
         return {"slots": self.slots, "slot_positions": self.positions, "waiting": len(self._waiting),
-                "active": len(self._running), "kept": len(self._kept), "decoder_steps": self.steps,
+                "active": len(running), "prefilling": sum(h.request.embeds is not None for h in running),
+                "kept": len(self._kept), "decoder_steps": self.steps,
                 "rows": self.batch_rows, "mean_batch": round(mean, 3), "prefill_calls": self.prefill_calls,
                 "prefill_positions": self.prefill_positions, "longest_stall_s": round(self.longest_stall_s, 4),
                 "codec_busy_s": round(self.codec_worker.busy_s, 3), **self.counts,

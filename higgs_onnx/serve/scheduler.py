@@ -182,7 +182,7 @@ class Scheduler:
         with self._lock:
             pending, counts = self._pending, dict(self.counts)
         pool = self.core.pool
-        prefilling = sum(h.request.embeds is not None for h in list(self.core._running))
+        prefilling = core["prefilling"]
         return {"in_flight": pending, "active": core["active"], "prefilling": prefilling, "waiting": core["waiting"],
                 "kept": core["kept"], "slots_in_use": pool.in_use if pool is not None else 0,
                 "max_batch": self.max_batch, "max_queue": self.max_queue, "slot_positions": self.slot_positions,

@@ -1,0 +1,151 @@
+"""The one scheduler (`generation/scheduler.py`) on its own: chunked prefill interleaved with the running batch,
+codec work off the decoder loop, cancel, KV continuation rules, a caller-driven scheduler that cannot start a
+request says so, the thread mode stops cleanly, and a decode row cannot ride along a prefill chunk on the GQA
+graph (why the two are separate calls). Rows are compared bit for bit on the tiny fp32 export."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from higgs_onnx.generation.scheduler import Cancelled, PrefillPolicy
+from higgs_onnx.runtime.model import HiggsTTS
+from higgs_onnx.runtime.stream import StreamOptions
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parent.parent
+REF = ROOT / "higgs_onnx" / "assets" / "recordings" / "ref_en_24k.flac"
+TEXTS = [f"Request number {i} asks for its own words, {'and a few more ' * i}then stops." for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def tts(builds):
+    return HiggsTTS(builds["fp32"], verify=False)
+
+
+@pytest.fixture(scope="module")
+def voice(tts):
+    return tts.make_voice(REF, REF.with_suffix(".txt").read_text().strip())
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_the_batch_goes_on(tts, voice):
+    sched = tts.scheduler(4, 1024, PrefillPolicy(chunk=16))
+    running = [sched.submit(tts.request(t, seed=i, max_rows=300, slot=1024)) for i, t in enumerate(TEXTS[:3])]
+    for _ in range(3):
+        sched.step()
+    clone = tts.request(TEXTS[3], ref_audio=REF, ref_text=REF.with_suffix(".txt").read_text().strip(), seed=7,
+                        max_rows=300, slot=1024)
+    clone.prefix = clone.cached = None  # prefill the whole clone prompt, reference included (~300 positions)
+    clone.cached = 0
+    assert len(clone.prompt) > 250
+    seen = []  # (rows of the running requests, clone positions prefilled) after every step
+    h = sched.submit(clone)
+    while not h.finished.is_set():
+        sched.step()
+        seen.append((sum(r.request.n for r in running), clone.prefilled, clone.embeds is None))
+    during = [rows for rows, done, whole in seen if not whole and done > 0]
+    assert len(during) >= len(clone.prompt) // 16 - 1  # one chunk per step ...
+    assert during == sorted(during) and during[-1] - during[0] >= 3 * (len(during) - 1)  # ... and 3 rows each
+    sched.run_until_idle()
+    stats = sched.stats()
+    assert stats["prefill_calls"] >= len(clone.prompt) // 16 and stats["active"] == 0
+    alone = [tts.generate(t, seed=i, max_rows=300).rows for i, t in enumerate(TEXTS[:3])]
+    for r, want in zip(running, alone, strict=True):
+        np.testing.assert_array_equal(r.wait().generated, want)
+    sched.close()
+
+
+def test_the_codec_runs_off_the_decoder_loop(tts, monkeypatch):
+    """A slow codec does not hold the decoder back: rows go on while a chunk is being decoded."""
+    real = tts.codec_stream
+
+    def slow(options):
+        codec = real(options)
+        push = codec.push
+
+        def slow_push(frames):
+            time.sleep(0.05)
+            return push(frames)
+
+        codec.push = slow_push
+        return codec
+
+    monkeypatch.setattr(tts, "codec_stream", slow)
+    sched = tts.scheduler()
+    h = sched.submit(tts.request(TEXTS[2], seed=1, max_rows=300), "stream", StreamOptions(first_frames=4,
+                                                                                         chunk_frames=4))
+    arrivals = [(c.rows_done, h.request.n) for c in h.chunks()]
+    sched.close()
+    assert len(arrivals) > 3
+    assert any(now > taken + 2 for taken, now in arrivals[:-1])  # the decoder ran ahead of the codec
+
+
+def test_cancel_frees_the_slot_at_the_next_step(tts):
+    sched = tts.scheduler(1, 512)
+    a = sched.submit(tts.request(TEXTS[0], max_rows=400, slot=512, ignore_eoc=True))
+    b = sched.submit(tts.request(TEXTS[1], seed=1, max_rows=60, slot=512))
+    for _ in range(5):
+        sched.step()
+    assert a.state == "running" and b.state == "waiting"
+    a.cancel()
+    b.wait()
+    with pytest.raises(Cancelled):
+        a.wait()
+    assert sched.stats()["cancelled"] == 1 and sched.stats()["finished"] == 1 and sched.pool.in_use == 0
+    sched.close()
+
+
+def test_continuation_rules(tts):
+    sched = tts.scheduler(1, 1024)
+    plain = sched.submit(tts.request(TEXTS[0], max_rows=60, slot=1024))
+    with pytest.raises(ValueError, match="keep=True"):
+        sched.submit(tts.request(TEXTS[1], slot=1024), after=plain)
+    kept = sched.submit(tts.request(TEXTS[0], max_rows=60, slot=1024), keep=True)
+    prev = kept.wait()
+    with pytest.raises(ValueError, match="start with the earlier request"):
+        tts.request(TEXTS[1], slot=1024, continues=prev)  # no history turn: not a continuation of it
+    # the one slot is held by the kept request: a request that needs a new slot can never start
+    stuck = sched.submit(tts.request(TEXTS[1], max_rows=60, slot=1024))
+    with pytest.raises(RuntimeError, match="held by finished requests kept"):
+        stuck.wait()
+    nxt = tts.request(TEXTS[1], slot=1024, max_rows=60, history=[(TEXTS[0], prev.generated.copy())], continues=prev)
+    assert nxt.cached == prev.positions
+    sched.submit(nxt, after=kept).wait()  # takes over the kept slot
+    stuck.cancel()
+    sched.close()
+    assert sched.pool.in_use == 0
+
+
+def test_thread_mode_serves_many_threads_and_stops(tts):
+    sched = tts.scheduler(2, 512).start()
+    results = {}
+
+    def client(i):
+        results[i] = sched.submit(tts.request(TEXTS[i], seed=i, max_rows=80, slot=512), "speech").speech()
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    sched.stop()
+    assert sorted(results) == [0, 1, 2, 3] and all(s.waveform.size for s in results.values())
+    assert sched.stats()["mean_batch"] > 1.2
+    assert not [t for t in threading.enumerate() if t.name in ("higgs-engine", "higgs-codec")]
+
+
+def test_a_decode_row_cannot_ride_along_a_prefill_chunk_on_the_gqa_graph(builds):
+    """Measured for issue 21: one (B, S) call mixing decode rows and a prefill chunk is refused by the pinned
+    GroupQueryAttention kernel, so the scheduler runs them as separate calls. If a new onnxruntime accepts it,
+    this fails: measure it then (benchmarks/ride_along.py)."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from ride_along import probe
+
+    r = probe(builds["int4"])
+    assert not r["supported"] and "batch_size must be 1" in r["reason"]
