@@ -46,10 +46,11 @@ SENTENCES = [
 ]
 
 
-def make_text(words: int) -> str:
+def make_text(words: int, sentences: int = 4) -> str:
+    """About `words` words in paragraphs of `sentences` sentences."""
     out, n, i = [], 0, 0
     while n < words:
-        para = " ".join(SENTENCES[(i + k) % len(SENTENCES)] for k in range(4))
+        para = " ".join(SENTENCES[(i + k) % len(SENTENCES)] for k in range(sentences))
         out.append(para)
         n += len(para.split())
         i += 3
@@ -59,7 +60,8 @@ def make_text(words: int) -> str:
 REFERENCE = ROOT / "higgs_onnx" / "assets" / "recordings" / "ref_en_24k.flac"
 
 
-def run_one(model: Path, words: int, threads: int, history: int = 1, lanes: int = 1, clone: bool = False) -> dict:
+def run_one(model: Path, words: int, threads: int, history: int = 1, lanes: int = 1, clone: bool = False,
+            sentences: int = 4, short_lines: bool = True) -> dict:
     from bench import peak_rss_mb
 
     from higgs_onnx.generation.options import GenerationOptions
@@ -70,10 +72,10 @@ def run_one(model: Path, words: int, threads: int, history: int = 1, lanes: int 
     tts = HiggsTTS(model, threads=threads, verify=False)
     tts.generate("Warm up.", max_rows=10)
     short_rtf = []
-    for s in SENTENCES[:3]:  # short lines of the same kind of text, same process
+    for s in SENTENCES[:3] if short_lines else ():  # short lines of the same kind of text, same process
         sp = tts.generate(s, seed=1)
         short_rtf.append(sp.stats.rtf)
-    text = make_text(words)
+    text = make_text(words, sentences)
     voice = tts.make_voice(REFERENCE, REFERENCE.with_suffix(".txt").read_text().strip()) if clone else None
     with tempfile.TemporaryDirectory() as d:
         job = LongForm(tts, text, Path(d) / "long.wav", voice=voice, options=GenerationOptions(seed=0),
@@ -93,7 +95,8 @@ def run_one(model: Path, words: int, threads: int, history: int = 1, lanes: int 
             "piece_s": {"min": min(secs), "median": statistics.median(secs), "max": max(secs)},
             "rows_per_token_first": statistics.mean(per_token[:q]),
             "rows_per_token_last": statistics.mean(per_token[-q:]),
-            "audio_s": audio, "wall_s": wall, "rtf": wall / audio, "short_line_rtf": statistics.mean(short_rtf),
+            "audio_s": audio, "wall_s": wall, "rtf": wall / audio,
+            "short_line_rtf": statistics.mean(short_rtf) if short_rtf else float("nan"),
             "peak_rss_mb": peak_rss_mb(), "lanes": len(job.lanes), "paragraphs": sum(p.paragraph_end for p in
                                                                                       job.pieces),
             "mean_batch": job.stats["mean_batch"], "positions_prefilled": job.stats["positions_prefilled"],
@@ -118,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, default=ROOT / "onnx" / "bench")
     ap.add_argument("--model-path", type=Path, help="an existing export (instead of building --preset)")
     ap.add_argument("--lanes", type=int, nargs="+", default=[1], help="lane counts to run (default 1)")
+    ap.add_argument("--paragraph-sentences", type=int, default=4, help="sentences per paragraph (default 4)")
+    ap.add_argument("--short-lines-once", action="store_true", help="time the short lines in the 1-lane run only")
     ap.add_argument("--clone", action="store_true", help="clone the bundled reference recording (every lane starts at "
                     "once; zero-shot, the other lanes wait for piece 1's voice)")
     ap.add_argument("--json", type=Path)
@@ -125,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args._one:
         print(json.dumps(run_one(Path(args._one[0]), int(args._one[1]), args.threads, args.history,
-                                 args.lanes[0], args.clone)))
+                                 args.lanes[0], args.clone, args.paragraph_sentences,
+                                 not args.short_lines_once or args.lanes[0] == 1)))
         return 0
     if args.model_path is not None:
         export = args.model_path
@@ -138,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
         for lanes in args.lanes:
             r = subprocess.run([sys.executable, __file__, "--_one", str(export), str(w), "--threads",
                                 str(args.threads), "--history", str(args.history), "--lanes", str(lanes),
-                                *(["--clone"] if args.clone else [])],
+                                "--paragraph-sentences", str(args.paragraph_sentences),
+                                *(["--clone"] if args.clone else []),
+                                *(["--short-lines-once"] if args.short_lines_once else [])],
                                capture_output=True, text=True, cwd=ROOT)
             if r.returncode:
                 raise SystemExit(f"run of {w} words, {lanes} lanes failed:\n{r.stderr[-3000:]}")
@@ -158,8 +166,9 @@ def main(argv: list[str] | None = None) -> int:
         one = next((x for x in runs if x["words"] == r["words"] and x["lanes"] == 1), None)
         speed = one["wall_s"] / r["wall_s"] if one else float("nan")
         r["speed_up"] = speed
+        short = r["short_line_rtf"] if r["short_line_rtf"] == r["short_line_rtf"] else (one or r)["short_line_rtf"]
         print(f"  {r['words']:>6} {r['lanes']:>5} {r['wall_s']:>8.1f} {speed:>8.2f} {r['batch_gain']:>6.2f} "
-              f"{0.85 * r['batch_gain']:>6.2f} {r['mean_batch']:>10.2f} {r['rtf'] / r['short_line_rtf']:>11.2f} "
+              f"{0.85 * r['batch_gain']:>6.2f} {r['mean_batch']:>10.2f} {r['rtf'] / short:>11.2f} "
               f"{r['positions_prefilled']:>10} / {r['rows_generated']:<10}")
     if args.json:
         args.json.write_text(json.dumps(runs, indent=2))
