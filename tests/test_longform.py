@@ -38,6 +38,20 @@ nothing happened for a while. "Stop," he said. Then he left.
 A third, short paragraph ends it."""
 
 
+def digest(path: Path) -> str:
+    """A file's sha256: compared instead of its bytes (pytest's diff of two multi-MB byte strings takes minutes)."""
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def same(a: bytes, b: bytes) -> bool:
+    """Two files' bytes are equal (compared by hash, so a failure does not make pytest diff megabytes)."""
+    import hashlib
+
+    return hashlib.sha256(a).digest() == hashlib.sha256(b).digest()
+
+
 def cli(*args, **kw):
     return subprocess.run([sys.executable, str(ROOT / "inference.py"), *map(str, args)], capture_output=True,
                           text=True, cwd=ROOT, env={**os.environ, "CI": "1"}, timeout=600, **kw)
@@ -97,11 +111,13 @@ def test_cli_kill_and_resume_gives_the_same_file(builds, tmp_path):
     text = tmp_path / "chapter.txt"
     text.write_text((CHAPTER + "\n\n") * 3)
     whole = tmp_path / "whole.wav"
-    r = cli("--model-path", builds["int4"], "--text-file", text, "--out", whole, "--seed", "3")
+    # fp32: a resumed piece's prompt is prefilled from scratch where the uninterrupted run continued its lane's
+    # cache, and int4 rounds a long prefill differently from the rows fed one by one (docs/longform.md)
+    r = cli("--model-path", builds["fp32"], "--text-file", text, "--out", whole, "--seed", "3")
     assert r.returncode == 0, r.stderr
     assert "piece 1/" in r.stderr and "ETA" in r.stderr
     cut = tmp_path / "cut.wav"
-    proc = subprocess.Popen([sys.executable, str(ROOT / "inference.py"), "--model-path", str(builds["int4"]),
+    proc = subprocess.Popen([sys.executable, str(ROOT / "inference.py"), "--model-path", str(builds["fp32"]),
                              "--text-file", str(text), "--out", str(cut), "--seed", "3"], cwd=ROOT,
                             env={**os.environ, "CI": "1"}, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
     work = cut.with_name("cut.wav.work")
@@ -112,12 +128,12 @@ def test_cli_kill_and_resume_gives_the_same_file(builds, tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not cut.exists() and work.is_dir()
-    r = cli("--model-path", builds["int4"], "--text-file", text, "--out", cut, "--seed", "3")
+    r = cli("--model-path", builds["fp32"], "--text-file", text, "--out", cut, "--seed", "3")
     assert r.returncode == 2 and "--resume" in r.stderr  # never overwrites an unfinished job silently
-    r = cli("--model-path", builds["int4"], "--text-file", text, "--out", cut, "--seed", "3", "--resume")
+    r = cli("--model-path", builds["fp32"], "--text-file", text, "--out", cut, "--seed", "3", "--resume")
     assert r.returncode == 0, r.stderr
-    assert "from the work folder" in r.stderr
-    assert cut.read_bytes() == whole.read_bytes() and not work.exists()
+    assert "from the work folder" in r.stderr  # the planned lane count, measured or not
+    assert digest(cut) == digest(whole) and not work.exists()
 
 
 @pytest.mark.parametrize("content, message", [
@@ -195,7 +211,7 @@ def test_a_damaged_piece_is_made_again_on_resume(tts, tmp_path, damage):
         np.savez(victim, **fields)
     with RequestCounter(tts) as spy:
         path = LongForm(tts, CHAPTER, out, lf=SMALL, resume=True).write()
-    assert path.read_bytes() == want  # the same file as an uninterrupted run
+    assert same(path.read_bytes(), want)  # the same file as an uninterrupted run
     assert [t for t, _ in spy.calls] == [p.text for p in job.pieces[1:2] + job.pieces[3:]]  # only the damaged and
     assert not job.work.exists()  # the missing pieces were made
 
@@ -212,7 +228,7 @@ def test_a_damaged_plan_is_written_again_and_its_pieces_kept(tts, tmp_path):
     (job.work / "plan.json").write_bytes(b'{"version": 2, "text_sha')  # cut off
     with RequestCounter(tts) as spy:
         path = LongForm(tts, CHAPTER, out, lf=SMALL, resume=True).write()
-    assert path.read_bytes() == want
+    assert same(path.read_bytes(), want)
     assert saved >= 2 and len(spy.calls) == len(job.pieces) - saved  # the saved pieces carried this job's stamp
 
 
@@ -276,9 +292,9 @@ def test_the_final_rename_failing_says_where_the_audio_is(tts, tmp_path):
     partial = tmp_path / "o.wav.partial"
     assert f"cannot write {out} (" in message and str(partial) in message and str(job.work) in message, message
     assert "--resume" in message and "[Errno" not in message and "\n" not in message
-    assert partial.read_bytes() == want  # the whole recording, under the partial name
+    assert same(partial.read_bytes(), want)  # the whole recording, under the partial name
     out.rmdir()
-    assert LongForm(tts, CHAPTER, out, lf=SMALL, resume=True).write().read_bytes() == want
+    assert same(LongForm(tts, CHAPTER, out, lf=SMALL, resume=True).write().read_bytes(), want)
 
 
 def test_a_full_disk_while_writing_keeps_the_pieces(tts, tmp_path, monkeypatch):
@@ -302,7 +318,7 @@ def test_a_full_disk_while_writing_keeps_the_pieces(tts, tmp_path, monkeypatch):
     assert len(list((tmp_path / "o.wav.work").glob("piece-*.npz"))) == 3 and not out.exists()
     monkeypatch.setattr(GrowingAudioFile, "write", original)
     with RequestCounter(tts) as spy:
-        assert LongForm(tts, CHAPTER, out, lf=SMALL, resume=True).write().read_bytes() == want
+        assert same(LongForm(tts, CHAPTER, out, lf=SMALL, resume=True).write().read_bytes(), want)
     assert len(spy.calls) == 2  # pieces 4 and 5 only
 
 
