@@ -330,7 +330,7 @@ def speak_lines(tts, lines: list[str], args, voice) -> int:
                         log.warning("%s: no end of speech within %d rows; the audio is cut at the limit", out,
                                     stats.rows)
                     print(f"{out}: {stats.audio_s:.2f} s audio; {stats.rows} rows; stop: {stats.stop_reason} "
-                          f"({made}/{len(lines)})", file=say)
+                          f"({made}/{len(lines)})", file=say, flush=True)  # progress, also through a pipe
                 if not progressed:
                     sched.wait_for_codec()
         except BaseException:
