@@ -236,7 +236,7 @@ class CodecWorker:
     def stop(self) -> None:
         if self._thread is not None:
             self._tasks.put(None)
-            self._thread.join(timeout=30)
+            self._thread.join(timeout=10)
             self._thread = None
 
     def _run(self) -> None:
@@ -380,9 +380,14 @@ class Scheduler:
         self.close(RuntimeError("the scheduler is shutting down"))
 
     def close(self, error: BaseException | None = None) -> None:
-        """Fail what is left, free every slot, stop the codec worker."""
-        with self._lock:
+        """Fail what is left, free every slot, stop the codec worker. Never blocks for long: a Ctrl-C that landed
+        while the lock was being taken may have left it held, and closing must still end."""
+        got = self._lock.acquire(timeout=2)
+        try:
             left, self._waiting = list(self._waiting), deque()
+        finally:
+            if got:
+                self._lock.release()
         for h in left + self._running:
             h.request.release()
             h._end(error or RuntimeError("the scheduler was closed"))
