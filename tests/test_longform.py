@@ -59,8 +59,7 @@ def cli(*args, **kw):
 
 @pytest.fixture(scope="module")
 def tts(builds):
-    """fp32: the resume tests compare files to the bytes of an uninterrupted run, which int4 does not promise
-    (a resumed lane prefills from scratch what the uninterrupted run continued; docs/longform.md)."""
+    """fp32 (the CLI kill test covers int4): the resume tests compare files to the bytes of an uninterrupted run."""
     return HiggsTTS(builds["fp32"], verify=False)
 
 
@@ -113,14 +112,14 @@ def test_cli_kill_and_resume_gives_the_same_file(builds, tmp_path):
     text = tmp_path / "chapter.txt"
     text.write_text((CHAPTER + "\n\n") * 3)
     whole = tmp_path / "whole.wav"
-    # fp32: a resumed piece's prompt is prefilled from scratch where the uninterrupted run continued its lane's
-    # cache, and int4 rounds a long prefill differently from the rows fed one by one (docs/longform.md)
-    # the lanes are given: a count measured in each process could differ between the two runs
-    r = cli("--model-path", builds["fp32"], "--text-file", text, "--out", whole, "--seed", "3", "--lanes", "2")
+    # int4 (the default build): a resumed piece replays the prefill calls that built the cache it continues, as
+    # int4 rounds a long prefill differently from rows fed one by one (docs/longform.md); the lanes are given: a
+    # count measured in each process could differ between the two runs
+    r = cli("--model-path", builds["int4"], "--text-file", text, "--out", whole, "--seed", "3", "--lanes", "2")
     assert r.returncode == 0, r.stderr
     assert "piece 1/" in r.stderr and "ETA" in r.stderr
     cut = tmp_path / "cut.wav"
-    proc = subprocess.Popen([sys.executable, str(ROOT / "inference.py"), "--model-path", str(builds["fp32"]),
+    proc = subprocess.Popen([sys.executable, str(ROOT / "inference.py"), "--model-path", str(builds["int4"]),
                              "--text-file", str(text), "--out", str(cut), "--seed", "3", "--lanes", "2"], cwd=ROOT,
                             env={**os.environ, "CI": "1"}, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
     work = cut.with_name("cut.wav.work")
@@ -131,9 +130,9 @@ def test_cli_kill_and_resume_gives_the_same_file(builds, tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not cut.exists() and work.is_dir()
-    r = cli("--model-path", builds["fp32"], "--text-file", text, "--out", cut, "--seed", "3")
+    r = cli("--model-path", builds["int4"], "--text-file", text, "--out", cut, "--seed", "3")
     assert r.returncode == 2 and "--resume" in r.stderr  # never overwrites an unfinished job silently
-    r = cli("--model-path", builds["fp32"], "--text-file", text, "--out", cut, "--seed", "3", "--resume")
+    r = cli("--model-path", builds["int4"], "--text-file", text, "--out", cut, "--seed", "3", "--resume")
     assert r.returncode == 0, r.stderr
     assert "from the work folder" in r.stderr and "in 2 lanes" in r.stderr  # the planned lane count
     assert digest(cut) == digest(whole) and not work.exists()

@@ -1,5 +1,5 @@
 """The one scheduler (`generation/scheduler.py`) on its own: chunked prefill interleaved with the running batch,
-codec work off the decoder loop, cancel, KV continuation rules, a caller-driven scheduler that cannot start a
+fixed chunks and a request's breaks deciding every prefill call, codec work off the decoder loop, cancel, KV continuation rules, a caller-driven scheduler that cannot start a
 request says so, the thread mode stops cleanly, and a decode row cannot ride along a prefill chunk on the GQA
 graph (why the two are separate calls). Rows are compared bit for bit on the tiny fp32 export."""
 
@@ -57,6 +57,31 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_the_batch_goes_on(tts, voice
     for r, want in zip(running, alone, strict=True):
         np.testing.assert_array_equal(r.wait().generated, want)
     sched.close()
+
+
+def test_fixed_chunks_and_breaks_decide_every_prefill_call(tts):
+    """A fixed chunk applies alone too (a batch job's calls do not depend on what else runs), and a request's
+    `breaks` end a call wherever they fall (how a resumed long-form piece replays the calls that built its cache);
+    the rows are those of one whole-prompt prefill here (fp32)."""
+    req = tts.request(TEXTS[2], seed=3, max_rows=40, slot=512)
+    calls = []
+    real = tts.backend.prefill
+    tts.backend.prefill = lambda cache, embeds: calls.append(len(embeds)) or real(cache, embeds)
+    try:
+        sched = tts.scheduler(2, 512, PrefillPolicy(chunk=8))
+        n = len(req.prompt)
+        req.breaks = (3, 4, 5, 13)
+        h = sched.submit(req)
+        sched.run_until_idle()
+        got = h.wait().generated
+        sched.close()
+    finally:
+        tts.backend.prefill = real
+    want = [3, 1, 1, 8]
+    left = n - 13
+    want += [8] * (left // 8) + ([left % 8] if left % 8 else [])
+    assert calls == want, (calls, n)
+    np.testing.assert_array_equal(got, tts.generate(TEXTS[2], seed=3, max_rows=40).rows)
 
 
 def test_the_codec_runs_off_the_decoder_loop(tts, monkeypatch):

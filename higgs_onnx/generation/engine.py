@@ -26,6 +26,7 @@ no per-request state. Its three operations are what the scheduler (`generation.s
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -160,6 +161,9 @@ class Request:
         self.cached = 0 if prefix is None else prefix[0]
         self.embeds: np.ndarray | None = None  # positions still to prefill (set by `Engine.admit`)
         self.prefilled = 0  # of `embeds`
+        # offsets into `embeds` where a prefill chunk must end, whatever the chunk size: a resumed long-form piece
+        # replays the calls that built the cache it would have continued (each fed row a call of its own)
+        self.breaks: tuple[int, ...] = ()
         self.ref_rows, self.prefix, self.teacher_rows, self.keep_logits = ref_rows, prefix, teacher_rows, keep_logits
         self.max_rows = DEFAULT_MAX_ROWS if options.max_rows is None else options.max_rows
         self.rng = np.random.default_rng(options.seed)
@@ -317,6 +321,10 @@ class Engine:
         t0 = time.perf_counter()
         left = len(req.embeds) - req.prefilled
         n = left if limit is None else max(1, min(limit, left))
+        if req.breaks:
+            i = bisect.bisect_right(req.breaks, req.prefilled)
+            if i < len(req.breaks):
+                n = min(n, req.breaks[i] - req.prefilled)
         try:
             hidden = self.backend.prefill(req.cache, req.embeds[req.prefilled:req.prefilled + n])
         except BaseException:

@@ -62,10 +62,11 @@ class QueueFull(RuntimeError):
 class PrefillPolicy:
     """How many prompt positions one prefill chunk takes while other requests decode.
 
-    `chunk`: a fixed number (deterministic: the batch jobs use it, so the same inputs give the same calls), or None
-    to size chunks by time: `share` x the measured decode step, divided by the measured cost of one prefill position
-    (on an AVX2 EPYC one position of the 4b model costs ~140 ms against a ~216 ms step; a VNNI machine far less).
-    Alone (nothing decoding), a request prefills its whole prompt in one call."""
+    `chunk`: a fixed number, applied always (deterministic: the batch jobs use it, so the same inputs give the same
+    calls whatever else is running), or None to size chunks by time: `share` x the measured decode step, divided
+    by the measured cost of one prefill position (on an AVX2 EPYC one position of the 4b model costs ~140 ms
+    against a ~216 ms step; a VNNI machine far less); sized by time, a request alone (nothing decoding) prefills
+    its whole prompt in one call."""
 
     chunk: int | None = None
     share: float = 1.0  # a chunk costs about this many decode steps: running streams advance at 1 / (1 + share)
@@ -80,10 +81,10 @@ class PrefillPolicy:
             raise ValueError(f"a prefill chunk must be >= 1 position, got {self.chunk}")
 
     def size(self, others_decoding: bool) -> int | None:
-        if not others_decoding:
-            return None  # the whole prompt: nobody waits for it
         if self.chunk is not None:
             return self.chunk
+        if not others_decoding:
+            return None  # the whole prompt: nobody waits for it
         if self.step_s is None or self.position_s is None:
             return self.first
         return int(min(self.most, max(self.least, self.share * self.step_s / self.position_s)))
@@ -311,6 +312,7 @@ class Scheduler:
                                       "exclusive")}
         self.steps = self.batch_rows = 0  # decoder steps, and the rows they advanced (mean batch = ratio)
         self.prefill_calls = self.prefill_positions = 0
+        self.decode_s = self.prefill_s = 0.0  # time in decoder steps and in prefill calls
         self.longest_stall_s = 0.0  # the longest prefill chunk run while others were decoding
         self.exclusive_widest = 0
         # called after every decoder step with the requests it advanced (the loop's thread): per-step figures
@@ -502,8 +504,8 @@ class Scheduler:
                 return
 
     def _prefill_chunk(self) -> None:
-        """One chunk of the oldest prompt still prefilling; while nothing decodes, every waiting prompt whole
-        (nobody waits for them)."""
+        """One chunk of the oldest prompt still prefilling; while nothing decodes, every waiting prompt to its end
+        (nobody waits for them; in fixed chunks when the policy has them)."""
         decoding = any(x.request.decoding for x in self._running)
         while True:
             waiting = [h for h in self._running if h.request.embeds is not None]
@@ -525,6 +527,7 @@ class Scheduler:
             return
         spent = time.perf_counter() - t0
         self.prefill_policy.saw_prefill(spent, n)
+        self.prefill_s += spent
         self.prefill_calls += 1
         self.prefill_positions += n
         if decoding:
@@ -545,7 +548,9 @@ class Scheduler:
                 h.request.release()
                 h._end(e)
             return
-        self.prefill_policy.saw_step(time.perf_counter() - t0)
+        spent = time.perf_counter() - t0
+        self.prefill_policy.saw_step(spent)
+        self.decode_s += spent
         self.steps += 1
         self.batch_rows += len(live)
         if self.on_step is not None:
@@ -601,7 +606,8 @@ class Scheduler:
                 "active": len(running), "prefilling": sum(h.request.embeds is not None for h in running),
                 "kept": len(self._kept), "decoder_steps": self.steps,
                 "rows": self.batch_rows, "mean_batch": round(mean, 3), "prefill_calls": self.prefill_calls,
-                "prefill_positions": self.prefill_positions, "longest_stall_s": round(self.longest_stall_s, 4),
+                "prefill_positions": self.prefill_positions, "decode_s": round(self.decode_s, 3),
+                "prefill_s": round(self.prefill_s, 3), "longest_stall_s": round(self.longest_stall_s, 4),
                 "codec_busy_s": round(self.codec_worker.busy_s, 3), **self.counts,
                 "exclusive_widest_batch": self.exclusive_widest}
 

@@ -584,37 +584,38 @@ class LongForm:
         they do not fit). `history=0`: every piece hears the voice only."""
         start = next(a for a, b in self.lanes if a <= i < b)
         zero_shot = self.voice is None
-        voice_rows = lambda with_voice: (0, None) if not with_voice else (  # noqa: E731
-            (len(self.voice.rows), self.voice.ref_text) if not zero_shot else
-            (len(done[0]["gen"]), self.pieces[0].text))
         with_voice, history = not (zero_shot and start == 0), []
         for j in range(start + 1, i + 1):
             if self.lf.history == 0:
                 with_voice, history, cont = True, [], False
                 continue
             grown = history + [j - 1]
-            if self._fits(j, with_voice, grown, done, voice_rows):
+            if self._fits(j, with_voice, grown, done):
                 history, cont = grown, True
                 continue
             with_voice, cont = True, False  # start again from the voice and the last pieces
             keep = [k for k in range(max(start, j - self.lf.history), j) if not (zero_shot and k == 0)]
-            while keep and not self._fits(j, True, keep, done, voice_rows):
+            while keep and not self._fits(j, True, keep, done):
                 keep = keep[1:]
             history = keep
         if i == start:
             return with_voice, [], False
         return with_voice, history, cont
 
-    def _fits(self, j: int, with_voice: bool, history: list[int], done: dict, voice_rows) -> bool:
+    def _fits(self, j: int, with_voice: bool, history: list[int], done: dict) -> bool:
+        return self._prompt_positions(j, with_voice, history, done) + self._want(j) <= self.slot
+
+    def _prompt_positions(self, j: int, with_voice: bool, history: list[int], done: dict) -> int:
+        """The prompt length of piece `j` with (or without) the voice and the earlier pieces `history`."""
         from ..generation.prompt import build_prefix
 
-        rows, text = voice_rows(with_voice)
-        key = (rows, text)
+        rows, text = (0, None) if not with_voice else (len(self.voice.rows), self.voice.ref_text) \
+            if self.voice is not None else (len(done[0]["gen"]), self.pieces[0].text)
         prefixes = self.__dict__.setdefault("_prefixes", {})
-        if key not in prefixes:
-            prefixes[key] = len(build_prefix(self.tts.tokenizer, self.tts.tokens, rows, text))
-        prompt = prefixes[key] + sum(self._suffix_len(k) + done[k]["rows"] for k in history) + self._suffix_len(j)
-        return prompt + self._want(j) <= self.slot
+        if (rows, text) not in prefixes:
+            prefixes[rows, text] = len(build_prefix(self.tts.tokenizer, self.tts.tokens, rows, text))
+        return prefixes[rows, text] + sum(self._suffix_len(k) + done[k]["rows"] for k in history) + \
+            self._suffix_len(j)
 
     def _request(self, i: int, done: dict[int, dict], attempt: int, prev=None):
         """Piece `i`'s request in its lane's context (`_context`), and whether it continues `prev` (the request of
@@ -628,8 +629,32 @@ class LongForm:
                                       max_rows=budget)
         turns = [(self.pieces[k].text, done[k]["gen"]) for k in history]
         continues = prev if cont and prev is not None else None
-        return self.tts.request(self.pieces[i].text, voice=voice, options=options, history=turns, slot=self.slot,
-                                continues=continues), continues is not None
+        req = self.tts.request(self.pieces[i].text, voice=voice, options=options, history=turns, slot=self.slot,
+                               continues=continues)
+        if cont and continues is None:  # resumed: the cache it would continue is gone
+            req.breaks = self._replay_breaks(i, done, req)
+        return req, continues is not None
+
+    def _replay_breaks(self, i: int, done: dict[int, dict], req) -> tuple[int, ...]:
+        """Piece `i` would have continued its lane's cache, which a resumed job no longer has: where its
+        from-scratch prefill must end a call for it to make the calls that built that cache (each earlier piece's
+        new positions in `PREFILL_CHUNK`s from where that piece started, each row it fed a call of its own). The
+        same calls round the same way (int4 rounds a long prefill differently from rows fed one by one), so a
+        resumed job writes the bytes of an uninterrupted one."""
+        first = i
+        while self._context(first, done)[2]:
+            first -= 1  # back to the piece of the lane that started from the voice
+        with_voice, history, _ = self._context(first, done)
+        end = self._prompt_positions(first, with_voice, history, done)
+        breaks = []
+        for k in range(first, i):
+            fed = max(done[k]["rows"] - 1, 0)  # the last row is sampled, never fed
+            breaks += range(end, end + fed + 1)  # the prompt's end, then each fed row
+            end += done[k]["rows"] + self._suffix_len(k + 1)
+        if end != len(req.prompt):  # the lane's prompt is not the concatenation of its pieces: no replay
+            raise AssertionError(f"piece {i + 1}: its lane's prompt is {len(req.prompt)} positions, its pieces add "
+                                 f"up to {end}")
+        return tuple(b - req.cached for b in breaks if b > req.cached)
 
     def _steps(self, streaming: bool):
         """Every piece in order: ("audio", samples) as it is made (streaming only) and ("piece", PieceResult).

@@ -188,7 +188,8 @@ class Scheduler:
                 "max_batch": self.max_batch, "max_queue": self.max_queue, "slot_positions": self.slot_positions,
                 "prefill_chunk": self.prefill.chunk, "decoder_steps": core["decoder_steps"], "rows": core["rows"],
                 "mean_batch": core["mean_batch"], "prefill_calls": core["prefill_calls"],
-                "prefill_positions": core["prefill_positions"], "longest_stall_s": core["longest_stall_s"],
+                "prefill_positions": core["prefill_positions"], "decode_s": core["decode_s"],
+                "prefill_s": core["prefill_s"], "longest_stall_s": core["longest_stall_s"],
                 "codec_busy_s": core["codec_busy_s"], "submitted": counts.get("submitted", 0),
                 "started": core["started"], **{k: counts.get(k, 0) for k in ("finished", "failed", "cancelled")},
                 "exclusive": core["exclusive"], "exclusive_widest_batch": core["exclusive_widest_batch"]}
