@@ -41,8 +41,6 @@ import base64
 import io
 import json
 import os
-import queue
-import re
 import statistics
 import subprocess
 import sys
@@ -87,30 +85,18 @@ def cpu_line(cpu: dict) -> str:
 
 # -- the server ----------------------------------------------------------------------------------------------------
 class Server:
-    """`python -m higgs_onnx.serve` in a subprocess; `url` once it printed its ready line."""
+    """The real server in a child process (`higgs_onnx.serve.process`), with what the phases ask of it."""
 
     def __init__(self, model: Path, work: Path, *args: str, timeout: float = 600.0):
         import httpx2 as httpx
 
-        self.log = work / "server.log"
-        cmd = [sys.executable, "-m", "higgs_onnx.serve", "--model-path", str(model), "--port", "0",
-               "--voices", str(work / "voices"), *args]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=self.log.open("w"), text=True,
-                                     env={**os.environ, "CI": "1"})
-        lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=lambda: [lines.put(x) for x in self.proc.stdout], daemon=True).start()
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                line = lines.get(timeout=0.2)
-            except queue.Empty:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    raise SystemExit(f"error: the server did not start:\n{self.log.read_text()[-2000:]}") from None
-                continue
-            if m := re.search(r"http://[^/\s]+", line):
-                self.url, self.banner = m.group(0), line.strip()
-                break
+        from higgs_onnx.serve.process import ServerProcess
+
+        try:
+            self.process = ServerProcess(model, work / "voices", work / "server.log", *args, timeout=timeout)
+        except RuntimeError as e:
+            raise SystemExit(f"error: {e}") from None
+        self.url, self.banner = self.process.url, self.process.banner
         self.http = httpx.Client(base_url=self.url, timeout=600)
 
     def stats(self) -> dict:
@@ -133,12 +119,7 @@ class Server:
         return time.perf_counter() - t0
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        self.process.stop()
 
 
 class Stream:
@@ -323,8 +304,8 @@ def inprocess_figures(model: Path, batch: int, rows: int, threads: int, duration
     from higgs_onnx.generation.options import GenerationOptions
     from higgs_onnx.generation.scheduler import PrefillPolicy
     from higgs_onnx.runtime.model import HiggsTTS
-    from higgs_onnx.serve.scheduler import POOL_POSITIONS
     from higgs_onnx.runtime.stream import StreamOptions
+    from higgs_onnx.serve.scheduler import POOL_POSITIONS
 
     tts = HiggsTTS(model, threads=threads, verify=False)
 
@@ -443,7 +424,8 @@ def report(out: dict) -> None:
         print(f"\n3. throughput: {t['clients']} concurrent clients, {t['rows']} rows in {t['wall_s']:.2f} s "
               f"({t['decoder_steps']} decoder steps, mean batch {fmt(t['mean_batch'], '.2f')}, wall per step "
               f"{fmt(t['step_ms'], '.1f')} ms; of the wall: decoder steps {t['decode_s']:.1f} s, prefill "
-              f"{t['prefill_s']:.1f} s ({t['prefill_positions']} positions); codec thread busy {t['codec_busy_s']:.2f} s)")
+              f"{t['prefill_s']:.1f} s ({t['prefill_positions']} positions); codec thread busy "
+              f"{t['codec_busy_s']:.2f} s)")
         print(f"  {'how':<44} {'rows/s':>8}")
         print(f"  {'server, /health rows / wall':<44} {t['rows_per_s']:>8.1f}")
         print(f"  {'server, audio seconds x 25 / wall':<44} {t['audio_rows_per_s']:>8.1f}")

@@ -1,7 +1,8 @@
-"""The one scheduler (`generation/scheduler.py`) on its own: chunked prefill interleaved with the running batch,
-fixed chunks and a request's breaks deciding every prefill call, codec work off the decoder loop, cancel, KV continuation rules, a caller-driven scheduler that cannot start a
-request says so, the thread mode stops cleanly, and a decode row cannot ride along a prefill chunk on the GQA
-graph (why the two are separate calls). Rows are compared bit for bit on the tiny fp32 export."""
+"""The one scheduler (`generation/scheduler.py`) on its own: chunked prefill interleaved with the running batch, fixed
+chunks and a request's breaks deciding every prefill call, codec work off the decoder loop, cancel, KV continuation
+rules, a caller-driven scheduler that cannot start a request says so, the thread mode stops cleanly, and a decode
+row cannot ride along a prefill chunk on the GQA graph (why the two are separate calls). Rows are compared bit for
+bit on the tiny fp32 export."""
 
 from __future__ import annotations
 

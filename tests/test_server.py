@@ -13,13 +13,10 @@ from __future__ import annotations
 import io
 import json
 import os
-import queue
-import re
 import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -29,6 +26,8 @@ import numpy as np
 import openai
 import pytest
 import soundfile as sf
+
+from higgs_onnx.serve.process import ServerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -43,29 +42,15 @@ QUICK = {"max_rows": 120}  # a short utterance for tests that are not about the 
 POLLS = 1200  # bounded polls of /health (0.05 s apart): a wait that never ends fails instead of hanging
 
 
-class Server:
-    """A `python -m higgs_onnx.serve` subprocess; `url` once it printed its ready line."""
+class Server(ServerProcess):
+    """A `python -m higgs_onnx.serve` subprocess (`serve/process.py`) with the tests' helpers."""
 
     def __init__(self, model: Path, tmp: Path, *args: str, timeout: float = 120.0):
-        self.log, self.voices = tmp / "server.log", tmp / "voices"
-        cmd = [sys.executable, "-m", "higgs_onnx.serve", "--model-path", str(model), "--port", "0",
-               "--voices", str(tmp / "voices"), *args]
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=self.log.open("w"), text=True,
-                                     env={**os.environ, "CI": "1"})
-        lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=lambda: [lines.put(x) for x in self.proc.stdout], daemon=True).start()
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                line = lines.get(timeout=0.2)
-            except queue.Empty:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    pytest.fail(f"the server did not start: {self.log.read_text()[-2000:]}")
-                continue
-            if m := re.search(r"http://[^/\s]+", line):
-                self.url, self.banner = m.group(0), line.strip()
-                break
+        self.voices = tmp / "voices"
+        try:
+            super().__init__(model, self.voices, tmp / "server.log", *args, timeout=timeout)
+        except RuntimeError as e:
+            pytest.fail(str(e))
         self.http = httpx.Client(base_url=self.url, timeout=120)
 
     def client(self, key: str = "none") -> openai.OpenAI:
@@ -93,12 +78,7 @@ class Server:
         return self.wait(lambda s: s["in_flight"] == 0, "nothing in flight")
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        super().stop(timeout=15)
 
 
 @pytest.fixture(scope="module")
