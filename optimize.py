@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--attention", choices=ATTENTIONS, help="decoder graph: gqa (ModelBuilder, contrib "
                     "GroupQueryAttention) or portable (standard ONNX ops); default: the device's (gqa; portable on "
                     "openvino). A non-default graph goes to onnx/<device>_<precision>_<attention>/")
+    ap.add_argument("--kv-cache", choices=["int8", "fp32"], help="the decoder's KV cache: int8 (calibrated scales, "
+                    "gated against fp32 on the same weights) or fp32; default: int8 for a cpu int4 build if its gates "
+                    "hold, else fp32. A non-default cache goes to onnx/<device>_<precision>_kv<cache>/")
     ap.add_argument("--part-precision", nargs="+", default=[], metavar="PART=PREC",
                     help="per-part precision overrides, e.g. audio_heads=fp16 audio_embed=fp32")
     ap.add_argument("--components", nargs="+", default=[], choices=PART_NAMES, metavar="PART",
@@ -64,7 +67,8 @@ def parse_overrides(items: list[str]) -> dict[str, str]:
 def run(args: argparse.Namespace) -> int:
     opts = ExportOptions(device=args.device, precision=args.precision, attention=args.attention,
                          part_precision=parse_overrides(args.part_precision), block_size=args.block_size,
-                         accuracy_level=args.accuracy_level, components=tuple(args.components), force=args.force)
+                         accuracy_level=args.accuracy_level, components=tuple(args.components), force=args.force,
+                         kv_cache=args.kv_cache)
     exporter = Exporter(args.model_dir or DEFAULT_REPO, args.output, opts, revision=args.revision,
                         token=os.environ.get("HF_TOKEN"), synthetic=args.synthetic)
     exporter.run()

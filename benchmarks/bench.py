@@ -4,12 +4,15 @@ Usage:
     python benchmarks/bench.py --preset tiny                        # smoke run (seconds)
     python benchmarks/bench.py --preset 4b --frames 64 --json bench_4b.json   # real geometry (builds ~9 GB + export)
     python benchmarks/bench.py --model-path onnx/cpu_int4 --batch 1 2 4 8 --json batch.json   # batch gain G(B)
+    python benchmarks/bench.py --model-path onnx/cpu_int4 --context-curve   # step vs context, int8 vs fp32 cache
 
 Everything is measured in one run: memory read bandwidth with the same thread count, the decoder step vs the floor
-(weight bytes / bandwidth), prefill, per-frame host overhead, codec speed, end-to-end speed and peak RSS (in a
-child process), the same rows through the PyTorch reference (bf16), and the int4 decoder export's time and RSS.
-`--batch` measures only the batch gain G(B) (rows/s at B / rows/s at B = 1) through the scheduler, in one process
-(`batch_figures`). `--model-path` benchmarks an existing export instead of the `--preset` synthetic one.
+(weight bytes / bandwidth), prefill, per-frame host overhead, codec speed, end-to-end speed and peak RSS (in a child
+process), the same rows through the PyTorch reference (bf16), and the int4 decoder export's time and RSS.
+`--context-curve` measures only the decode step at 128-4,096 positions of context, for the export's KV cache and
+(int8) its fp32 twin on the same weights, with the host ms per row. `--batch` measures only the batch gain G(B)
+(rows/s at B / rows/s at B = 1) through the scheduler, in one process (`batch_figures`). `--model-path` benchmarks
+an existing export instead of the `--preset` synthetic one.
 """
 
 from __future__ import annotations
@@ -118,6 +121,76 @@ def decoder_figures(tts, context: int, steps: int) -> dict:
     ms["decoder_step_ms"] = statistics.median(times)
     ms["context"] = context
     return ms
+
+
+CURVE = (128, 512, 1024, 2048, 4096)
+
+
+def context_curve(tts, contexts=CURVE, steps: int = 20) -> dict:
+    """The decode step (ms, median of `steps`) with `c` positions already in the cache, for each `c`: the cache's
+    length is set, not prefilled (attention reads what the mask says is there; the values do not change the time),
+    so 4,096 positions cost no prefill. `kv_bytes_per_position`: the cache one position takes, all layers."""
+    f, rng = tts.facts, np.random.default_rng(0)
+    dec = tts.backend.decoder
+    contexts = [c for c in contexts if c + 1 < f.max_positions]
+    cache = dec.new_cache(max(contexts) + 2)
+    row = rng.standard_normal((1, f.hidden)).astype(np.float32)
+    out = {}
+    for c in contexts:
+        cache.length = c
+        dec.run(cache, row)  # warm
+        times = []
+        for _ in range(steps):
+            cache.length = c
+            t0 = time.perf_counter()
+            dec.run(cache, row)
+            times.append((time.perf_counter() - t0) * 1e3)
+        out[c] = statistics.median(times)
+    return {"step_ms": out, "kv_bytes_per_position": tts.kv_bytes_per_position}
+
+
+def curve_main(args) -> int:
+    """`--context-curve`: the step against the context for the export's KV cache and, for an int8 cache, its fp32
+    twin on the same weights (`parts/kv_cache.fp32_twin`), twice each (noise), plus the host ms per row."""
+    from higgs_onnx.parts.kv_cache import fp32_twin
+    from higgs_onnx.runtime.model import HiggsTTS
+
+    _, export = resolve_export(args)
+    dtype = load_manifest(export, verify=False).decoder.get("kv_cache", {}).get("dtype", "fp32")
+    out = {"export": str(export), "cpu": cpu_info(), "threads": args.threads, "curves": {}}
+    with tempfile.TemporaryDirectory(prefix="higgs-curve-") as tmp:
+        folders = {dtype: export}
+        if dtype == "int8":
+            folders["fp32"] = fp32_twin(export, Path(tmp) / "fp32")
+        for _ in (1, 2):
+            for name, folder in folders.items():
+                tts = HiggsTTS(folder, threads=args.threads, verify=False)
+                c = context_curve(tts, steps=args.steps)
+                out["curves"].setdefault(name, []).append(c)
+                del tts
+        for name, folder in folders.items():
+            g, _ = child("--_generation", str(folder), "--frames", str(args.frames), "--threads", str(args.threads))
+            out.setdefault("host", {})[name] = {k: g[k] for k in ("host_overhead_ms_per_row", "decoder_ms_per_row")}
+    print(f"context curve: {export} ({cpu_line(out['cpu'])}; {args.threads or os.cpu_count()} threads)")
+    names = list(out["curves"])
+    head = "".join(f"{n + ' cache, run ' + str(r):>22}" for n in names for r in (1, 2))
+    print(f"  {'positions':>9}{head}")
+    contexts = list(out["curves"][names[0]][0]["step_ms"])
+    for c in contexts:
+        cells = "".join(f"{out['curves'][n][r]['step_ms'][c]:>19.2f} ms" for n in names for r in (0, 1))
+        print(f"  {c:>9}{cells}")
+    for n in names:
+        best = {c: min(run["step_ms"][c] for run in out["curves"][n]) for c in contexts}
+        far = 2048 if 2048 in best else contexts[-1]
+        ratio = best[far] / best[contexts[0]]
+        h = out["host"][n]
+        print(f"  {n} cache: {out['curves'][n][0]['kv_bytes_per_position'] / 1024:.1f} KiB per position; step at "
+              f"{far} / at {contexts[0]} = {ratio:.2f}x; host {h['host_overhead_ms_per_row']:.2f} ms per "
+              f"row beside {h['decoder_ms_per_row']:.2f} ms of decoder "
+              f"({h['host_overhead_ms_per_row'] / (h['host_overhead_ms_per_row'] + h['decoder_ms_per_row']):.1%})")
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2))
+    return 0
 
 
 def generation_figures(model_path: Path, frames: int, threads: int = 0) -> dict:
@@ -477,6 +550,8 @@ def main(argv: list[str] | None = None) -> int:
                     "synthetic export under --work, built if missing)")
     ap.add_argument("--batch", type=int, nargs="+", metavar="B", help="batched decoding only: the batch gain G(B) "
                     "for these requests per decoder call, e.g. --batch 1 2 4 8 (one process, --frames rows each)")
+    ap.add_argument("--context-curve", action="store_true", help="only the decode step against the context "
+                    f"({', '.join(map(str, CURVE))} positions) for the export's KV cache and, for int8, its fp32 twin")
     ap.add_argument("--repeats", type=int, default=3, help="--batch: interleaved rounds, best kept per B")
     ap.add_argument("--skip-stream", action="store_true", help="skip the streaming figures (TTFA, 10 s / 60 s)")
     ap.add_argument("--long-seconds", type=float, default=60.0, help="the long line of the memory check")
@@ -500,6 +575,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.batch:
         return batch_main(args)
+    if args.context_curve:
+        return curve_main(args)
     if args._stream:
         m, sec, voice, once = args._stream
         print(json.dumps(stream_figures(Path(m), float(sec), args.threads, voice == "1", once == "1")))

@@ -26,6 +26,7 @@ from .checkpoint import ModelFacts, files_digest, resolve, validate
 from .manifest import MANIFEST, PART_NAMES, check_digest, new_manifest, sha256_file, write_manifest
 from .memory import peak_rss, release_memory, rss
 from .parity import summary
+from .parts.kv_cache import KV_CACHES
 from .parts.olive import BITS
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,8 @@ class ExportOptions:
     accuracy_level: int | None = None  # None: 4 on cpu (int8 activations, VNNI), 0 elsewhere
     components: tuple = ()  # parts to rebuild even when up to date
     force: bool = False
+    kv_cache: str | None = None  # "int8" | "fp32"; None: int8 for the cpu gqa int4 decoder if its gates hold
+
 
     def __post_init__(self) -> None:
         provider = providers.get(self.device)
@@ -75,6 +78,23 @@ class ExportOptions:
         bad = set(self.components) - set(PART_NAMES)
         if bad:
             raise ValueError(f"unknown components {sorted(bad)}; parts: {', '.join(PART_NAMES)}")
+        if self.kv_cache is not None and self.kv_cache not in KV_CACHES:
+            raise ValueError(f"--kv-cache must be one of {', '.join(KV_CACHES)}, got {self.kv_cache!r}")
+        if self.kv_cache == "int8" and not self.int8_cache_possible:
+            raise ValueError(f"an int8 KV cache needs a GroupQueryAttention decoder on a device whose attention "
+                             f"keeps one (cpu, --attention gqa), not {self.device} with the {self.decoder_attention} "
+                             f"graph")
+
+    @property
+    def int8_cache_possible(self) -> bool:
+        return self.provider.int8_kv_cache and self.decoder_attention == "gqa"
+
+    @property
+    def cache_dtype(self) -> str:
+        """The KV cache the build aims for: `kv_cache`, or int8 for a cpu gqa int4 decoder (if its gates hold)."""
+        if self.kv_cache is not None:
+            return self.kv_cache
+        return "int8" if self.int8_cache_possible and self.precision == "int4" else "fp32"
 
     @property
     def precisions(self) -> dict[str, str]:
@@ -96,7 +116,9 @@ class ExportOptions:
     def name(self) -> str:
         """`<device>_<precision>`, plus `_<attention>` when the decoder graph is not the device's default."""
         suffix = "" if self.decoder_attention == self.provider.default_attention else f"_{self.decoder_attention}"
-        return f"{self.device}_{self.precision}{suffix}"
+        default = ExportOptions(self.device, self.precision, self.attention).cache_dtype
+        kv = "" if self.cache_dtype == default else f"_kv{self.cache_dtype}"
+        return f"{self.device}_{self.precision}{suffix}{kv}"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -287,7 +309,10 @@ class Exporter:
         for name in TOKENIZER_FILES:
             if (ckpt / name).is_file():
                 shutil.copyfile(ckpt / name, staging / name)
-        write_manifest(staging, self.manifest(ckpt, facts, parts_manifest))  # last: marks the folder complete
+        kv = {"dtype": "fp32"}
+        if self.opts.cache_dtype == "int8":
+            kv = self.int8_cache(staging, ckpt, facts, parts_manifest)
+        write_manifest(staging, self.manifest(ckpt, facts, parts_manifest, kv))  # last: marks the folder complete
         old = self.out_root / f".{self.opts.name}.old"
         shutil.rmtree(old, ignore_errors=True)
         if self.final.exists():
@@ -296,7 +321,53 @@ class Exporter:
         shutil.rmtree(old, ignore_errors=True)
         return self.final
 
-    def manifest(self, ckpt: Path, facts: ModelFacts, parts: dict) -> dict:
+    def int8_cache(self, staging: Path, ckpt: Path, facts: ModelFacts, parts_manifest: dict) -> dict:
+        """Rewrite the assembled decoder for an int8 KV cache (`parts/kv_cache.py`): calibrate on the fp32-cache
+        graph, quantize, and gate the int8-cache graph against it on the same weights. The decoder entry of
+        `parts_manifest` is updated in place; returns the manifest's `kv_cache`. Gates that fail: an error when
+        int8 was asked for, else the fp32 cache with one line saying why."""
+        from .parts import kv_cache, llm_decoder
+        from .runtime.model import HiggsTTS
+
+        write_manifest(staging, self.manifest(ckpt, facts, parts_manifest))  # loadable as it is (fp32 cache)
+        say("int8 KV cache: calibrating the scales on the fp32-cache graph")
+        t0 = time.perf_counter()
+        absmax = kv_cache.calibrate(staging)
+        q = staging.with_name(staging.name + ".kv8")
+        shutil.rmtree(q, ignore_errors=True)
+        q.mkdir()
+        try:
+            for f in staging.iterdir():
+                if f.is_file() and f.name not in (llm_decoder.FILE, MANIFEST):
+                    _link_or_copy(f, q / f.name)
+            n = kv_cache.quantize_cache(staging / llm_decoder.FILE, q / llm_decoder.FILE, absmax, kv_cache.MODE)
+            graph = q / llm_decoder.FILE
+            entry = {**parts_manifest["llm_decoder"], **io_signature(graph)}
+            entry["files"] = {**entry["files"], llm_decoder.FILE: {"size": graph.stat().st_size,
+                                                                   "sha256": _cached_sha256(graph)}}
+            write_manifest(q, self.manifest(ckpt, facts, {**parts_manifest, "llm_decoder": entry}))
+            say(f"int8 KV cache: {n} attention nodes rewritten ({kv_cache.MODE}); gating it against the fp32 cache")
+            gates = kv_cache.compare(HiggsTTS(staging, verify=False), HiggsTTS(q, verify=False),
+                                     rows=kv_cache.gate_rows(facts))
+            failed = kv_cache.failed_gates(gates)
+            info = {"dtype": "int8", "mode": kv_cache.MODE, "bits": 8, "margin": kv_cache.MARGIN,
+                    "gates": {k: v for k, v in gates.items() if k != "texts"}, "thresholds": dict(kv_cache.GATES),
+                    "seconds": round(time.perf_counter() - t0, 1)}
+            if failed:
+                why = "; ".join(failed)
+                if self.opts.kv_cache == "int8":
+                    raise RuntimeError(f"the int8 KV cache fails its gates against the fp32 cache: {why} (build "
+                                       f"with --kv-cache fp32)")
+                say(f"int8 KV cache fails its gates ({why}): keeping the fp32 cache")
+                return {"dtype": "fp32", "int8_refused": info}
+            os.replace(graph, staging / llm_decoder.FILE)  # a new file: the part cache keeps its own
+            parts_manifest["llm_decoder"] = entry
+            say(f"int8 KV cache: {kv_cache.summary(gates)}")
+            return info
+        finally:
+            shutil.rmtree(q, ignore_errors=True)
+
+    def manifest(self, ckpt: Path, facts: ModelFacts, parts: dict, kv: dict | None = None) -> dict:
         from tokenizers import Tokenizer
 
         from .generation.prompt import PromptTokens
@@ -309,7 +380,7 @@ class Exporter:
                             if (ckpt / n).is_file()}}
         o = self.opts
         decoder = {"attention": o.decoder_attention, "cache": providers.CACHE_LAYOUT[o.decoder_attention],
-                   "format": "openvino-ir" if o.provider.ir else "onnx"}
+                   "format": "openvino-ir" if o.provider.ir else "onnx", "kv_cache": kv or {"dtype": "fp32"}}
         return new_manifest(device=o.device, precision=o.precision, decoder=decoder,
                             execution_provider=o.provider.ort_name or f"OpenVINO {o.provider.ov_device}",
                             model={**asdict(facts), "frame_rate": facts.frame_rate},
@@ -361,7 +432,12 @@ class Exporter:
                 old = data.get("parts", {})
             except (ValueError, AttributeError):  # a damaged manifest: assemble the folder again
                 old = {}
-            if all(isinstance(old.get(p), dict) and old[p].get("stamp") == e["stamp"] for p, e in entries.items()):
+            kv = data.get("decoder", {}).get("kv_cache", {}) if isinstance(data.get("decoder"), dict) else {}
+            same_kv = isinstance(kv, dict) and (kv.get("dtype") == self.opts.cache_dtype or
+                                                (kv.get("dtype") == "fp32" and "int8_refused" in kv
+                                                 and self.opts.kv_cache is None))
+            if same_kv and all(isinstance(old.get(p), dict) and old[p].get("stamp") == e["stamp"]
+                               for p, e in entries.items()):
                 print(f"[3/4] {self.final} is up to date: nothing to do", flush=True)
                 self.print_summary(entries, time.perf_counter() - t0)
                 return self.final

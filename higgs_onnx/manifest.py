@@ -34,7 +34,7 @@ REQUIRED_PARTS = tuple(p for p in PART_NAMES if p not in OPTIONAL_PARTS)
 
 
 # what a manifest without a "decoder" entry (written before the portable decoder existed) describes
-DEFAULT_DECODER = {"attention": "gqa", "cache": "shared-buffer", "format": "onnx"}
+DEFAULT_DECODER = {"attention": "gqa", "cache": "shared-buffer", "format": "onnx", "kv_cache": {"dtype": "fp32"}}
 
 
 def new_manifest(*, device: str, precision: str, execution_provider: str, model: dict, tokens: dict, parts: dict,
@@ -231,6 +231,9 @@ def check_schema(data: dict, mf: Path) -> None:
     _expect(isinstance(decoder, dict) and decoder.get("cache") in ("shared-buffer", "concat")
             and decoder.get("format") in ("onnx", "openvino-ir"), mf,
             "'decoder' must give a cache layout (shared-buffer | concat) and a format (onnx | openvino-ir)")
+    kv = decoder.get("kv_cache", {"dtype": "fp32"})
+    _expect(isinstance(kv, dict) and kv.get("dtype") in ("fp32", "int8"), mf,
+            "'decoder.kv_cache' must give the cache dtype (fp32 | int8)")
     model = data.get("model")
     _expect(isinstance(model, dict), mf, "'model' must be an object")
     tokens = data.get("tokens")

@@ -130,7 +130,7 @@ VOICE_ROWS = [
      "a damaged or non-numeric array inside"),
     ("meta not JSON", lambda v, p: rewrite(v, p / "j.npz", meta=np.asarray("{oops")), "meta is not the JSON"),
     ("state of another length", lambda v, p: rewrite(v, p / "s.npz", **{first_kv(v): np.zeros((1, 1, 3, 4))}),
-     "must be a float (1, H,"),
+     "must be a float or int8 (1, H,"),
 ]
 
 

@@ -76,6 +76,11 @@ def test_int4_shows_small_losses_and_a_failing_gate_still_writes_both_reports(bu
     diverged = [g for g in s["greedy"]["prompts"] if g["first_divergence"] is not None]
     assert diverged and all(g["margin"] >= 0 and g["logit_scale"] > 0 for g in diverged)
     assert "| llm_decoder | int4 |" in to_markdown(rep)
+    kv = s["kv_cache"]  # the int8 cache against its fp32 twin on the same weights, gated as at build time
+    assert kv["mode"] == "PER_CHANNEL" and kv["hidden_cosine"] > 0.9995 and 0.9 <= kv["top1_agreement"] < 1.0
+    gates = [c for c in rep.checks if c.section == "kv_cache"]
+    assert {c.gate for c in gates} == set(kv["thresholds"]) and all(c.ok for c in gates)
+    assert "## int8 KV cache" in to_markdown(rep)
     # the same figures under a gate that allows no divergence at all: the greedy gate fails, nothing else changes
     rep.checks = apply_gates(rep.sections, {**ev.gates, "greedy_near_tie": 0.0})
     assert len(rep.failures) == len(diverged) and all("divergence at row" in f for f in rep.failures)
@@ -99,6 +104,7 @@ def test_failing_gates_in_two_sections_still_write_both_reports(builds, tiny_ckp
     assert [c["gate"] for c in rep["checks"] if not c["ok"]] == ["teacher_cosine", "eoc_rate"]
     skipped = {k: v["skipped"] for k, v in rep["sections"].items() if "skipped" in v}
     assert skipped.pop("teacher_codes").startswith("not asked")
+    assert skipped.pop("kv_cache") == "nothing to compare (the KV cache is fp32)"
     assert not skipped or list(skipped) == ["intelligibility"] and "faster-whisper" in skipped["intelligibility"]
     assert not any("error" in v for v in rep["sections"].values())
     assert not (tmp_path / "r_plots").exists() and "![" not in md

@@ -150,7 +150,7 @@ def test_gpu_graphs_build_here(builds, tiny_ckpt, out_root, device, precision):
     assert m.data["device"] == device
     assert m.data["execution_provider"] == {"cuda": "CUDAExecutionProvider", "dml": "DmlExecutionProvider"}[device]
     assert m.parts["llm_decoder"]["parity"] == {"skipped": f"{device} graph (built, not run here)"}
-    assert m.decoder == {"attention": "gqa", "cache": "shared-buffer", "format": "onnx"}
+    assert m.decoder == {"attention": "gqa", "cache": "shared-buffer", "format": "onnx", "kv_cache": {"dtype": "fp32"}}
     assert m.parts["llm_decoder"]["precision"] == precision
     heads = m.parts["audio_heads"]  # voice-critical: fp32 in an int4 build, fp16 in an fp16 one
     assert heads["precision"] == {"int4": "fp32", "fp16": "fp16"}[precision] and heads["parity"]["ok"]

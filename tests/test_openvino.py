@@ -12,6 +12,7 @@ import openvino  # noqa: F401 - pinned in requirements.txt: a broken install fai
 import pytest
 
 from higgs_onnx.manifest import PART_NAMES
+from higgs_onnx.parts.kv_cache import fp32_twin
 from higgs_onnx.runtime.openvino import (
     OvPart,
     check_supported,
@@ -223,7 +224,8 @@ def test_to_ir_int4_compresses_and_stays_close(builds, tmp_path):
     assert [x["name"] for x in sig["inputs"]] == [i.name for i in onnx_part.session.get_inputs()]
     assert [x["shape"] for x in sig["inputs"]] == [i.shape for i in onnx_part.session.get_inputs()]
     ov_part = OvPart("llm_decoder", xml, 1)
-    ort_int4 = Part("llm_decoder", int4 / "llm_decoder.onnx")
+    twin = fp32_twin(int4, tmp_path / "int4_fp32_cache")  # the int4 weights with the fp32 cache the IR has
+    ort_int4 = Part("llm_decoder", twin / "llm_decoder.onnx")
     rng = np.random.default_rng(2)
     for past, seq in ((0, 6), (9, 1)):
         feeds = random_feeds("llm_decoder", onnx_part, facts(fp32), rng, past=past, seq=seq)

@@ -115,9 +115,16 @@ def _sampled(fig: dict, gates: dict) -> list[Check]:
                   fig["eoc_rate"], limit)]
 
 
+def _kv_cache(fig: dict, gates: dict) -> list[Check]:
+    """The int8 cache against the fp32 cache on the same weights: the build's thresholds (`parts/kv_cache.GATES`)."""
+    return [Check("kv_cache", name, fig[name] >= limit,
+                  f"int8 KV cache vs fp32 cache: {name.replace('_', ' ')} {fig[name]:.5f}, need >= {limit}",
+                  fig[name], limit) for name, limit in fig["thresholds"].items()]
+
+
 GATED: dict[str, Callable[[dict, dict], list[Check]]] = {
     "parts": _parts, "decoder_steps": _decoder_steps, "teacher_forced": _teacher_forced, "greedy": _greedy,
-    "sampled": _sampled}
+    "sampled": _sampled, "kv_cache": _kv_cache}
 
 
 def apply_gates(sections: dict[str, dict], gates: dict[str, float | None]) -> list[Check]:

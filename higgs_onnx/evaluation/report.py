@@ -145,6 +145,19 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
+def _kv_cache(s: dict, m: dict) -> list[str]:
+    lines = [f"The int8 KV cache ({s.get('mode')}) against the same export with an fp32 cache (same weights), "
+             "teacher-forced on the fp32 cache's greedy rows; then each decodes greedily on its own.", "",
+             "| text | rows | hidden cosine | worst row | logit cosine | top-1 | greedy rows equal | first diff. |",
+             "|---|---|---|---|---|---|---|---|"]
+    for t in s["texts"]:
+        first = "-" if t["greedy_first_difference"] is None else t["greedy_first_difference"]
+        lines.append(f"| {_cell(t['text'][:40])} | {t['rows']} | {t['hidden_cosine']:.6f} | "
+                     f"{t['min_row_hidden_cosine']:.6f} | {t['logit_cosine']:.6f} | {t['top1_agreement']:.1%} | "
+                     f"{t['greedy_equal']:.1%} | {first} |")
+    return lines
+
+
 RENDER: dict[str, tuple[str, Callable[[dict, dict], list[str]]]] = {
     "parts": ("Parts", _parts), "decoder_steps": ("Decoder steps", _decoder_steps),
     "encoder": ("Encoder on recordings", _encoder), "greedy": ("Greedy free-running", _greedy),
@@ -152,6 +165,7 @@ RENDER: dict[str, tuple[str, Callable[[dict, dict], list[str]]]] = {
     "audio": ("Audio", _audio), "sampled": ("Sampled runs", _sampled),
     "text_lm": ("Text LM (tied text head)", _text_lm),
     "teacher_codes": ("Teacher codes", _teacher_codes), "intelligibility": ("Intelligibility", _intelligibility),
+    "kv_cache": ("int8 KV cache", _kv_cache),
 }
 
 

@@ -34,6 +34,9 @@ class Evaluator(EvalContext):
         unasked = section.unasked(self.options)
         if unasked:
             return f"not asked ({unasked})"
+        needless = section.needless(self)
+        if needless:
+            return f"nothing to compare ({needless})"
         parts = report.sections.get("parts", {})
         broken = [p for p in section.needs if isinstance(parts.get(p), dict) and not parts[p].get("ok", True)]
         if broken:
@@ -68,6 +71,10 @@ def _not_asked_sampled(o: EvalOptions) -> str | None:
     return None if o.runs else "--runs 0"
 
 
+def _fp32_cache(ev) -> str | None:
+    return None if ev.tts.manifest.decoder.get("kv_cache", {}).get("dtype") == "int8" else "the KV cache is fp32"
+
+
 def _not_asked_teacher_codes(o: EvalOptions) -> str | None:
     return None if o.teacher_codes else "no --teacher-codes file"
 
@@ -77,6 +84,7 @@ class Section:
     run: Callable[[EvalContext], dict]  # -> figures (keys starting with "_" hold arrays kept out of the JSON)
     needs: tuple[str, ...] = ()  # exported parts it runs through
     unasked: Callable[[EvalOptions], str | None] = lambda options: None  # why the options leave it out
+    needless: Callable[[EvalContext], str | None] = lambda ev: None  # why the export has nothing for it to do
 
 
 GENERATION = ("llm_decoder", "text_embed", "audio_embed", "audio_heads")
@@ -92,6 +100,7 @@ SECTIONS: dict[str, Section] = {
     "text_lm": Section(sections.text_lm, ("llm_decoder", "text_embed")),
     "teacher_codes": Section(sections.teacher_codes, GENERATION, _not_asked_teacher_codes),
     "intelligibility": Section(sections.intelligibility, (*GENERATION, "audio_tokenizer")),
+    "kv_cache": Section(sections.kv_cache, GENERATION, needless=_fp32_cache),
 }
 
 

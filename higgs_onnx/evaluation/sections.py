@@ -128,6 +128,23 @@ def teacher_codes(ev: EvalContext) -> dict:
             "rows_outside": np.flatnonzero(~within.all(-1)).tolist()[:50]}
 
 
+def kv_cache(ev: EvalContext) -> dict:
+    """An int8-cache export against the same export with an fp32 cache (`parts/kv_cache.fp32_twin`: the same
+    weights, the cache rewrite undone): the build's gates (hidden-state and logit cosine, top-1 agreement,
+    teacher-forced) and greedy agreement, measured again here."""
+    import tempfile
+
+    from ..parts import kv_cache as kv
+    from ..runtime.model import HiggsTTS
+
+    info = ev.tts.manifest.decoder.get("kv_cache", {})
+    with tempfile.TemporaryDirectory(prefix="higgs-kv-") as tmp:
+        twin = HiggsTTS(kv.fp32_twin(ev.tts.manifest.folder, Path(tmp) / "fp32-cache"), provider=ev.tts.provider,
+                        verify=False)
+        figures = kv.compare(twin, ev.tts, rows=kv.gate_rows(ev.tts.facts))
+    return {**figures, "mode": info.get("mode"), "thresholds": dict(kv.GATES)}
+
+
 def intelligibility(ev: EvalContext) -> dict:
     """WER of greedy ONNX and PyTorch audio against the prompt text, with faster-whisper + jiwer if installed.
 

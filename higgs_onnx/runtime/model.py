@@ -106,6 +106,13 @@ class HiggsTTS:
         return self.backend.kv_memory
 
     @property
+    def kv_bytes_per_position(self) -> int:
+        """Bytes one position takes in the decoder's KV cache, every layer's K and V (fp32: 4 per value; int8: 1)."""
+        f, types = self.facts, self.backend.decoder.part.input_types
+        return sum(np.dtype(t).itemsize for n, t in types.items() if n.startswith("past_key_values.")) * \
+            f.kv_heads * f.head_dim
+
+    @property
     def synthesizer(self) -> Synthesizer:
         """The prompt side (text + voice -> `Request`) on this model's backend and codec. Internal: run requests
         with `run(request, ...)` or a `scheduler()`, not with `synthesizer.speak` / `synthesizer.engine`."""

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 PROVIDERS = tuple(providers.PROVIDERS)  # what --provider takes
 ORT_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
-              "tensor(int32)": np.int32, "tensor(bool)": np.bool_}
+              "tensor(int32)": np.int32, "tensor(int8)": np.int8, "tensor(bool)": np.bool_}
 
 
 def session_options(threads: int = 0, spin: bool = False):

@@ -61,8 +61,8 @@ def read_voice(path: Path) -> dict:
     if prefix.ndim != 1 or prefix.dtype.kind not in "iu":
         raise VoiceFileError(f"prefix must be integer token ids (P,), got {prefix.dtype} {prefix.shape}")
     for name, kv in state.items():  # (1, kv_heads, P, head_dim): the cache after the P prefix positions
-        if kv.dtype.kind != "f" or kv.ndim != 4 or kv.shape[2] != len(prefix):
-            raise VoiceFileError(f"kv:{name} must be a float (1, H, {len(prefix)}, D) cache, got {kv.dtype} "
+        if not (kv.dtype.kind == "f" or kv.dtype == np.int8) or kv.ndim != 4 or kv.shape[2] != len(prefix):
+            raise VoiceFileError(f"kv:{name} must be a float or int8 (1, H, {len(prefix)}, D) cache, got {kv.dtype} "
                                  f"{kv.shape}")
     return {"rows": rows.astype(np.int64), "ref_text": ref_text, "prefix": prefix.astype(np.int64).tolist(),
             "state": state, "model_id": model_id}
