@@ -334,25 +334,19 @@ class Exporter:
         t0 = time.perf_counter()
         absmax = kv_cache.calibrate(staging)
         q = staging.with_name(staging.name + ".kv8")
-        shutil.rmtree(q, ignore_errors=True)
-        q.mkdir()
         try:
-            for f in staging.iterdir():
-                if f.is_file() and f.name not in (llm_decoder.FILE, MANIFEST):
-                    _link_or_copy(f, q / f.name)
-            n = kv_cache.quantize_cache(staging / llm_decoder.FILE, q / llm_decoder.FILE, absmax, kv_cache.MODE)
-            graph = q / llm_decoder.FILE
-            entry = {**parts_manifest["llm_decoder"], **io_signature(graph)}
-            entry["files"] = {**entry["files"], llm_decoder.FILE: {"size": graph.stat().st_size,
-                                                                   "sha256": _cached_sha256(graph)}}
-            write_manifest(q, self.manifest(ckpt, facts, {**parts_manifest, "llm_decoder": entry}))
-            say(f"int8 KV cache: {n} attention nodes rewritten ({kv_cache.MODE}); gating it against the fp32 cache")
+            kv_cache.int8_twin(staging, q, absmax, kv_cache.MODE)
+            entry = json.loads((q / MANIFEST).read_text())["parts"]["llm_decoder"]
+            say(f"int8 KV cache: {facts.layers} attention nodes rewritten ({kv_cache.MODE}); gating it against the "
+                f"fp32 cache")
             gates = kv_cache.compare(HiggsTTS(staging, verify=False), HiggsTTS(q, verify=False),
                                      rows=kv_cache.gate_rows(facts))
-            failed = kv_cache.failed_gates(gates)
+            int4 = parts_manifest["llm_decoder"].get("parity", {}).get("cosine_vs_dequantized")
+            limits = kv_cache.gates(int4)
+            failed = kv_cache.failed_gates(gates, limits)
             info = {"dtype": "int8", "mode": kv_cache.MODE, "bits": 8, "margin": kv_cache.MARGIN,
-                    "gates": {k: v for k, v in gates.items() if k != "texts"}, "thresholds": dict(kv_cache.GATES),
-                    "seconds": round(time.perf_counter() - t0, 1)}
+                    "gates": {k: v for k, v in gates.items() if k != "texts"}, "thresholds": limits,
+                    "int4_cosine": int4, "seconds": round(time.perf_counter() - t0, 1)}
             if failed:
                 why = "; ".join(failed)
                 if self.opts.kv_cache == "int8":
@@ -360,7 +354,7 @@ class Exporter:
                                        f"with --kv-cache fp32)")
                 say(f"int8 KV cache fails its gates ({why}): keeping the fp32 cache")
                 return {"dtype": "fp32", "int8_refused": info}
-            os.replace(graph, staging / llm_decoder.FILE)  # a new file: the part cache keeps its own
+            os.replace(q / llm_decoder.FILE, staging / llm_decoder.FILE)  # a new file: the part cache keeps its own
             parts_manifest["llm_decoder"] = entry
             say(f"int8 KV cache: {kv_cache.summary(gates)}")
             return info

@@ -80,7 +80,10 @@ def test_the_default_int4_build_keeps_an_int8_cache_that_passed_its_gates(builds
     m = load_manifest(builds["int4"], verify=True)
     kv = m.decoder["kv_cache"]
     assert kv["dtype"] == "int8" and kv["mode"] == "PER_CHANNEL" and kv["bits"] == 8
-    assert kv["thresholds"] == kv_cache.GATES and not kv_cache.failed_gates(kv["gates"])
+    int4 = m.parts["llm_decoder"]["parity"]["cosine_vs_dequantized"]
+    assert kv["int4_cosine"] == int4 and kv["thresholds"] == kv_cache.gates(int4)
+    assert not kv_cache.failed_gates(kv["gates"], kv["thresholds"])
+    assert 1 - kv["thresholds"]["hidden_cosine"] == pytest.approx(kv_cache.BUDGET * (1 - int4))
     assert kv_cache.cache_dtype(builds["int4"] / "llm_decoder.onnx") == "int8"
     assert {e["dtype"] for e in m.parts["llm_decoder"]["inputs"] if e["name"].startswith("past_")} == {"int8"}
     assert load_manifest(builds["fp32"], verify=True).decoder["kv_cache"] == {"dtype": "fp32"}
@@ -118,7 +121,7 @@ def test_failing_gates_keep_the_fp32_cache_or_fail_the_asked_build(builds, tiny_
     from higgs_onnx.export import Exporter, ExportOptions
     from higgs_onnx.manifest import load_manifest
 
-    monkeypatch.setitem(kv_cache.GATES, "top1_agreement", 1.01)  # no int8 cache can pass
+    monkeypatch.setattr(kv_cache, "TOP1", 1.01)  # no int8 cache can pass
     root = out_root / "gates"
     folder = Exporter(str(tiny_ckpt), root, ExportOptions("cpu", "int4")).run()
     kv = load_manifest(folder).decoder["kv_cache"]
@@ -151,4 +154,5 @@ def test_quantize_cache_refuses_a_graph_without_gqa(tmp_path):
     onnx.save(h.make_model(graph), str(tmp_path / "m.onnx"))
     with pytest.raises(ValueError, match="not a gqa decoder"):
         kv_cache.quantize_cache(tmp_path / "m.onnx", tmp_path / "o.onnx", {})
-    assert json.loads(json.dumps(kv_cache.GATES)) == kv_cache.GATES  # the manifest stores them as they are
+    assert json.loads(json.dumps(kv_cache.gates(0.999))) == kv_cache.gates(0.999)  # as the manifest stores them
+    assert kv_cache.gates(None) == kv_cache.GATES and kv_cache.gates(0.999)["hidden_cosine"] == pytest.approx(0.995)

@@ -142,7 +142,8 @@ def kv_cache(ev: EvalContext) -> dict:
         twin = HiggsTTS(kv.fp32_twin(ev.tts.manifest.folder, Path(tmp) / "fp32-cache"), provider=ev.tts.provider,
                         verify=False)
         figures = kv.compare(twin, ev.tts, rows=kv.gate_rows(ev.tts.facts))
-    return {**figures, "mode": info.get("mode"), "thresholds": dict(kv.GATES)}
+    int4 = ev.tts.manifest.parts["llm_decoder"].get("parity", {}).get("cosine_vs_dequantized")
+    return {**figures, "mode": info.get("mode"), "thresholds": kv.gates(int4)}
 
 
 def intelligibility(ev: EvalContext) -> dict:

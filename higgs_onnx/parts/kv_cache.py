@@ -124,15 +124,33 @@ def calibrate(export: Path, threads: int = 0, rows: int = 96) -> dict[str, np.nd
     return top
 
 
-# the int8-cache graph against the fp32-cache graph of the same weights, teacher-forced on the fp32 graph's greedy
-# rows (docs/performance.md, "int8 KV cache": measured 0.99995 / 0.99986 / 0.99991 / 95.5 % on the tiny int4
-# export, 0.999999 / 0.999996 / 0.999998 / 99.4 % on tiny fp32). Greedy agreement is reported, not gated: greedy
-# decoding of a random-weight model parts ways at the first near-tie, whatever the cache.
-GATES = {"hidden_cosine": 0.9995, "min_row_hidden_cosine": 0.999, "logit_cosine": 0.999, "top1_agreement": 0.90}
+# The int8-cache graph is compared with the fp32-cache graph of the same weights, teacher-forced on the fp32 graph's
+# greedy rows (`compare`). The loss it may add is tied to a loss the build already accepts: the int4 decoder's own
+# rounding (its parity cosine against a reference on the same dequantized weights, int8 activations included).
+# Hidden-state and logit cosine may lose at most BUDGET x that; a build without int4 weights has no such figure and
+# is held to ABSOLUTE. Top-1 agreement of the codes must stay >= TOP1. Measured (docs/building.md, "The int8 KV
+# cache"), 1 - cosine of hidden states / logits: tiny int4 4.1e-5 / 8.6e-5 against an int4 rounding of 2.4e-5 (limit
+# 1.2e-4); 4b int4 4.7e-3 / 4.5e-3 against 4.4e-3 (limit 2.2e-2). Scales made 20x too coarse lose 2.9e-4 / 5.8e-4
+# (tiny) and 7.9e-2 / 7.6e-2 (4b), 20x too fine (saturating) 0.38 and 0.57: the budget passes the right scales on
+# both geometries and fails every broken one. Greedy agreement and the worst row are reported, not gated: greedy
+# rows of a random-weight model part ways at the first near-tie, whatever the cache.
+BUDGET = 5.0
+ABSOLUTE = 0.9995
+TOP1 = 0.75
+GATES = {"hidden_cosine": ABSOLUTE, "logit_cosine": ABSOLUTE, "top1_agreement": TOP1}  # without an int4 figure
 
 
-def failed_gates(figures: dict) -> list[str]:
-    return [f"{k} {figures[k]:.5f} < {v}" for k, v in GATES.items() if not figures[k] >= v]
+def gates(int4_cosine: float | None) -> dict[str, float]:
+    """The thresholds for a build whose int4 decoder has parity cosine `int4_cosine` against its dequantized
+    reference (None: not an int4 build)."""
+    if int4_cosine is None:
+        return dict(GATES)
+    floor = 1.0 - BUDGET * max(1.0 - int4_cosine, 0.0)
+    return {"hidden_cosine": floor, "logit_cosine": floor, "top1_agreement": TOP1}
+
+
+def failed_gates(figures: dict, limits: dict[str, float] | None = None) -> list[str]:
+    return [f"{k} {figures[k]:.5f} < {v:.5f}" for k, v in (limits or GATES).items() if not figures[k] >= v]
 
 
 def summary(figures: dict) -> str:
@@ -245,6 +263,18 @@ def dequantize_cache(src: Path, dst: Path) -> int:
 def fp32_twin(export: Path, dst: Path) -> Path:
     """A copy of the int8-cache export at `export` whose decoder keeps an fp32 cache on the same weights, in `dst`
     (files linked, the decoder graph and the manifest written): what `eval.py` and `bench.py` compare it with."""
+    return _twin(export, dst, dequantize_cache, "float32", {"dtype": "fp32", "twin_of": str(export)})
+
+
+def int8_twin(export: Path, dst: Path, absmax: dict[str, np.ndarray], mode: str = MODE) -> Path:
+    """A copy of the fp32-cache export at `export` with an int8 cache of scales from `absmax`, in `dst` (files
+    linked, the decoder graph and the manifest written; no gates): the build's candidate, and `benchmarks/
+    kv_cache.py`'s variants."""
+    info = {"dtype": "int8", "mode": mode, "bits": 8, "margin": MARGIN}
+    return _twin(export, dst, lambda src, out: quantize_cache(src, out, absmax, mode), "int8", info)
+
+
+def _twin(export: Path, dst: Path, rewrite, dtype: str, kv: dict) -> Path:
     import json
     import os
     import shutil
@@ -260,14 +290,14 @@ def fp32_twin(export: Path, dst: Path) -> Path:
                 os.link(f, dst / f.name)
             except OSError:
                 shutil.copyfile(f, dst / f.name)
-    dequantize_cache(export / graph, dst / graph)
+    rewrite(export / graph, dst / graph)
     data = json.loads((export / MANIFEST).read_text())
     entry = data["parts"]["llm_decoder"]
     entry["files"][graph] = {"size": (dst / graph).stat().st_size, "sha256": sha256_file(dst / graph)}
     for io in ("inputs", "outputs"):
         for e in entry[io]:
             if e["name"].startswith(("past_key_values.", "present.")):
-                e["dtype"] = "float32"
-    data["decoder"]["kv_cache"] = {"dtype": "fp32", "twin_of": str(export)}
+                e["dtype"] = dtype
+    data["decoder"]["kv_cache"] = kv
     write_manifest(dst, data)
     return dst
