@@ -276,11 +276,10 @@ def speak_lines(tts, lines: list[str], args, voice) -> int:
     call for all of them). Every line is checked against the request contract before any work."""
     from higgs_onnx.audio import GrowingAudioFile, write_audio
     from higgs_onnx.generation.contract import ContractError
-    from higgs_onnx.generation.options import POOL_POSITIONS
     from higgs_onnx.generation.scheduler import choose_batch, measure_batch_gain
     from higgs_onnx.outputs import write_or_keep
 
-    slot = min(tts.facts.max_positions, POOL_POSITIONS)
+    slot = tts.slot_positions
     requests = []
     for i, line in enumerate(lines, 1):
         try:

@@ -305,7 +305,6 @@ def inprocess_figures(model: Path, batch: int, rows: int, threads: int, duration
     from higgs_onnx.generation.scheduler import PrefillPolicy
     from higgs_onnx.runtime.model import HiggsTTS
     from higgs_onnx.runtime.stream import StreamOptions
-    from higgs_onnx.serve.scheduler import POOL_POSITIONS
 
     tts = HiggsTTS(model, threads=threads, verify=False)
 
@@ -329,7 +328,7 @@ def inprocess_figures(model: Path, batch: int, rows: int, threads: int, duration
                            "step_ms": wall / steps * 1e3}}
 
     # the server's feed: closed-loop clients on one started scheduler with the server's slot size and streaming audio
-    slot = min(tts.facts.max_positions, POOL_POSITIONS)
+    slot = tts.slot_positions
     sched = tts.scheduler(batch, slot, PrefillPolicy()).start()
     stop, audio, errors = threading.Event(), [], []
 

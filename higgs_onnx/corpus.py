@@ -240,7 +240,6 @@ class Worker:
     def __init__(self, model_path: str, out: str, batch: int, threads: int, voices: str | None, fmt: str):
         import socket
 
-        from .generation.options import POOL_POSITIONS
         from .generation.scheduler import PrefillPolicy
         from .runtime.model import HiggsTTS
 
@@ -261,7 +260,7 @@ class Worker:
 
         backend.pool = pool  # counted, so the figures can show the pool is made once
         # the pool's slot: every request is built for it, and one that does not fit is refused, never cut
-        self.slot = min(self.tts.facts.max_positions, POOL_POSITIONS)
+        self.slot = self.tts.slot_positions
         # a prompt is prefilled whole (as it is alone): no latency target here, and the same calls every run
         self.sched = self.tts.scheduler(batch, self.slot, PrefillPolicy(chunk=self.slot))
         self.trace = BatchTrace(batch)

@@ -27,6 +27,7 @@ from .manifest import MANIFEST, PART_NAMES, check_digest, new_manifest, sha256_f
 from .memory import peak_rss, release_memory, rss
 from .parity import summary
 from .parts.kv_cache import KV_CACHES
+from .parts.kv_cache import POLICY as KV_POLICY
 from .parts.olive import BITS
 
 log = logging.getLogger(__name__)
@@ -332,21 +333,21 @@ class Exporter:
         write_manifest(staging, self.manifest(ckpt, facts, parts_manifest))  # loadable as it is (fp32 cache)
         say("int8 KV cache: calibrating the scales on the fp32-cache graph")
         t0 = time.perf_counter()
-        absmax = kv_cache.calibrate(staging)
+        absmax = kv_cache.calibrate_apart(staging)
         q = staging.with_name(staging.name + ".kv8")
         try:
             kv_cache.int8_twin(staging, q, absmax, kv_cache.MODE)
             entry = json.loads((q / MANIFEST).read_text())["parts"]["llm_decoder"]
             say(f"int8 KV cache: {facts.layers} attention nodes rewritten ({kv_cache.MODE}); gating it against the "
                 f"fp32 cache")
-            gates = kv_cache.compare(HiggsTTS(staging, verify=False), HiggsTTS(q, verify=False),
-                                     rows=kv_cache.gate_rows(facts))
+            gates = kv_cache.compare(lambda: HiggsTTS(staging, verify=False), lambda: HiggsTTS(q, verify=False),
+                                     rows=kv_cache.gate_rows(facts))  # one model in memory at a time
             int4 = parts_manifest["llm_decoder"].get("parity", {}).get("cosine_vs_dequantized")
             limits = kv_cache.gates(int4)
             failed = kv_cache.failed_gates(gates, limits)
             info = {"dtype": "int8", "mode": kv_cache.MODE, "bits": 8, "margin": kv_cache.MARGIN,
-                    "gates": {k: v for k, v in gates.items() if k != "texts"}, "thresholds": limits,
-                    "int4_cosine": int4, "seconds": round(time.perf_counter() - t0, 1)}
+                    "policy": kv_cache.POLICY, "gates": {k: v for k, v in gates.items() if k != "texts"},
+                    "thresholds": limits, "int4_cosine": int4, "seconds": round(time.perf_counter() - t0, 1)}
             if failed:
                 why = "; ".join(failed)
                 if self.opts.kv_cache == "int8":
@@ -427,9 +428,9 @@ class Exporter:
             except (ValueError, AttributeError):  # a damaged manifest: assemble the folder again
                 old = {}
             kv = data.get("decoder", {}).get("kv_cache", {}) if isinstance(data.get("decoder"), dict) else {}
-            same_kv = isinstance(kv, dict) and (kv.get("dtype") == self.opts.cache_dtype or
-                                                (kv.get("dtype") == "fp32" and "int8_refused" in kv
-                                                 and self.opts.kv_cache is None))
+            refused = kv.get("int8_refused") if isinstance(kv, dict) else None
+            same_kv = isinstance(kv, dict) and (kv.get("dtype") == self.opts.cache_dtype or (
+                isinstance(refused, dict) and refused.get("policy") == KV_POLICY and self.opts.kv_cache is None))
             if same_kv and all(isinstance(old.get(p), dict) and old[p].get("stamp") == e["stamp"]
                                for p, e in entries.items()):
                 print(f"[3/4] {self.final} is up to date: nothing to do", flush=True)

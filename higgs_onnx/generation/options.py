@@ -19,6 +19,9 @@ DEFAULT_MAX_ROWS = 2048  # SGO/Replicate max_new_tokens: delayed rows, ~81.6 s o
 # is sized up front for every slot and ORT touches far more of it than a request writes (4 slots of the real
 # model's 32,768 positions took 4.6 GB after one prefill each), so the model's own maximum is too much here.
 POOL_POSITIONS = DEFAULT_MAX_ROWS + 1024
+# an int8 KV cache takes a quarter of the bytes: its slots hold twice the positions at half the fp32 slot's memory
+# (4b geometry: 6,144 x 72 KiB = 432 MB against 3,072 x 288 KiB = 864 MB)
+POOL_POSITIONS_INT8 = 2 * POOL_POSITIONS
 _DEFAULT_SAMPLING = SamplingOptions()
 
 

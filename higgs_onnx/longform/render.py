@@ -331,14 +331,13 @@ class LongForm:
     def __init__(self, tts, text: str, out: str | os.PathLike, voice=None, options: GenerationOptions | None = None,
                  lf: LongFormOptions | None = None, resume: bool = False, stream_options=None,
                  lanes: int | None = None):
-        from ..generation.options import POOL_POSITIONS
         from ..generation.prompt import check_text
         from ..runtime.stream import StreamOptions
 
         if lanes is not None and (isinstance(lanes, bool) or not isinstance(lanes, int) or lanes < 1):
             raise ValueError(f"lanes must be a whole number >= 1, got {lanes!r}")
         self.tts, self.voice, self.out = tts, voice, Path(out)
-        self.slot = min(tts.facts.max_positions, POOL_POSITIONS)  # positions of one lane's batching slot
+        self.slot = tts.slot_positions  # positions of one lane's batching slot
         self.options, self.lf = options or GenerationOptions(), lf or LongFormOptions()
         self.codec_options = stream_options or StreamOptions()
         self._lock = None

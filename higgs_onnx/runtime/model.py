@@ -113,6 +113,21 @@ class HiggsTTS:
             f.kv_heads * f.head_dim
 
     @property
+    def slot_positions(self) -> int:
+        """Positions of one batching-pool slot (the server, long-form lanes, the corpus, `--out-dir` lines): the
+        model's context or `POOL_POSITIONS`, whichever is smaller; twice that with an int8 KV cache."""
+        from ..generation.options import POOL_POSITIONS, POOL_POSITIONS_INT8
+
+        int8 = self.kv_cache_dtype == np.int8
+        return min(self.facts.max_positions, POOL_POSITIONS_INT8 if int8 else POOL_POSITIONS)
+
+    @property
+    def kv_cache_dtype(self) -> np.dtype:
+        """What the decoder's KV cache holds: float32 (or float16), or int8 (`optimize.py --kv-cache int8`)."""
+        types = self.backend.decoder.part.input_types
+        return np.dtype(next(t for n, t in types.items() if n.startswith("past_key_values.")))
+
+    @property
     def synthesizer(self) -> Synthesizer:
         """The prompt side (text + voice -> `Request`) on this model's backend and codec. Internal: run requests
         with `run(request, ...)` or a `scheduler()`, not with `synthesizer.speak` / `synthesizer.engine`."""

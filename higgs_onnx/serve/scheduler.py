@@ -34,7 +34,7 @@ from collections import Counter
 from collections.abc import AsyncIterator
 
 from ..generation.engine import Request
-from ..generation.options import POOL_POSITIONS, GenerationOptions
+from ..generation.options import GenerationOptions
 from ..generation.scheduler import _END, Cancelled, Handle, PrefillPolicy, QueueFull
 from ..generation.stream import AudioChunk
 from ..runtime.stream import StreamOptions
@@ -122,7 +122,7 @@ class Scheduler:
             raise ValueError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch}, {max_queue}")
         self.tts, self.max_batch, self.max_queue = tts, max_batch, max_queue
         # positions of one pool slot: what every request is built for, and what the pool is made with
-        self.slot_positions = min(tts.facts.max_positions, POOL_POSITIONS)
+        self.slot_positions = tts.slot_positions
         self.prefill = PrefillPolicy(chunk=prefill_chunk)  # ValueError for a chunk < 1
         self.core = tts.scheduler(max_batch, self.slot_positions, self.prefill)
         self._lock = threading.Lock()
