@@ -123,6 +123,58 @@ def decoder_figures(tts, context: int, steps: int) -> dict:
     return ms
 
 
+MATMUL_MS = (1, 2, 4, 8, 16)  # rows (batch) of the one-matmul table
+
+
+def matmul_table(k: int, n: int, threads: int, repeats: int = 20) -> list[dict]:
+    """One int4 MatMulNBits of the decoder's largest shape (K x N: hidden x intermediate) alone, per block size
+    (32, 128) and accuracy level (4: int8 activations, VNNI kernels; 0: fp32), at M = 1..16 rows: ms per call (best
+    of `repeats`) and the weight bytes read per second. A kernel that turns compute-bound shows as ms growing with M
+    at M >= 2 (toolchain §13: ~1 ms per extra row on an AVX2-only EPYC)."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from higgs_onnx.runtime.session import session_options
+
+    rng, out = np.random.default_rng(0), []
+    for block in (b for b in (32, 128) if k % b == 0):  # a block that does not divide K: not a shape we build
+        blocks = k // block
+        packed = rng.integers(0, 256, (n, blocks, block // 2), dtype=np.uint8)
+        scales = (rng.random((n, blocks), dtype=np.float32) * 0.01 + 1e-3).astype(np.float32)
+        for level in (4, 0):
+            node = helper.make_node("MatMulNBits", ["a", "b", "s"], ["y"], domain="com.microsoft", K=k, N=n, bits=4,
+                                    block_size=block, accuracy_level=level)
+            graph = helper.make_graph([node], "mm", [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["M", k])],
+                                      [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", n])],
+                                      [numpy_helper.from_array(packed, "b"), numpy_helper.from_array(scales, "s")])
+            model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                            helper.make_opsetid("com.microsoft", 1)])
+            sess = ort.InferenceSession(model.SerializeToString(), session_options(threads, spin=True),
+                                        providers=[providers.get("cpu").ort_name])
+            row = {"block": block, "accuracy_level": level, "ms": {}, "gb_s": {}}
+            for m in MATMUL_MS:
+                a = rng.standard_normal((m, k)).astype(np.float32)
+                sess.run(None, {"a": a})
+                best = float("inf")
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    sess.run(None, {"a": a})
+                    best = min(best, time.perf_counter() - t0)
+                row["ms"][m] = best * 1e3
+                row["gb_s"][m] = (packed.nbytes + scales.nbytes) / best / 1e9
+            out.append(row)
+    return out
+
+
+def print_matmul(table: list[dict], k: int, n: int, probe_gbs: float | None) -> None:
+    print(f"one int4 MatMulNBits {k} x {n}, ms per call at M rows (weights read per second at M = 1"
+          + (f"; the read probe: {probe_gbs:.1f} GB/s)" if probe_gbs else ")"))
+    print(f"  {'block':>5} {'accuracy':>8}" + "".join(f"{'M=' + str(m):>9}" for m in MATMUL_MS) + f"{'GB/s M=1':>10}")
+    for r in table:
+        print(f"  {r['block']:>5} {r['accuracy_level']:>8}" + "".join(f"{r['ms'][m]:>9.2f}" for m in MATMUL_MS)
+              + f"{r['gb_s'][1]:>10.1f}")
+
+
 CURVE = (128, 512, 1024, 2048, 4096)
 
 
@@ -550,6 +602,8 @@ def main(argv: list[str] | None = None) -> int:
                     "synthetic export under --work, built if missing)")
     ap.add_argument("--batch", type=int, nargs="+", metavar="B", help="batched decoding only: the batch gain G(B) "
                     "for these requests per decoder call, e.g. --batch 1 2 4 8 (one process, --frames rows each)")
+    ap.add_argument("--matmul", action="store_true", help="only the one-matmul table: the decoder's largest int4 "
+                    "MatMulNBits at M = 1-16 rows, block 32/128, accuracy level 4/0")
     ap.add_argument("--context-curve", action="store_true", help="only the decode step against the context "
                     f"({', '.join(map(str, CURVE))} positions) for the export's KV cache and, for int8, its fp32 twin")
     ap.add_argument("--repeats", type=int, default=3, help="--batch: interleaved rounds, best kept per B")
@@ -577,6 +631,14 @@ def main(argv: list[str] | None = None) -> int:
         return batch_main(args)
     if args.context_curve:
         return curve_main(args)
+    if args.matmul:
+        f = load_manifest(resolve_export(args)[1], verify=False).data["model"]
+        table = matmul_table(f["hidden"], f["intermediate"], args.threads)
+        print(f"CPU: {cpu_line(cpu_info())}")
+        print_matmul(table, f["hidden"], f["intermediate"], bandwidth_gbs(args.threads)[0])
+        if args.json:
+            args.json.write_text(json.dumps({"cpu": cpu_info(), "matmul": table}, indent=2))
+        return 0
     if args._stream:
         m, sec, voice, once = args._stream
         print(json.dumps(stream_figures(Path(m), float(sec), args.threads, voice == "1", once == "1")))
@@ -595,6 +657,9 @@ def main(argv: list[str] | None = None) -> int:
     tts = HiggsTTS(export, threads=args.threads, verify=False)
     out.update(decoder_figures(tts, args.context, args.steps))
     out["step_x_floor"] = out["decoder_step_ms"] / out["floor_ms"]
+    out["decoder_weight_read_gbs"] = data / (out["decoder_step_ms"] / 1e3) / 1e9
+    out["matmul_shape"] = [tts.facts.hidden, tts.facts.intermediate]
+    out["matmul"] = matmul_table(tts.facts.hidden, tts.facts.intermediate, args.threads)
     out.update(codec_figures(tts))
     from higgs_onnx.audio import load_reference
 
@@ -684,6 +749,10 @@ def print_table(o: dict) -> None:
         ("decoder weights", f"{o['decoder_weight_mb']:.1f} MB", "read once per decode step"),
         ("bandwidth floor per step", f"{o['floor_ms']:.2f} ms", "weights / bandwidth"),
         ("decoder step (median)", f"{step:.2f} ms", f"{o['step_x_floor']:.2f} x floor, context {o['context']}"),
+        ("decoder weight read rate", f"{o['decoder_weight_read_gbs']:.1f} GB/s",
+         f"weights / step, against the probe's {o['bandwidth_gbs']:.1f} GB/s: "
+         + ("the kernel binds, not memory" if o['decoder_weight_read_gbs'] < 0.6 * o['bandwidth_gbs'] else
+            "near the memory floor")),
         ("prefill, zero-shot prompt", f"{o['prefill_zero_shot_ms']:.1f} ms", "24 positions"),
         ("prefill, clone-sized prompt", f"{o['prefill_clone_ms']:.1f} ms", "281 positions (10 s reference)"),
         ("host overhead per frame", f"{g['host_overhead_ms_per_row']:.3f} ms",
@@ -728,6 +797,9 @@ def print_table(o: dict) -> None:
     print(f"CPU: {cpu_line(o['cpu'])}")
     for name, value, note in lines:
         print(f"  {name:<30}{value:>20}   {note}")
+    if "matmul" in o:
+        print()
+        print_matmul(o["matmul"], o["matmul_shape"][0], o["matmul_shape"][1], o["bandwidth_gbs"])
 
 
 if __name__ == "__main__":

@@ -75,3 +75,24 @@ def test_bench_refuses_a_model_path_without_a_manifest(tmp_path):  # fast: refus
     r = bench("--model-path", tmp_path, "--batch", 1, "--work", tmp_path / "w", timeout=120)
     assert r.returncode == 2 and "no manifest.json there" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.slow
+def test_bench_context_curve_and_matmul_table_tiny(builds, tmp_path):
+    """`--context-curve` on the int8-cache export: both caches, every context that fits the model, two runs each,
+    a quarter of the bytes per position; `--matmul`: every block that divides K, both accuracy levels, M = 1..16."""
+    r = bench("--model-path", builds["int4"], "--context-curve", "--steps", 3, "--frames", 12, "--json",
+              tmp_path / "c.json", timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    c = json.loads((tmp_path / "c.json").read_text())
+    assert set(c["curves"]) == {"int8", "fp32"} and all(len(runs) == 2 for runs in c["curves"].values())
+    assert list(c["curves"]["int8"][0]["step_ms"]) == ["128", "512", "1024", "2048"]  # 4096 > the tiny context
+    assert c["curves"]["fp32"][0]["kv_bytes_per_position"] == 4 * c["curves"]["int8"][0]["kv_bytes_per_position"]
+    assert all(ms > 0 for runs in c["curves"].values() for run in runs for ms in run["step_ms"].values())
+    assert "step at 2048 / at 128" in r.stdout and "host" in r.stdout and "avx" in r.stdout
+    r = bench("--model-path", builds["int4"], "--matmul", "--json", tmp_path / "m.json", timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    m = json.loads((tmp_path / "m.json").read_text())["matmul"]
+    assert [(x["block"], x["accuracy_level"]) for x in m] == [(32, 4), (32, 0)]  # 128 does not divide K = 64
+    assert all(list(x["ms"]) == ["1", "2", "4", "8", "16"] and min(x["ms"].values()) > 0 for x in m)
+    assert "one int4 MatMulNBits 64 x" in r.stdout
