@@ -329,17 +329,9 @@ def stream_figures(model_path: Path, seconds: float, threads: int, voice: bool, 
         out["codes_equal"] = bool(np.array_equal(last.rows, sp.rows))
         out["snr_db"] = snr_db(sp.waveform, np.concatenate(kept))
     positions = s.prompt_tokens + rows
-    kv_bytes = sum(int(np.prod(buf.shape()[:2])) * positions * buf.shape()[3] * np.dtype(np.float32).itemsize
-                   for buf in _kv_buffers(tts))
-    out["kv_cache_mb"] = kv_bytes / 2**20
+    out["kv_cache_mb"] = tts.kv_bytes_per_position * positions / 2**20  # its own dtype: fp32 or int8
     out["peak_rss_mb"] = peak_rss_mb()
     return out
-
-
-def _kv_buffers(tts):
-    """The preallocated KV buffers of a bound cache (none for a concat or host-array cache)."""
-    cache = tts.backend.decoder.new_cache(1)
-    return list(getattr(cache, "buffers", {}).values())
 
 
 def codec_schemes(tts, frames: np.ndarray) -> list[dict]:
