@@ -219,7 +219,7 @@ def curve_main(args) -> int:
     from higgs_onnx.runtime.model import HiggsTTS
 
     _, export = resolve_export(args)
-    dtype = load_manifest(export, verify=False).decoder.get("kv_cache", {}).get("dtype", "fp32")
+    dtype = load_manifest(export, verify=False).kv_cache
     out = {"export": str(export), "cpu": cpu_info(), "threads": args.threads, "curves": {}}
     with tempfile.TemporaryDirectory(prefix="higgs-curve-") as tmp:
         folders = {dtype: export}
@@ -635,7 +635,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.context_curve:
         return curve_main(args)
     if args.matmul:
-        f = load_manifest(resolve_export(args)[1], verify=False).data["model"]
+        f = load_manifest(resolve_export(args)[1], verify=False).model
         table = matmul_table(f["hidden"], f["intermediate"], args.threads)
         print(f"CPU: {cpu_line(cpu_info())}")
         print_matmul(table, f["hidden"], f["intermediate"], bandwidth_gbs(args.threads)[0])
@@ -650,7 +650,7 @@ def main(argv: list[str] | None = None) -> int:
     from higgs_onnx.runtime.model import HiggsTTS
 
     ckpt, export = resolve_export(args)
-    precision = load_manifest(export, verify=False).data["precision"]
+    precision = load_manifest(export, verify=False).precision
     out = {"preset": args.preset if args.model_path is None else None, "export": export.name,
            "precision": precision, "threads": args.threads, "cpus": os.cpu_count(), "cpu": cpu_info()}
     out["bandwidth_gbs"], out["bandwidth_probe"] = bandwidth_gbs(args.threads)
@@ -706,7 +706,7 @@ def batch_main(args) -> int:
     tts = HiggsTTS(export, threads=args.threads, verify=False)
     cpu = cpu_info()
     out = {"preset": None if args.model_path else args.preset, "export": str(export),
-           "precision": tts.manifest.data["precision"], "threads": args.threads, "cpus": os.cpu_count(), "cpu": cpu,
+           "precision": tts.manifest.precision, "threads": args.threads, "cpus": os.cpu_count(), "cpu": cpu,
            "rows": args.frames, **batch_figures(tts, args.batch, args.frames, args.repeats)}
     print_batch_table(out)
     if args.json:

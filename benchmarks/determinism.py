@@ -56,7 +56,7 @@ def measure(path: Path, n: int, batch: int, max_rows: int, ignore_eoc: bool) -> 
     one_slot = run_pool(tts, make(), 1, 0)
     batched = run_pool(tts, make(), batch, 3)
     same = lambda got: sum(a.shape == b.shape and (a == b).all() for a, b in zip(alone, got, strict=True))  # noqa: E731
-    return {"export": path.name, "precision": tts.manifest.data["precision"], "one_slot": same(one_slot),
+    return {"export": path.name, "precision": tts.manifest.precision, "one_slot": same(one_slot),
             "batched": same(batched), "n": n}
 
 

@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="higgs-kv-") as tmp:
         src = args.model_path
-        if load_manifest(src, verify=False).decoder.get("kv_cache", {}).get("dtype") == "int8":
+        if load_manifest(src, verify=False).kv_cache == "int8":
             src = kv.fp32_twin(src, Path(tmp) / "fp32")
         int4 = load_manifest(src, verify=False).parts["llm_decoder"].get("parity", {}).get("cosine_vs_dequantized")
         limits = kv.gates(int4)

@@ -130,8 +130,37 @@ class Manifest:
 
     @property
     def decoder(self) -> dict:
-        """The decoder graph: {"attention", "cache", "format"} (older manifests: ModelBuilder's GQA graph)."""
+        """The decoder graph: {"attention", "cache", "format", "kv_cache"} (older manifests: ModelBuilder's GQA graph
+        with an fp32 cache)."""
         return {**DEFAULT_DECODER, **self.data.get("decoder", {})}
+
+    @property
+    def device(self) -> str:
+        """The device the export was built for (`optimize.py --device`)."""
+        return self.data["device"]
+
+    @property
+    def precision(self) -> str:
+        return self.data["precision"]
+
+    @property
+    def execution_provider(self) -> str:
+        return self.data["execution_provider"]
+
+    @property
+    def tokenizer(self) -> str:
+        """The tokenizer file's name in the folder."""
+        return self.data["tokenizer"]
+
+    @property
+    def tokens(self) -> dict:
+        """The prompt's token ids as read from the checkpoint's tokenizer at build time."""
+        return self.data["tokens"]
+
+    @property
+    def kv_cache(self) -> str:
+        """What the decoder's KV cache holds: "fp32" or "int8" (`optimize.py --kv-cache`)."""
+        return self.decoder["kv_cache"]["dtype"]
 
     def path(self, name: str) -> Path:
         return safe_member(self.folder, name)

@@ -27,7 +27,7 @@ class EvalContext:
         from ..reference.model import ReferenceBackend
 
         self.tts, self.ref, self.options = tts, ref, options or EvalOptions()
-        self.precision = tts.manifest.data["precision"]
+        self.precision = tts.manifest.precision
         self.gates = gates_for(self.precision, self.options.gates)
         self.ref_backend = ReferenceBackend(ref)
         self.rules = stop_rules(tts.facts)

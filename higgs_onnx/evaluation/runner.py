@@ -72,7 +72,7 @@ def _not_asked_sampled(o: EvalOptions) -> str | None:
 
 
 def _fp32_cache(ev) -> str | None:
-    return None if ev.tts.manifest.decoder.get("kv_cache", {}).get("dtype") == "int8" else "the KV cache is fp32"
+    return None if ev.tts.manifest.kv_cache == "int8" else "the KV cache is fp32"
 
 
 def _not_asked_teacher_codes(o: EvalOptions) -> str | None:

@@ -42,10 +42,10 @@ class ModelParts:
 
         check_threads(threads)  # before the (slow) hashing of the model files
         self.manifest: Manifest = load_manifest(model_path, verify=verify)
-        built_for = self.manifest.data["device"]
+        built_for = self.manifest.device
         self.provider = provider or built_for
         if self.provider not in providers.runners(built_for):
-            raise ValueError(f"{model_path} was built for {self.manifest.data['execution_provider']} "
+            raise ValueError(f"{model_path} was built for {self.manifest.execution_provider} "
                              f"(device {built_for}); run it with --provider {built_for}, or build a "
                              f"{self.provider} export: python optimize.py --device {self.provider} ...")
         folder = self.manifest.folder
@@ -53,13 +53,13 @@ class ModelParts:
             self.facts = ModelFacts.from_dict(self.manifest.model)
         except ValueError as e:
             raise ManifestError(f"{folder}/manifest.json: {e}") from None
-        tok_path = self.manifest.path(self.manifest.data["tokenizer"])
+        tok_path = self.manifest.path(self.manifest.tokenizer)
         try:
             self.tokenizer = Tokenizer.from_file(str(tok_path))
         except Exception as e:  # tokenizers raises a bare Exception on unreadable files
             raise ManifestError(f"cannot load the tokenizer {tok_path}: {e}") from None
         self.tokens = PromptTokens.from_tokenizer(self.tokenizer, self.facts.placeholder)  # ids by string
-        if self.manifest.data["tokens"] != dataclasses.asdict(self.tokens):
+        if self.manifest.tokens != dataclasses.asdict(self.tokens):
             raise ManifestError(f"{folder}: the token ids in manifest.json disagree with {tok_path.name}")
         check_genai_config(self.manifest, self.facts)
         self.threads = threads
