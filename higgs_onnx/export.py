@@ -23,7 +23,7 @@ from pathlib import Path
 
 from . import parts, providers
 from .checkpoint import ModelFacts, files_digest, resolve, validate
-from .manifest import MANIFEST, PART_NAMES, check_digest, new_manifest, sha256_file, write_manifest
+from .manifest import MANIFEST, PART_NAMES, check_digest, link_or_copy, new_manifest, sha256_file, write_manifest
 from .memory import peak_rss, release_memory, rss
 from .parity import summary
 from .parts.kv_cache import KV_CACHES
@@ -93,8 +93,10 @@ class ExportOptions:
     @property
     def cache_dtype(self) -> str:
         """The KV cache the build aims for: `kv_cache`, or int8 for a cpu gqa int4 decoder (if its gates hold)."""
-        if self.kv_cache is not None:
-            return self.kv_cache
+        return self.kv_cache if self.kv_cache is not None else self.default_cache_dtype
+
+    @property
+    def default_cache_dtype(self) -> str:
         return "int8" if self.int8_cache_possible and self.precision == "int4" else "fp32"
 
     @property
@@ -117,8 +119,7 @@ class ExportOptions:
     def name(self) -> str:
         """`<device>_<precision>`, plus `_<attention>` when the decoder graph is not the device's default."""
         suffix = "" if self.decoder_attention == self.provider.default_attention else f"_{self.decoder_attention}"
-        default = ExportOptions(self.device, self.precision, self.attention).cache_dtype
-        kv = "" if self.cache_dtype == default else f"_kv{self.cache_dtype}"
+        kv = "" if self.cache_dtype == self.default_cache_dtype else f"_kv{self.cache_dtype}"
         return f"{self.device}_{self.precision}{suffix}{kv}"
 
 
@@ -302,7 +303,7 @@ class Exporter:
             files = {}
             for name in entry["files"]:
                 src = self.part_dir(part, entry["stamp"]) / name
-                _link_or_copy(src, staging / name)
+                link_or_copy(src, staging / name)
                 if name not in parts.extra_files(part):
                     files[name] = {"size": src.stat().st_size, "sha256": _cached_sha256(src)}
             parts_manifest[part] = {k: v for k, v in entry.items() if k not in ("files", "skipped")}
@@ -466,13 +467,6 @@ def _holds(part: str, ref) -> str:
         how = "streamed, one layer at a time" if ref.body.streamed else "resident"
         return f"{dtype} body {how}, plus the ONNX session"
     return f"holds the reference's {part} weights in {dtype} and the ONNX session"
-
-
-def _link_or_copy(src: Path, dst: Path) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copyfile(src, dst)
 
 
 _SHA_CACHE: dict[tuple, str] = {}

@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +65,14 @@ def _dump(path: Path, data: dict) -> Path:
     tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
     os.replace(tmp, path)
     return path
+
+
+def link_or_copy(src: Path, dst: Path) -> None:
+    """A hard link of `src` at `dst` (an export's files cost no space twice), or a copy where links fail."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)
 
 
 def write_manifest(folder: Path, data: dict) -> Path:

@@ -105,9 +105,9 @@ def calibrate(export: Path, threads: int = 0, rows: int = 96) -> dict[str, np.nd
     from ..runtime.model import HiggsTTS
 
     rec = Path(__file__).resolve().parent.parent / "assets" / "recordings" / "ref_en_24k.flac"
-    tts = HiggsTTS(export, threads=threads, verify=False)
-    if cache_dtype(export / "llm_decoder.onnx") != "fp32":
+    if cache_dtype(export / "llm_decoder.onnx") != "fp32":  # before the model loads
         raise ValueError(f"{export}: calibration needs the fp32-cache decoder")
+    tts = HiggsTTS(export, threads=threads, verify=False)
     texts = ["The quick brown fox jumps over the lazy dog, and then it runs home before the rain starts.",
              "Calibration reads what the cache holds: numbers, like 3.5 kilos at 7:45, and a question?"]
     voice = tts.make_voice(rec, rec.with_suffix(".txt").read_text().strip())
@@ -295,20 +295,16 @@ def int8_twin(export: Path, dst: Path, absmax: dict[str, np.ndarray], mode: str 
 
 def _twin(export: Path, dst: Path, rewrite, dtype: str, kv: dict) -> Path:
     import json
-    import os
     import shutil
 
-    from ..manifest import MANIFEST, sha256_file, write_manifest
+    from ..manifest import MANIFEST, link_or_copy, sha256_file, write_manifest
 
     graph = "llm_decoder.onnx"
     shutil.rmtree(dst, ignore_errors=True)
     dst.mkdir(parents=True)
     for f in export.iterdir():
         if f.is_file() and f.name not in (graph, MANIFEST):
-            try:
-                os.link(f, dst / f.name)
-            except OSError:
-                shutil.copyfile(f, dst / f.name)
+            link_or_copy(f, dst / f.name)
     rewrite(export / graph, dst / graph)
     data = json.loads((export / MANIFEST).read_text())
     entry = data["parts"]["llm_decoder"]
