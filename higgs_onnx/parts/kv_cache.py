@@ -105,7 +105,9 @@ def calibrate(export: Path, threads: int = 0, rows: int = 96) -> dict[str, np.nd
     from ..runtime.model import HiggsTTS
 
     rec = Path(__file__).resolve().parent.parent / "assets" / "recordings" / "ref_en_24k.flac"
-    if cache_dtype(export / "llm_decoder.onnx") != "fp32":  # before the model loads
+    from ..manifest import load_manifest
+
+    if cache_dtype(load_manifest(export, verify=False).part_file("llm_decoder")) != "fp32":  # before the model loads
         raise ValueError(f"{export}: calibration needs the fp32-cache decoder")
     tts = HiggsTTS(export, threads=threads, verify=False)
     texts = ["The quick brown fox jumps over the lazy dog, and then it runs home before the rain starts.",
@@ -299,15 +301,15 @@ def _twin(export: Path, dst: Path, rewrite, dtype: str, kv: dict) -> Path:
 
     from ..manifest import MANIFEST, link_or_copy, sha256_file, write_manifest
 
-    graph = "llm_decoder.onnx"
+    data = json.loads((export / MANIFEST).read_text())
+    entry = data["parts"]["llm_decoder"]
+    graph = entry["file"]
     shutil.rmtree(dst, ignore_errors=True)
     dst.mkdir(parents=True)
     for f in export.iterdir():
         if f.is_file() and f.name not in (graph, MANIFEST):
             link_or_copy(f, dst / f.name)
     rewrite(export / graph, dst / graph)
-    data = json.loads((export / MANIFEST).read_text())
-    entry = data["parts"]["llm_decoder"]
     entry["files"][graph] = {"size": (dst / graph).stat().st_size, "sha256": sha256_file(dst / graph)}
     for io in ("inputs", "outputs"):
         for e in entry[io]:
