@@ -5,6 +5,7 @@ Usage:
     python benchmarks/bench.py --preset 4b --frames 64 --json bench_4b.json   # real geometry (builds ~9 GB + export)
     python benchmarks/bench.py --model-path onnx/cpu_int4 --batch 1 2 4 8 --json batch.json   # batch gain G(B)
     python benchmarks/bench.py --model-path onnx/cpu_int4 --context-curve   # step vs context, int8 vs fp32 cache
+    python benchmarks/bench.py --model-path onnx/cpu_int4 --step-graph      # one call per step vs the parts apart
 
 Everything is measured in one run: memory read bandwidth with the same thread count, the decoder step vs the floor
 (weight bytes / bandwidth), prefill, per-frame host overhead, codec speed, end-to-end speed and peak RSS (in a child
@@ -97,6 +98,12 @@ class Timed:
     def decode(self, cache, embed):
         t0 = time.perf_counter()
         out = self.backend.decode(cache, embed)
+        self.decoder_s += time.perf_counter() - t0
+        return out
+
+    def decode_codes(self, cache, codes):  # the step graph: embedding, decoder and heads in this one call
+        t0 = time.perf_counter()
+        out = self.backend.decode_codes(cache, codes)
         self.decoder_s += time.perf_counter() - t0
         return out
 
@@ -411,12 +418,16 @@ def cpu_line(cpu: dict) -> str:
 
 class DecoderClock:
     """While on (a `with` block), adds up the seconds the backend spends in its decoder calls of the row loop
-    (`decode`, `decode_batch`): the timers are instance attributes over the backend's methods, removed on exit."""
+    (`decode`, `decode_batch`, and the step graph's `decode_codes`, `decode_batch_codes`, which hold the audio
+    embedding and heads too) and how many there were: the timers are instance attributes over the backend's
+    methods, removed on exit. `calls` names other methods to time instead (the heads and the embedding apart)."""
 
-    CALLS = ("decode", "decode_batch")
+    CALLS = ("decode", "decode_batch", "decode_codes", "decode_batch_codes")
+    PARTS = ("audio_logits", "embed_audio")  # the two small parts' sessions, when they run apart
 
-    def __init__(self, backend):
-        self.backend, self.seconds = backend, 0.0
+    def __init__(self, backend, calls: tuple[str, ...] = CALLS):
+        self.backend, self.seconds, self.calls = backend, 0.0, 0
+        self.CALLS = calls
 
     def __enter__(self) -> DecoderClock:
         self._saved = {name: vars(self.backend).get(name) for name in self.CALLS}  # a wrapper already there
@@ -438,6 +449,7 @@ class DecoderClock:
                 return call(*args)
             finally:
                 self.seconds += time.perf_counter() - t0
+                self.calls += 1
         return timed
 
 
@@ -455,23 +467,25 @@ def batch_run(tts, batch: int, rows: int, positions: int, seed: int = 0) -> dict
     with tts.scheduler(batch, positions, PrefillPolicy(chunk=positions)) as sched:
         handles = [sched.submit(r) for r in reqs]
         timed_s = timed_rows = steps = 0
-        with DecoderClock(tts.backend) as clock:
+        with DecoderClock(tts.backend) as clock, DecoderClock(tts.backend, DecoderClock.PARTS) as small:
             while True:
-                before, prefills, decoder_s = sched.batch_rows, sched.prefill_calls, clock.seconds
+                before, prefills = sched.batch_rows, sched.prefill_calls
+                saved = clock.seconds, clock.calls, small.seconds, small.calls
                 t0 = time.perf_counter()
                 if not sched.step():
                     break
                 spent = time.perf_counter() - t0
                 if sched.prefill_calls == prefills:  # a pure decode step
                     timed_s, timed_rows, steps = timed_s + spent, timed_rows + sched.batch_rows - before, steps + 1
-                else:
-                    clock.seconds = decoder_s  # the prefill step's decoder call is not a row-loop one
+                else:  # the prefill step's calls are not row-loop ones
+                    clock.seconds, clock.calls, small.seconds, small.calls = saved
         widest = max(h.widest for h in handles)
         done = [h.wait() for h in handles]
     if widest != batch or any(r.n != rows for r in done):
         raise RuntimeError(f"B={batch}: widest batch {widest}, rows {[r.n for r in done]} (wanted {rows} each)")
     return {"rows_per_s": timed_rows / timed_s, "step_ms": timed_s / steps * 1e3,
-            "decoder_ms": clock.seconds / steps * 1e3, "steps": steps, "rows": timed_rows}
+            "decoder_ms": clock.seconds / steps * 1e3, "steps": steps, "rows": timed_rows,
+            "parts_ms": small.seconds / steps * 1e3, "calls_per_step": (clock.calls + small.calls) / steps}
 
 
 def batch_figures(tts, batches: list[int], rows: int, repeats: int = 3) -> dict:
@@ -503,6 +517,52 @@ def batch_figures(tts, batches: list[int], rows: int, repeats: int = 3) -> dict:
                     "rounds_rows_per_s": [x["rows_per_s"] for x in runs[b]]})
     return {"positions": positions, "repeats": repeats, "batches": out,
             "gain": {str(x["batch"]): x["gain"] for x in out}, "peak_rss_mb": peak_rss_mb()}
+
+
+def step_graph_figures(model_path: Path, batches: list[int], rows: int, repeats: int, threads: int = 0) -> dict:
+    """The decode step with the step graph (one call: codes in, logits out) against the three parts driven apart
+    (heads -> host -> embedding -> decoder), on the same export in one process, at each B, interleaved rounds (best
+    of `repeats` kept). Per row: the whole step, the time inside runtime calls, and the host's share (the step less
+    every runtime call: sampling, the state machine, NumPy and Python)."""
+    from higgs_onnx.runtime.model import HiggsTTS
+
+    models = {"parts": HiggsTTS(model_path, threads=threads, verify=False, step_graph=False),
+              "step graph": HiggsTTS(model_path, threads=threads, verify=False, step_graph=True)}
+    if not models["step graph"].backend.fused:
+        raise SystemExit(f"{model_path} has no step graph (llm_step): rebuild it with optimize.py")
+    positions = 512 + rows
+    for tts in models.values():
+        for b in batches:
+            batch_run(tts, b, tts.facts.num_codebooks, positions)  # warm: sessions, bindings
+    runs: dict = {}
+    for _ in range(repeats):
+        for name, tts in models.items():
+            for b in batches:
+                runs.setdefault((name, b), []).append(batch_run(tts, b, rows, positions, seed=7 * b))
+    out = []
+    for (name, b), rs in runs.items():
+        r = min(rs, key=lambda x: x["step_ms"])
+        runtime = r["decoder_ms"] + r["parts_ms"]
+        out.append({"path": name, "batch": b, "step_ms": r["step_ms"], "row_ms": r["step_ms"] / b,
+                    "runtime_ms": runtime, "decoder_ms": r["decoder_ms"], "parts_ms": r["parts_ms"],
+                    "host_ms_per_row": (r["step_ms"] - runtime) / b,
+                    "host_share": (r["step_ms"] - runtime) / r["step_ms"],
+                    "calls_per_step": r["calls_per_step"], "rounds_step_ms": [x["step_ms"] for x in rs]})
+    return {"export": str(model_path), "rows": rows, "repeats": repeats, "rows_of": out, "cpu": cpu_info()}
+
+
+def step_graph_main(args) -> int:
+    _, export = resolve_export(args)
+    fig = step_graph_figures(export, args.batch or [1, 4], args.frames, args.repeats, args.threads)
+    print(f"step graph vs parts: {export} ({cpu_line(fig['cpu'])}; {args.threads or os.cpu_count()} threads; "
+          f"{fig['rows']} rows a request, best of {fig['repeats']} interleaved rounds)")
+    print(f"  {'path':<11}{'B':>3}{'step ms':>9}{'calls':>7}{'in runtime':>12}{'host/row':>10}{'host %':>8}")
+    for x in sorted(fig["rows_of"], key=lambda x: (x["batch"], x["path"])):
+        print(f"  {x['path']:<11}{x['batch']:>3}{x['step_ms']:>9.2f}{x['calls_per_step']:>7.1f}"
+              f"{x['runtime_ms']:>9.2f} ms{x['host_ms_per_row']:>7.3f} ms{100 * x['host_share']:>7.1f}%")
+    if args.json:
+        args.json.write_text(json.dumps(fig, indent=2))
+    return 0
 
 
 def peak_rss_mb() -> float:
@@ -609,6 +669,8 @@ def main(argv: list[str] | None = None) -> int:
                     "MatMulNBits at M = 1-16 rows, block 32/128, accuracy level 4/0")
     ap.add_argument("--context-curve", action="store_true", help="only the decode step against the context "
                     f"({', '.join(map(str, CURVE))} positions) for the export's KV cache and, for int8, its fp32 twin")
+    ap.add_argument("--step-graph", action="store_true", help="only the decode step through the step graph against "
+                    "the three parts apart, with the host ms per row (B from --batch, default 1 4)")
     ap.add_argument("--repeats", type=int, default=3, help="--batch: interleaved rounds, best kept per B")
     ap.add_argument("--skip-stream", action="store_true", help="skip the streaming figures (TTFA, 10 s / 60 s)")
     ap.add_argument("--long-seconds", type=float, default=60.0, help="the long line of the memory check")
@@ -630,6 +692,8 @@ def main(argv: list[str] | None = None) -> int:
     if args._export:
         print(json.dumps(export_figures(args._export)))
         return 0
+    if args.step_graph:
+        return step_graph_main(args)
     if args.batch:
         return batch_main(args)
     if args.context_curve:
@@ -733,7 +797,7 @@ def resolve_export(args) -> tuple[Path | None, Path]:
     still there), else the `--preset` synthetic export under `--work`, built if missing."""
     if args.model_path is None:
         return ensure_export(args.preset, args.precision, args.work / args.preset, args.device, args.attention)
-    source = (load_manifest(args.model_path, verify=False).data.get("source") or {}).get("path")
+    source = load_manifest(args.model_path, verify=False).source.get("path")
     ckpt = Path(source) if isinstance(source, str) and (Path(source) / "config.json").is_file() else None
     return ckpt, args.model_path
 

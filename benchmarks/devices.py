@@ -3,6 +3,7 @@
     python benchmarks/devices.py --preset tiny                     # cpu (GQA), cpu portable, openvino at int4
     python benchmarks/devices.py --preset 4b --steps 30 --rows 48  # the real geometry (builds what is missing)
     python benchmarks/devices.py --targets cpu openvino --precision fp32
+    python benchmarks/devices.py --model-paths onnx/cpu_int4 onnx/openvino_int4 --also-host   # existing exports
 
 Each target is `device[:attention]`; its export is built (or reused) under `--work/<preset>/onnx/`. Every figure
 comes from a fresh child process per export (its peak RSS is its own), and the exports take turns `--rounds` times
@@ -28,13 +29,14 @@ from higgs_onnx.manifest import load_manifest  # noqa: E402
 from higgs_onnx.parity import summary  # noqa: E402
 
 
-def measure(folder: Path, threads: int, context: int, steps: int, rows: int) -> dict:
-    """One export in this process: load, decoder prefill/step, one fixed-length generation, peak RSS."""
+def measure(folder: Path, threads: int, context: int, steps: int, rows: int, kv_cache: str = "bound") -> dict:
+    """One export in this process: load, decoder prefill/step, one fixed-length generation, peak RSS. `kv_cache`
+    "host": the cache fed through NumPy every step (on OpenVINO: the plain path, not the stateful model)."""
     from higgs_onnx.generation.options import GenerationOptions
     from higgs_onnx.runtime.model import HiggsTTS
 
     t0 = time.perf_counter()
-    tts = HiggsTTS(folder, threads=threads, verify=False)
+    tts = HiggsTTS(folder, threads=threads, verify=False, kv_cache=kv_cache)
     tts.generate("Warm up.", max_rows=8)
     load_s = time.perf_counter() - t0
     figs = decoder_figures(tts, context, steps)
@@ -42,7 +44,7 @@ def measure(folder: Path, threads: int, context: int, steps: int, rows: int) -> 
     speech = tts.generate(TEXT, options=GenerationOptions(temperature=0, max_rows=rows, ignore_eoc=True))
     wall = time.perf_counter() - t0
     return {**figs, "load_s": load_s, "rows": len(speech.rows), "rows_per_s": len(speech.rows) / wall,
-            "ran_on": sorted(set(tts.ran_on().values())), "peak_rss_mb": peak_rss_mb()}
+            "ran_on": sorted(set(tts.ran_on().values())), "kv_memory": tts.kv_memory, "peak_rss_mb": peak_rss_mb()}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,29 +59,43 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--rounds", type=int, default=2, help="turns each export takes (best median kept)")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--work", type=Path, default=ROOT / "onnx" / "bench")
+    ap.add_argument("--model-paths", type=Path, nargs="+", metavar="DIR",
+                    help="existing export folders to compare (instead of --targets; nothing is built)")
+    ap.add_argument("--also-host", action="store_true", help="measure each OpenVINO export a second time with its "
+                    "KV cache fed through NumPy (the path before the stateful model)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--_measure", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--_kv-cache", dest="_kv_cache", default="bound", help=argparse.SUPPRESS)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args._measure:
-        print(json.dumps(measure(args._measure, args.threads, args.context, args.steps, args.rows)))
+        print(json.dumps(measure(args._measure, args.threads, args.context, args.steps, args.rows, args._kv_cache)))
         return 0
-    exports = {}
-    for target in args.targets:
+    exports, how = {}, {}
+    if args.model_paths:
+        for folder in args.model_paths:
+            m = load_manifest(folder, verify=False)  # a clear error before any run
+            exports[folder.name] = folder
+            if args.also_host and m.device == "openvino":
+                exports[f"{folder.name}:host"], how[f"{folder.name}:host"] = folder, "host"
+    for target in [] if args.model_paths else args.targets:
         device, _, attention = target.partition(":")
         providers.get(device).check(args.precision, attention or None)  # a clear error before any build
         _, exports[target] = ensure_export(args.preset, args.precision, args.work / args.preset, device,
                                            attention or None)
+        if args.also_host and device == "openvino":
+            exports[f"{target}:host"], how[f"{target}:host"] = exports[target], "host"
     runs: dict[str, list[dict]] = {t: [] for t in exports}
     for r in range(args.rounds):
         for target, folder in exports.items():
             fig, _ = child("--_measure", str(folder), "--threads", str(args.threads), "--context", str(args.context),
-                           "--steps", str(args.steps), "--rows", str(args.rows), script=__file__)
+                           "--steps", str(args.steps), "--rows", str(args.rows), "--_kv-cache",
+                           how.get(target, "bound"), script=__file__)
             runs[target].append(fig)
-            print(f"  round {r + 1}: {target:<14} step {fig['decoder_step_ms']:.1f} ms", flush=True)
+            print(f"  round {r + 1}: {target:<22} step {fig['decoder_step_ms']:.1f} ms", flush=True)
     out = {"preset": args.preset, "precision": args.precision, "threads": args.threads, "exports": {}}
     for target, figs in runs.items():
         m = load_manifest(exports[target], verify=False)
@@ -93,10 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     base = next(iter(out["exports"].values()))
     print(f"\ndevices: preset {args.preset}, {args.precision}, context {args.context}, {args.rows} rows; "
           f"ratios to {next(iter(out['exports']))}")
-    print(f"{'target':<14}{'runs on':<22}{'parity':<8}{'step ms':>9}{'x':>6}{'prefill ms':>11}{'rows/s':>8}"
+    print(f"{'target':<22}{'runs on':<22}{'cache':<7}{'parity':<8}{'step ms':>9}{'x':>6}{'prefill ms':>11}{'rows/s':>8}"
           f"{'RSS MB':>8}  decoder parity")
     for target, e in out["exports"].items():
-        print(f"{target:<14}{', '.join(e['ran_on']):<22}{'PASS' if e['parts_ok'] else 'FAIL':<8}"
+        print(f"{target:<22}{', '.join(e['ran_on']):<22}{e['kv_memory']:<7}{'PASS' if e['parts_ok'] else 'FAIL':<8}"
               f"{e['decoder_step_ms']:>9.2f}{e['decoder_step_ms'] / base['decoder_step_ms']:>6.2f}"
               f"{e['prefill_zero_shot_ms']:>11.1f}{e['rows_per_s']:>8.1f}{e['peak_rss_mb']:>8.0f}  "
               f"{e['decoder_parity']}")

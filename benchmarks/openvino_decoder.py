@@ -9,7 +9,7 @@ Rows (each in a child process of its own, one after another, so each has its own
   ort gqa-int4        onnxruntime CPU EP on ModelBuilder's int4 graph (GroupQueryAttention + MatMulNBits), the
                       runtime's `session.Part` (decoder pool spinning, as `HiggsTTS` runs it)
   ov onnx gqa-int4    OpenVINO CPU on that same ONNX file as is (its ONNX front end decomposes MatMulNBits)
-  ov ir int4          OpenVINO CPU on an IR with nncf's int4 weight compression (`runtime.openvino.to_ir`; built
+  ov ir int4          OpenVINO CPU on an IR with nncf's int4 weight compression (`parts.openvino_ir.to_ir`; built
                       from `--fp32` first when `--ir` does not exist, that build's time and peak RSS are printed)
   (optional) the same IR with bf16 inference precision (--bf16), and the portable int4 ONNX on both runtimes
 Every OpenVINO row runs through `runtime.openvino.OvPart` (f32 inference precision unless said, LATENCY hint,
@@ -113,7 +113,7 @@ def merge(runs: list[dict]) -> dict:
 
 
 def child_build(fp32: Path, ir: Path, block_size: int) -> dict:
-    from higgs_onnx.runtime.openvino import to_ir
+    from higgs_onnx.parts.openvino_ir import to_ir
 
     t0 = time.perf_counter()
     to_ir(fp32, ir, "int4", block_size)

@@ -11,7 +11,6 @@ Steps: resolve/download -> extract the Qwen3 body -> build each part -> assemble
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -26,6 +25,7 @@ from .checkpoint import ModelFacts, files_digest, resolve, validate
 from .manifest import MANIFEST, PART_NAMES, check_digest, link_or_copy, new_manifest, sha256_file, write_manifest
 from .memory import peak_rss, release_memory, rss
 from .parity import summary
+from .parts.cache import PartCache
 from .parts.kv_cache import KV_CACHES
 from .parts.kv_cache import POLICY as KV_POLICY
 from .parts.olive import BITS
@@ -143,7 +143,7 @@ def verify_graph(part: str, path: Path, precision: str, block_size: int, attenti
     import onnx
 
     if path.suffix == ".xml":
-        from .runtime.openvino import describe_ir
+        from .parts.openvino_ir import describe_ir
 
         return describe_ir(path, precision)
 
@@ -184,7 +184,7 @@ def io_signature(path: Path) -> dict:
     import onnx
 
     if path.suffix == ".xml":
-        from .runtime.openvino import ir_signature
+        from .parts.openvino_ir import ir_signature
 
         return ir_signature(path)
 
@@ -209,6 +209,7 @@ class Exporter:
         self.model_arg, self.revision, self.token, self.synthetic = model, revision, token, synthetic
         self.final = out_root / opts.name
         self.work = out_root / ".build"  # shared by every <device>_<precision>: identical parts are built once
+        self.cache = PartCache(self.work, opts)  # finished part builds, by stamp (parts/cache.py)
 
     # -- steps --------------------------------------------------------------------------------------------------
     def step_resolve(self) -> tuple[Path, ModelFacts]:
@@ -223,28 +224,8 @@ class Exporter:
             ckpt = resolve(self.model_arg, revision=self.revision, token=self.token)
         return ckpt, validate(ckpt)
 
-    def part_stamp(self, part: str, ckpt_digest: str) -> str:
-        """Hash of everything a part's files depend on. Parts whose graph does not depend on the device (all but
-        the decoder) are built on the cpu for every target, so `cpu_int4` and `cuda_int4` share them."""
-        o = self.opts
-        key = {"part": part, "precision": o.precisions[part], "block": o.block_size, "accuracy": o.accuracy,
-               "checkpoint": ckpt_digest, "version": parts.module(part).BUILD_VERSION}
-        if parts.device_specific(part):
-            key["device"], key["attention"] = o.device, o.decoder_attention
-        return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
-
     def part_dir(self, part: str, stamp: str) -> Path:
-        return self.work / "parts" / f"{part}-{stamp[:16]}"
-
-    def cached_entry(self, part: str, stamp: str) -> dict | None:
-        """The stamp of a finished build of this part, unless it must be rebuilt."""
-        o, done = self.opts, self.part_dir(part, stamp)
-        if o.force or part in o.components or not (done / "stamp.json").is_file():
-            return None
-        entry = json.loads((done / "stamp.json").read_text())
-        if entry.get("stamp") != stamp or not all((done / n).is_file() for n in entry["files"]):
-            return None
-        return {**entry, "skipped": True}
+        return self.cache.folder(part, stamp)
 
     def build_part(self, part: str, ckpt: Path, facts: ModelFacts, digest: str) -> dict:
         """Build (or reuse) one part in its work folder, verify it and check it against a fresh PyTorch reference
@@ -253,14 +234,11 @@ class Exporter:
         from .reference.model import ReferenceModel, parity_dtype
 
         o, precision = self.opts, self.opts.precisions[part]
-        stamp = self.part_stamp(part, digest)
-        cached = self.cached_entry(part, stamp)
+        stamp = self.cache.stamp(part, digest)
+        cached = self.cache.get(part, stamp)
         if cached:
             return cached
-        done = self.part_dir(part, stamp)
-        tmp = done.with_name(done.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        self.work.mkdir(parents=True, exist_ok=True)
+        tmp = self.cache.scratch(part, stamp)
         job = parts.BuildJob(ckpt=ckpt, out=tmp, work=self.work, precision=precision, device=o.device,
                              attention=o.decoder_attention,
                              block_size=o.block_size, accuracy_level=o.accuracy, digest=digest, say=say)
@@ -288,10 +266,7 @@ class Exporter:
                  "files": files + list(parts.extra_files(part)), "build_seconds": round(seconds, 2),
                  "check_seconds": round(time.perf_counter() - t0, 2), "parity": parity, **graph,
                  **io_signature(path)}
-        (tmp / "stamp.json").write_text(json.dumps(entry, indent=2))
-        shutil.rmtree(done, ignore_errors=True)
-        os.replace(tmp, done)
-        return {**entry, "skipped": False}
+        return self.cache.put(part, stamp, entry)
 
     def assemble(self, ckpt: Path, facts: ModelFacts, entries: dict[str, dict]) -> Path:
         """Link every part into a fresh folder beside the old one, write the manifest last, swap it in."""
@@ -314,6 +289,8 @@ class Exporter:
         kv = {"dtype": "fp32"}
         if self.opts.cache_dtype == "int8":
             kv = self.int8_cache(staging, ckpt, facts, parts_manifest)
+        if not self.opts.provider.ir:  # the one-call decode step, composed from the final decoder graph
+            self.step_graph(staging, ckpt, facts, parts_manifest, kv)
         write_manifest(staging, self.manifest(ckpt, facts, parts_manifest, kv))  # last: marks the folder complete
         old = self.out_root / f".{self.opts.name}.old"
         shutil.rmtree(old, ignore_errors=True)
@@ -362,6 +339,32 @@ class Exporter:
             return info
         finally:
             shutil.rmtree(q, ignore_errors=True)
+
+    def step_graph(self, staging: Path, ckpt: Path, facts: ModelFacts, parts_manifest: dict, kv: dict) -> None:
+        """Compose `llm_step` (parts/llm_step.py) from the assembled decoder, audio embedding and heads, check it
+        against the three parts chained where this machine can run the graph, and add its manifest entry. A step
+        graph that disagrees with its parts is a bug: the build stops rather than ship it."""
+        from .parts import llm_step
+        from .runtime.model import HiggsTTS
+        from .runtime.session import create_session
+
+        t0 = time.perf_counter()
+        path = llm_step.compose(staging, {p: parts_manifest[p]["file"] for p in llm_step.USES})
+        if self.opts.provider.status == providers.VERIFIED:
+            write_manifest(staging, self.manifest(ckpt, facts, parts_manifest, kv))  # the parts path, loadable
+            parity = llm_step.check(lambda: HiggsTTS(staging, verify=False, step_graph=False),
+                                    lambda: create_session(path, self.opts.device, name=llm_step.NAME))
+            release_memory()
+            if not parity["ok"]:
+                raise RuntimeError(f"the composed step graph disagrees with its parts: {parity}")
+        else:
+            parity = {"skipped": f"{self.opts.device} graph ({providers.BUILT_ONLY})"}
+        parts_manifest[llm_step.NAME] = {
+            "part": llm_step.NAME, "precision": parts_manifest["llm_decoder"]["precision"], "file": path.name,
+            "uses": list(llm_step.USES), "derived": True, "parity": parity,
+            "build_seconds": round(time.perf_counter() - t0, 2),
+            "files": {path.name: {"size": path.stat().st_size, "sha256": sha256_file(path)}}, **io_signature(path)}
+        say(f"step graph: {path.name} composed from {', '.join(llm_step.USES)}: {summary(parity)}")
 
     def manifest(self, ckpt: Path, facts: ModelFacts, parts: dict, kv: dict | None = None) -> dict:
         from tokenizers import Tokenizer

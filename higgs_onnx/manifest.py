@@ -32,6 +32,9 @@ PART_NAMES = ("llm_decoder", "text_embed", "audio_embed", "audio_heads", "audio_
 # parts an export may lack: folders built before they existed still run (streaming then decodes overlapping windows)
 OPTIONAL_PARTS = ("audio_tokenizer_stream",)
 REQUIRED_PARTS = tuple(p for p in PART_NAMES if p not in OPTIONAL_PARTS)
+# parts made at assembly from the built ones (parts/llm_step.py: the one-call decode step); optional: older exports
+# and OpenVINO IR decoders have none
+DERIVED_PARTS = ("llm_step",)
 
 
 # what a manifest without a "decoder" entry (written before the portable decoder existed) describes
@@ -171,6 +174,16 @@ class Manifest:
         """What the decoder's KV cache holds: "fp32" or "int8" (`optimize.py --kv-cache`)."""
         return self.decoder["kv_cache"]["dtype"]
 
+    @property
+    def genai_config(self) -> str:
+        """ModelBuilder's genai_config.json beside the decoder (its file name in the folder)."""
+        return self.data.get("genai_config", "genai_config.json")
+
+    @property
+    def source(self) -> dict:
+        """Where the export came from: {"repo_id", "revision", "synthetic", "path", "files"} (empty if unknown)."""
+        return self.data.get("source") or {}
+
     def path(self, name: str) -> Path:
         return safe_member(self.folder, name)
 
@@ -251,8 +264,9 @@ def check_schema(data: dict, mf: Path) -> None:
     for key in ("device", "precision", "execution_provider", "tokenizer"):
         _expect(isinstance(data.get(key), str), mf, f"'{key}' must be a string")
     parts = data.get("parts")
-    _expect(isinstance(parts, dict) and set(REQUIRED_PARTS) <= set(parts) <= set(PART_NAMES), mf,
-            f"'parts' must list {', '.join(REQUIRED_PARTS)} (and may list {', '.join(OPTIONAL_PARTS)})")
+    _expect(isinstance(parts, dict) and set(REQUIRED_PARTS) <= set(parts) <= set(PART_NAMES + DERIVED_PARTS), mf,
+            f"'parts' must list {', '.join(REQUIRED_PARTS)} (and may list "
+            f"{', '.join(OPTIONAL_PARTS + DERIVED_PARTS)})")
     for part, entry in parts.items():
         _expect(isinstance(entry, dict) and isinstance(entry.get("file"), str) and isinstance(entry.get("precision"),
                                                                                              str), mf,

@@ -59,6 +59,8 @@ def summary(fig: dict) -> str:
     """One short figure for tables: code agreement, cosine, or max abs error."""
     if "skipped" in fig:
         return f"not checked ({fig['skipped']})"
+    if "max_rel_diff" in fig:  # the step graph against its parts chained
+        return f"vs parts max rel {fig['max_rel_diff']:.1e}, argmax {'equal' if fig['argmax_equal'] else 'DIFFERS'}"
     if "agreement" in fig:
         return f"codes {fig['agreement'] * 100:.2f}%"
     if "argmax_agreement" in fig:
@@ -256,7 +258,10 @@ def check_audio_tokenizer_stream(part, ref, precision: str, rng: np.random.Gener
 
 CHECKS = {"text_embed": check_text_embed, "audio_embed": check_audio_embed, "audio_heads": check_audio_heads,
           "llm_decoder": check_llm_decoder, "audio_encoder": check_audio_encoder,
-          "audio_tokenizer": check_audio_tokenizer, "audio_tokenizer_stream": check_audio_tokenizer_stream}
+          "audio_tokenizer": check_audio_tokenizer, "audio_tokenizer_stream": check_audio_tokenizer_stream,
+          # the step graph holds the decoder: its hidden states are checked as the decoder's (its logits against
+          # the parts chained at build time, parts/llm_step.check)
+          "llm_step": check_llm_decoder}
 
 
 def check_part(name: str, path, ref, precision: str, provider: str = "cpu", seed: int = 0) -> dict:

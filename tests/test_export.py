@@ -31,10 +31,11 @@ def optimize(*args, **kw):
 def test_every_part_and_manifest(builds, precision):
     m = load_manifest(builds[precision], verify=True)
     assert m.data["schema_version"] == 1 and m.data["execution_provider"] == "CPUExecutionProvider"
-    assert set(m.parts) == set(PART_NAMES)
+    assert set(m.parts) == {*PART_NAMES, "llm_step"}  # the step graph, derived at assembly
     expected = {"int4": {"llm_decoder": "int4", "text_embed": "fp16", "audio_embed": "fp16", "audio_heads": "fp32",
-                         "audio_encoder": "fp32", "audio_tokenizer": "fp32", "audio_tokenizer_stream": "fp32"},
-                "fp32": dict.fromkeys(PART_NAMES, "fp32")}[precision]
+                         "audio_encoder": "fp32", "audio_tokenizer": "fp32", "audio_tokenizer_stream": "fp32",
+                         "llm_step": "int4"},
+                "fp32": dict.fromkeys((*PART_NAMES, "llm_step"), "fp32")}[precision]
     assert {p: e["precision"] for p, e in m.parts.items()} == expected
     assert m.parts["audio_heads"]["parity"]["argmax_agreement"] >= 0.99  # voice-critical: above int4 by default
     for part, e in m.parts.items():

@@ -138,7 +138,7 @@ def checkpoint_candidates(path: str, folder: Path, cwd: Path | None = None) -> l
 def manifest_checkpoint(manifest) -> str:
     """The reference checkpoint an export was built from: its folder (see `checkpoint_candidates`) if it is still
     there, else its Hub repo id; a clear error naming both (and --checkpoint) when neither is available."""
-    src = manifest.data.get("source") or {}
+    src = manifest.source
     path, repo = src.get("path"), src.get("repo_id")
     tried = checkpoint_candidates(path, manifest.folder) if isinstance(path, str) and path else []
     for cand in tried:

@@ -49,7 +49,8 @@ def decoder_steps(ev: EvalContext) -> dict:
     be = ev.ref_backend
     embeds = np.concatenate([be.embed_text(np.asarray(prompt)), be.embed_audio(rows)])  # (P + steps, D)
     precision = ev.tts.manifest.parts["llm_decoder"]["precision"]
-    fig, _ = compare_decoder(ev.tts.part("llm_decoder"), ev.ref, embeds, len(prompt), precision)
+    # the session the backend runs (the step graph where the export has one: the same weights, loaded once)
+    fig, _ = compare_decoder(ev.tts.backend.decoder.part, ev.ref, embeds, len(prompt), precision)
     return fig
 
 
@@ -92,7 +93,7 @@ def text_lm(ev: EvalContext) -> dict:
 
     table, n = ev.ref.text_table, ev.options.text_tokens
     ids = ev.tts.tokenizer.encode(ev.options.prompts[-1], add_special_tokens=False).ids
-    dec = SimpleDecoder(ev.tts.part("llm_decoder"), ev.tts.facts)
+    dec = SimpleDecoder(ev.tts.backend.decoder.part, ev.tts.facts)
     be, rb = ev.tts.backend, ev.ref_backend
     o_seq, t_seq = list(ids), list(ids)
     cache = dec.new_cache(len(ids) + n)

@@ -61,6 +61,14 @@ class BatchBackend(Backend, Protocol):
     def decode_batch(self, caches: list, embeds: np.ndarray) -> np.ndarray: ...  # (B, D) -> (B, D)
 
 
+class StepBackend(BatchBackend, Protocol):
+    """A backend whose decode step is one call from the sampled codes to the next logits (`fused` true)."""
+
+    fused: bool
+    def decode_codes(self, cache: Any, codes: np.ndarray) -> tuple: ...  # (N,) -> (D,) hidden, (N, V) logits
+    def decode_batch_codes(self, caches: list, codes: np.ndarray) -> tuple: ...  # (B, N) -> (B, D), (B, N, V)
+
+
 @dataclass(frozen=True)
 class StopRules:
     num_codebooks: int
@@ -173,6 +181,7 @@ class Request:
         self.stop_reason: str | None = None  # set when done
         self.cache: Any = None  # the backend's KV cache, from prefill until done
         self.hidden: np.ndarray | None = None  # the hidden state that predicts the next row
+        self.next_logits: np.ndarray | None = None  # its (N, V) logits, when the step graph gave them already
         self.logits: list[np.ndarray] = []
         self.frames_out = 0  # raw frames handed to the audio side (`new_frames`)
         # timings
@@ -265,14 +274,14 @@ class Request:
         free = getattr(self.cache, "free", None)
         if free is not None:
             free()
-        self.cache = self.hidden = self.embeds = None
+        self.cache = self.hidden = self.embeds = self.next_logits = None
 
     def hand_over(self) -> Any:
         """The cache of this finished request, for a request that continues it (KV continuation); it is then no
         longer this request's to release."""
         if not self.done or self.cache is None:
             raise ValueError("only a finished request that kept its cache can be continued")
-        cache, self.cache, self.hidden = self.cache, None, None
+        cache, self.cache, self.hidden, self.next_logits = self.cache, None, None, None
         return cache
 
 
@@ -345,15 +354,21 @@ class Engine:
         """Advance each decoding request by one row: heads -> sampler -> state machine -> embed -> decoder.
 
         The heads and the embedding run once for all of them (rows of one call are independent positions); each
-        request samples with its own RNG; with a pool, the decoder runs once for all of them too. A request that
-        finishes releases its cache unless its id is in `keep` (it will be continued)."""
+        request samples with its own RNG; with a pool, the decoder runs once for all of them too. With the step
+        graph (`backend.fused`) embed -> decoder -> heads is one call that also gives the next step's logits, so a
+        step is one runtime call (the heads run apart only after a prefill). A request that finishes releases its
+        cache unless its id is in `keep` (it will be continued)."""
         live = [r for r in requests if r.decoding]
         if not live:
             return
         be, t0 = self.backend, time.perf_counter()
-        logits = be.audio_logits(np.stack([r.hidden for r in live]))  # (B, N, V)
+        need = [r for r in live if r.next_logits is None]
+        if need:
+            for req, lg in zip(need, be.audio_logits(np.stack([r.hidden for r in need])), strict=True):  # (B, N, V)
+                req.next_logits = lg
         going, rows = [], []
-        for req, lg in zip(live, logits, strict=True):
+        for req in live:
+            lg, req.next_logits = req.next_logits, None
             codes = req.accept(lg)
             if req.done:
                 if id(req) not in keep:
@@ -362,13 +377,24 @@ class Engine:
                 going.append(req)
                 rows.append(codes)
         if going:
-            embeds = be.embed_audio(np.stack(rows))  # (B', D)
-            if self.pool is not None and len(going) > 1:
-                hidden = be.decode_batch([r.cache for r in going], embeds)
+            batched = self.pool is not None and len(going) > 1
+            caches = [r.cache for r in going]
+            if getattr(be, "fused", False):
+                if batched:
+                    hidden, logits = be.decode_batch_codes(caches, np.stack(rows))
+                else:
+                    steps = [be.decode_codes(c, codes) for c, codes in zip(caches, rows, strict=True)]
+                    hidden, logits = [h for h, _ in steps], [lg for _, lg in steps]
+                for req, h, lg in zip(going, hidden, logits, strict=True):
+                    req.hidden, req.next_logits = h, lg
             else:
-                hidden = [be.decode(r.cache, embeds[i:i + 1]) for i, r in enumerate(going)]
-            for req, h in zip(going, hidden, strict=True):
-                req.hidden = h
+                embeds = be.embed_audio(np.stack(rows))  # (B', D)
+                if batched:
+                    hidden = be.decode_batch(caches, embeds)
+                else:
+                    hidden = [be.decode(c, embeds[i:i + 1]) for i, c in enumerate(caches)]
+                for req, h in zip(going, hidden, strict=True):
+                    req.hidden = h
         spent = time.perf_counter() - t0
         for req in live:
             req.decode_s += spent

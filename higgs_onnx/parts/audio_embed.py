@@ -1,7 +1,9 @@
 """`audio_embed`: one frame of 8 codebook codes -> the sum of their rows of the fused audio matrix (spec §4).
 
     audio_codes [B, L, N] int64 (values in [0, V), BOC/EOC included) -> embeddings [B, L, D]
-The per-codebook row offset (c * V) is a constant inside the graph.
+The per-codebook row offset (c * V) is a constant inside the graph. The 8 rows are summed in float32 whatever the
+table's dtype (an fp16 table gives fp32 embeddings): the step graph (`llm_step`) sums them so too, since ONNX
+Runtime drops a cast pair around the sum there, and the two paths must give the same codes.
 """
 
 from __future__ import annotations
@@ -11,11 +13,11 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import AUDIO_EMBED
-from . import BuildJob, olive
+from . import FACTS, BuildJob, olive
 from .common import facts, tensor
 
 NAME = "audio_embed"
-INPUTS, OUTPUTS = ["audio_codes"], ["embeddings"]
+INPUTS, OUTPUTS = list(FACTS[NAME].inputs), list(FACTS[NAME].outputs)
 
 
 class AudioEmbed(torch.nn.Module):
@@ -26,7 +28,7 @@ class AudioEmbed(torch.nn.Module):
                              persistent=False)
 
     def forward(self, audio_codes: torch.Tensor) -> torch.Tensor:
-        return self.table(audio_codes + self.offsets).sum(dim=-2)
+        return self.table(audio_codes + self.offsets).float().sum(dim=-2)
 
 
 def load(model_path: str) -> torch.nn.Module:
@@ -44,7 +46,7 @@ def dummy_inputs(model_path: str) -> tuple:
     return (torch.arange(3 * f.num_codebooks, dtype=torch.int64).view(1, 3, f.num_codebooks) * 37 % f.codebook_vocab,)
 
 
-BUILD_VERSION = olive.BUILD_VERSION
+BUILD_VERSION = f"{olive.BUILD_VERSION}.1"  # .1: float32 sum and output
 
 
 def build(job: BuildJob) -> Path:

@@ -42,12 +42,11 @@ import torch
 import torch.nn.functional as F
 
 from ..reference.resample import _sinc_kernel
-from . import BuildJob, olive
+from . import FACTS, BuildJob, olive
 from .common import checkpoint_dir, facts
 
 NAME = "audio_encoder"
-INPUTS = ["waveform"]
-OUTPUTS = ["audio_codes"]
+INPUTS, OUTPUTS = list(FACTS[NAME].inputs), list(FACTS[NAME].outputs)
 DUMMY_SECONDS = 1.37  # odd length (not a multiple of the hop) so no frame arithmetic could pass by accident
 SEMANTIC_PAD = 160  # transformers' _extract_semantic_features pads the 16 kHz wave by this constant on both sides
 # torchaudio.functional.resample defaults, which transformers uses

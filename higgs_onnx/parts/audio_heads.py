@@ -10,11 +10,11 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import AUDIO_EMBED
-from . import BuildJob, olive
+from . import FACTS, BuildJob, olive
 from .common import facts, tensor
 
 NAME = "audio_heads"
-INPUTS, OUTPUTS = ["hidden_states"], ["logits"]
+INPUTS, OUTPUTS = list(FACTS[NAME].inputs), list(FACTS[NAME].outputs)
 
 
 class AudioHeads(torch.nn.Module):

@@ -20,12 +20,11 @@ from pathlib import Path
 
 import torch
 
-from . import BuildJob, olive
+from . import FACTS, BuildJob, olive
 from .common import checkpoint_dir, facts
 
 NAME = "audio_tokenizer"
-INPUTS = ["audio_codes"]
-OUTPUTS = ["waveform"]
+INPUTS, OUTPUTS = list(FACTS[NAME].inputs), list(FACTS[NAME].outputs)
 DUMMY_FRAMES = 10  # any count works; tests run others to prove the axis is dynamic
 
 

@@ -38,12 +38,11 @@ import torch
 import torch.nn.functional as F
 
 from ..runtime.stream import END_UNKNOWN
-from . import BuildJob, olive
+from . import FACTS, BuildJob, olive
 from .common import checkpoint_dir, facts
 
 NAME = "audio_tokenizer_stream"
-INPUTS = ["audio_codes", "start", "end"]  # then state_in.0 .. state_in.{K-1}
-OUTPUTS = ["waveform"]  # then state_out.0 .. state_out.{K-1}
+INPUTS, OUTPUTS = list(FACTS[NAME].inputs), list(FACTS[NAME].outputs)  # + state_in/out.{k}
 STATE_IN, STATE_OUT = "state_in.{}", "state_out.{}"
 DUMMY_FRAMES = 10  # any count works; tests run others to prove the axis is dynamic
 

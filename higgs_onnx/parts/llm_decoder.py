@@ -28,8 +28,8 @@ log = logging.getLogger(__name__)
 NAME = "llm_decoder"
 FILE = "llm_decoder.onnx"
 BUILD_VERSION = 1  # bump to invalidate existing decoder stamps
-DEVICE_SPECIFIC = True  # ModelBuilder makes EP-specific graphs (toolchain G9): one build per device
-EXTRA_FILES = ("genai_config.json",)
+# its facts (FACTS["llm_decoder"] in parts/__init__.py): device-specific (ModelBuilder makes EP-specific graphs,
+# toolchain G9: one build per device), and genai_config.json beside the graph
 
 
 def _model_builder(qwen3_dir: Path, out: Path, precision: str, ep: str, cache: Path, **options) -> None:
@@ -107,7 +107,7 @@ def build_from_qwen3(qwen3_dir: Path, out: Path, precision: str, ep: str, work: 
 def build_openvino(qwen3: Path, job: BuildJob) -> Path:
     """The portable fp32 graph, converted to OpenVINO IR at `job.precision` (int4: OpenVINO's weight compression
     with group size `job.block_size`; fp16: fp16 weights) -> `job.out/llm_decoder.xml` + `.bin`."""
-    from ..runtime.openvino import to_ir
+    from .openvino_ir import to_ir
     from .portable_decoder import build_portable_decoder
 
     scratch = job.work / f"ov-fp32-{job.digest[:16]}"

@@ -10,11 +10,11 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import TEXT_EMBED
-from . import BuildJob, olive
+from . import FACTS, BuildJob, olive
 from .common import facts, tensor
 
 NAME = "text_embed"
-INPUTS, OUTPUTS = ["input_ids"], ["embeddings"]
+INPUTS, OUTPUTS = list(FACTS[NAME].inputs), list(FACTS[NAME].outputs)
 
 
 class TextEmbed(torch.nn.Module):

@@ -5,6 +5,7 @@
     be.embed_text(ids); be.embed_audio(rows); be.audio_logits(hidden)
     cache = be.new_cache(max_len); be.prefill(cache, embeds); be.decode(cache, embed)
     pool = be.pool(slots, positions); be.decode_batch([slot, ...], embeds)
+    be.fused; be.decode_codes(cache, codes); be.decode_batch_codes([slot, ...], codes)   # the step graph
 
 Public beside the protocol: `decoder` (the KV-cache decoder of runtime.decoder the export's graph needs:
 `BoundDecoder`, `ConcatDecoder` or `SimpleDecoder`; benchmarks time its `run` alone), `kv_memory` (where the KV cache
@@ -17,31 +18,41 @@ from __future__ import annotations
 import numpy as np
 
 from .. import providers
-from .decoder import BoundDecoder, ConcatDecoder, SimpleDecoder
+from .decoder import BoundDecoder, ConcatDecoder, SimpleDecoder, StatefulDecoder
 
 
 class OnnxBackend:
     """The generation `Backend` protocol on the exported parts; every request gets its own KV cache.
 
     `kv_cache`: "bound" (default: the cache layout the export's decoder graph was built for, on the provider's
-    device) or "host" (growing host arrays fed back through NumPy, `SimpleDecoder`: the plain path; the OpenVINO
-    runtime always takes it)."""
+    device; on the OpenVINO runtime, a stateful compiled model holding it, `StatefulDecoder`) or "host" (growing
+    host arrays fed back through NumPy, `SimpleDecoder`: the plain path). `step_graph`: run the export's step graph
+    (`llm_step`: codes in, logits out, one call per decode step) in place of the decoder where the export has one;
+    False drives the three parts apart."""
 
-    def __init__(self, parts, kv_cache: str = "bound"):
+    def __init__(self, parts, kv_cache: str = "bound", step_graph: bool = True):
         self.parts = parts
-        part = parts.part("llm_decoder")
+        if kv_cache not in ("bound", "host"):
+            raise ValueError(f"kv_cache must be 'bound' or 'host', got {kv_cache!r}")
+        self.decoder_part = decoder_part(parts.manifest, step_graph)
         p = providers.get(parts.provider)
-        if kv_cache != "bound" or p.ort_name is None:  # the OpenVINO runtime: host arrays in and out
+        if kv_cache == "bound" and p.ort_name is None:  # the OpenVINO runtime: the cache is the model's state
+            self.decoder = StatefulDecoder(parts.part(self.decoder_part, stateful=True), parts.facts)
+            self.fused = self.decoder.fused
+            return
+        part = parts.part(self.decoder_part)
+        if kv_cache != "bound" or p.ort_name is None:  # host arrays in and out
             self.decoder = SimpleDecoder(part, parts.facts)
         elif parts.manifest.decoder["cache"] == "concat":
             self.decoder = ConcatDecoder(part, parts.facts, p.memory)
         else:
             self.decoder = BoundDecoder(part, parts.facts, p.memory, p.offset_binding)
-
+        self.fused = self.decoder.fused  # decode steps from codes to logits in one call
     @property
     def kv_memory(self) -> str:
-        """Where the KV cache lives: the ORT memory name of the decoder's buffers ("cpu", "cuda", ...), or "host"
-        for caches of NumPy arrays fed back every step (`SimpleDecoder`)."""
+        """Where the KV cache lives: the ORT memory name of the decoder's buffers ("cpu", "cuda", ...), "state" (inside
+        OpenVINO's stateful compiled model), or "host" for caches of NumPy arrays fed back every step
+        (`SimpleDecoder`)."""
         return getattr(self.decoder, "memory", "host")
 
     def embed_text(self, ids: np.ndarray) -> np.ndarray:
@@ -76,3 +87,19 @@ class OnnxBackend:
 
     def decode_batch(self, caches: list, embeds: np.ndarray) -> np.ndarray:
         return caches[0].pool.run_batch(caches, embeds)
+
+    def decode_codes(self, cache, codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(step graph) (N,) sampled codes appended -> (D,) hidden state, (N, V) float32 logits of the next row."""
+        return self.decoder.step(cache, codes)
+
+    def decode_batch_codes(self, caches: list, codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(step graph) one step of several requests of one pool: (B, N) codes -> (B, D), (B, N, V)."""
+        return caches[0].pool.step_batch(caches, codes)
+
+
+def decoder_part(manifest, step_graph: bool = True) -> str:
+    """The part whose session holds the decoder's weights at run time: the step graph where the export has one
+    (and `step_graph`), else the decoder. Only one of the two is ever loaded (they share the weights' file)."""
+    from ..parts.llm_step import NAME
+
+    return NAME if step_graph and NAME in manifest.parts else "llm_decoder"

@@ -11,10 +11,17 @@ shapes are read from the session and the model facts, never hard-coded. Feeds ta
   moves the cache across the bus; only the new row's embedding goes in and its hidden state comes out.
 - `ConcatDecoder` (the portable graph, "concat" cache): present = past + the new rows; the presents stay
   `OrtValue`s on the provider's device and are bound as the next step's past (no NumPy round trip).
-- `SimpleDecoder`: growing caches fed back through NumPy; the plain path the others are tested against, and the
-  one the OpenVINO runtime drives.
+- `SimpleDecoder`: growing caches fed back through NumPy; the plain path the others are tested against (and the
+  OpenVINO runtime's with `kv_cache="host"`).
+- `StatefulDecoder` (the OpenVINO runtime): the cache is the state of an infer request of a stateful compiled model
+  (`OvPart(stateful=True)`), one request per cache; only the new rows' embeddings go in and hidden states come out.
 - `SerialPool`: the batching interface (`acquire`, `run_batch`) for decoders without a batched graph path: rows
   are stepped one after another.
+
+Each takes the decoder graph or the step graph (`parts/llm_step.py`: the audio embedding, the decoder and the audio
+heads in one graph, which prefills too). With the step graph, `step(cache, codes)` / `step_batch(slots, codes)` run a
+decode step in one call, codes in and (hidden, logits) out; `run(cache, embeds)` prefills as on the plain decoder
+(no codes), so every other user of the decoder is unchanged.
 """
 
 from __future__ import annotations
@@ -24,6 +31,33 @@ import numpy as np
 from .. import providers
 
 PAST, PRESENT = "past_key_values.", "present."
+EMBEDS, CODES, HIDDEN, LOGITS = "inputs_embeds", "audio_codes", "hidden_states", "logits"
+
+
+class _Graph:
+    """What the decoder classes read from the graph they drive: its past inputs, the embedding dtype, and whether it
+    is the step graph (codes in, logits out) with the shapes of its new-position inputs."""
+
+    def _graph(self, part, facts) -> None:
+        self.past = [n for n in part.input_types if n.startswith(PAST)]
+        self.embed_dtype = part.input_types[EMBEDS]
+        self.fused = CODES in part.input_types  # the step graph (parts/llm_step.py)
+        self.logits_shape = (facts.num_codebooks, facts.codebook_vocab)
+        self.logits_dtype = getattr(part, "output_types", {}).get(LOGITS, np.float32)
+        self.no_codes = np.zeros((1, 0, facts.num_codebooks), np.int64)
+
+    def new_positions(self, embeds: np.ndarray | None, codes: np.ndarray | None, rows: int = 1) -> dict:
+        """The feeds of the new positions: `embeds` (S, D) of one row, or (step graph) `codes` (B, N), one position
+        of each of B rows; the other input is empty."""
+        if codes is None:
+            feeds = {EMBEDS: np.ascontiguousarray(embeds[None], self.embed_dtype)}
+            if self.fused:
+                feeds[CODES] = self.no_codes
+            return feeds
+        if not self.fused:
+            raise RuntimeError("decode steps from codes need the step graph (llm_step)")
+        return {EMBEDS: np.zeros((rows, 0, self.facts.hidden), self.embed_dtype),
+                CODES: np.ascontiguousarray(np.asarray(codes, np.int64).reshape(rows, 1, -1))}
 
 
 def _check(hidden: np.ndarray) -> np.ndarray:
@@ -65,12 +99,12 @@ class SimpleCache(_Pooled):
         self.length = length
 
 
-class SimpleDecoder:
+class SimpleDecoder(_Graph):
     """Growing caches fed back through NumPy (copies the whole cache every step)."""
 
     def __init__(self, part, facts):
         self.part, self.facts = part, facts
-        self.past = [n for n in part.input_types if n.startswith(PAST)]
+        self._graph(part, facts)
 
     def new_cache(self, max_len: int, state: dict[str, np.ndarray] | None = None) -> SimpleCache:
         """An empty cache, or a copy of a `snapshot` (a cached prompt prefix); `max_len` is not needed here."""
@@ -88,12 +122,82 @@ class SimpleDecoder:
 
     def run(self, cache: SimpleCache, embeds: np.ndarray) -> np.ndarray:
         """(S, D) new positions appended to `cache` -> (S, D) hidden states."""
-        cache.length += len(embeds)
-        outs = self.part(inputs_embeds=embeds[None], attention_mask=np.ones((1, cache.length), np.int64),
+        return self._run(cache, embeds, None)[0]
+
+    def step(self, cache: SimpleCache, codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(step graph) one row of (N,) codes appended -> its (D,) hidden state and (N, V) logits."""
+        hidden, logits = self._run(cache, None, codes)
+        return hidden[-1], logits
+
+    def _run(self, cache: SimpleCache, embeds, codes):
+        cache.length += 1 if embeds is None else len(embeds)
+        outs = self.part(**self.new_positions(embeds, codes), attention_mask=np.ones((1, cache.length), np.int64),
                          **cache.arrays)
         for n in self.past:
             cache.arrays[n] = outs[n.replace(PAST, PRESENT)]
-        return _check(outs["hidden_states"][0])
+        logits = outs[LOGITS][0, -1].astype(np.float32, copy=False) if self.fused else None
+        return _check(outs[HIDDEN][0]), logits
+
+
+class StatefulCache(_Pooled):
+    """One request's cache held as the state of its own OpenVINO infer request (`runtime.openvino.OvState`)."""
+
+    def __init__(self, state, length: int, capacity: int):
+        self.state, self.length, self.capacity = state, length, capacity
+
+    def truncate(self, length: int) -> None:
+        """Forget every position from `length` on (a rare retry: the states are read, cut and written back)."""
+        _check_truncate(self.length, length)
+        if length < self.length:
+            self.state.write(self.state.read(length))
+        self.length = length
+
+
+class StatefulDecoder(_Graph):
+    """The decoder with its KV cache inside the compiled model (OpenVINO's stateful model): no cache crosses to the
+    host between steps, unlike `SimpleDecoder`, which feeds the whole cache in and gets it back every call."""
+
+    memory = "state"
+
+    def __init__(self, part, facts):
+        self.part, self.facts = part, facts
+        self._graph(part, facts)
+
+    def new_cache(self, max_len: int, state: dict[str, np.ndarray] | None = None) -> StatefulCache:
+        f = self.facts
+        if state is None:
+            arrays = {n: np.zeros((1, f.kv_heads, 0, f.head_dim), self.part.input_types[n]) for n in self.past}
+        else:
+            arrays = {n: state[n] for n in self.past}
+        length = next(iter(arrays.values())).shape[2]
+        if length > max_len:
+            raise ValueError(f"a saved prefix of {length} positions does not fit a cache of {max_len}")
+        return StatefulCache(self.part.new_state(arrays), length, max_len)
+
+    def snapshot(self, cache: StatefulCache) -> dict[str, np.ndarray]:
+        return cache.state.read(cache.length)
+
+    def pool(self, slots: int, max_len: int) -> SerialPool:
+        return SerialPool(self, slots, max_len)
+
+    def run(self, cache: StatefulCache, embeds: np.ndarray) -> np.ndarray:
+        """(S, D) new positions appended to `cache` -> (S, D) hidden states."""
+        return self._run(cache, embeds, None)[0]
+
+    def step(self, cache: StatefulCache, codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(step graph) one row of (N,) codes appended -> its (D,) hidden state and (N, V) logits."""
+        hidden, logits = self._run(cache, None, codes)
+        return hidden[-1], logits
+
+    def _run(self, cache: StatefulCache, embeds, codes):
+        new = 1 if embeds is None else len(embeds)
+        if cache.length + new > cache.capacity:
+            raise ValueError(f"sequence of {cache.length + new} positions exceeds the cache of {cache.capacity}")
+        outs = cache.state.infer(**self.new_positions(embeds, codes),
+                                 attention_mask=np.ones((1, cache.length + new), np.int64))
+        cache.length += new
+        logits = outs[LOGITS][0, -1].astype(np.float32, copy=False) if self.fused else None
+        return _check(outs[HIDDEN][0]), logits
 
 
 class DeviceCopy:
@@ -143,23 +247,20 @@ def _write_rows(copy: DeviceCopy, buf, index: int, rows: np.ndarray) -> None:
 
 class BoundCache:
     """One request's KV buffers: one (1, KV heads, max_len, head dim) buffer per layer and key/value, bound as both
-    past and present, plus its own IOBinding and step output. Host memory: NumPy arrays wrapped without a copy as
+    past and present, plus its own IOBinding and step outputs. Host memory: NumPy arrays wrapped without a copy as
     `OrtValue`s; device memory: `OrtValue`s allocated on the device (`arrays` is then None)."""
 
-    def __init__(self, session, buffers: dict, embed_dtype, hidden: int, memory: str = "cpu",
-                 arrays: dict[str, np.ndarray] | None = None):
-        import onnxruntime as ort
-
+    def __init__(self, decoder: BoundDecoder, buffers: dict, arrays: dict[str, np.ndarray] | None = None):
         self.arrays = arrays  # host memory: ORT writes the new rows into these in place
-        self.buffers, self.memory = buffers, memory
+        self.buffers, self.memory = buffers, decoder.memory
         self.capacity = next(iter(buffers.values())).shape()[2]
         self.mask = np.ones((1, self.capacity), np.int64)
         self.length = 0
-        self.io = session.io_binding()
+        self.io = decoder.session.io_binding()
         for n, buf in self.buffers.items():
             self.io.bind_ortvalue_input(n, buf)
             self.io.bind_ortvalue_output(n.replace(PAST, PRESENT), buf)
-        self.step_out = ort.OrtValue.ortvalue_from_shape_and_type((1, 1, hidden), embed_dtype, memory, 0)
+        self.step_out, self.logits_out = decoder.step_outputs(1)
 
     def truncate(self, length: int) -> None:
         """Forget every position from `length` on: the next run overwrites them (GQA reads only [0, length))."""
@@ -167,7 +268,7 @@ class BoundCache:
         self.length = length
 
 
-class BoundDecoder:
+class BoundDecoder(_Graph):
     """Past/present buffers shared through IOBinding: no per-step cache copies or cache-sized allocations.
 
     Every request gets its own `BoundCache` (`new_cache`), so requests in flight together never touch each other's
@@ -181,9 +282,33 @@ class BoundDecoder:
         self.host = memory == providers.HOST_MEMORY and not device_resident
         self.offset_binding = offset_binding
         self.session = part.session
-        self.past = [n for n in part.input_types if n.startswith(PAST)]
-        self.embed_dtype = part.input_types["inputs_embeds"]
+        self._graph(part, facts)
         self._copy: DeviceCopy | None = None
+
+    def step_outputs(self, rows: int) -> tuple:
+        """Preallocated outputs of a one-position call of `rows` rows: hidden states, and the step graph's logits."""
+        import onnxruntime as ort
+
+        hidden = ort.OrtValue.ortvalue_from_shape_and_type((rows, 1, self.facts.hidden), self.embed_dtype,
+                                                           self.memory, 0)
+        logits = ort.OrtValue.ortvalue_from_shape_and_type((rows, 1, *self.logits_shape), self.logits_dtype,
+                                                           self.memory, 0) if self.fused else None
+        return hidden, logits
+
+    def bind_call(self, io, feeds: dict, hidden, logits) -> None:
+        """Bind one call's new-position inputs and its outputs (the cache is bound already)."""
+        for name, value in feeds.items():
+            io.bind_cpu_input(name, value)
+        io.bind_ortvalue_output(HIDDEN, hidden)
+        if logits is not None:
+            io.bind_ortvalue_output(LOGITS, logits)
+
+    def prefill_outputs(self, positions: int) -> tuple:
+        import onnxruntime as ort
+
+        hidden = ort.OrtValue.ortvalue_from_shape_and_type((1, positions, self.facts.hidden), self.embed_dtype,
+                                                           self.memory, 0)
+        return hidden, self.step_outputs(1)[1]
 
     @property
     def copier(self) -> DeviceCopy:
@@ -218,7 +343,7 @@ class BoundDecoder:
                     arrays[n][0, :, :length] = rows
                 else:
                     _write_rows(self.copier, buffers[n], 0, rows)
-        cache = BoundCache(self.session, buffers, self.embed_dtype, f.hidden, self.memory, arrays)
+        cache = BoundCache(self, buffers, arrays)
         cache.length = length
         return cache
 
@@ -234,26 +359,39 @@ class BoundDecoder:
 
     def run(self, cache: BoundCache | Slot, embeds: np.ndarray) -> np.ndarray:
         """(S, D) new positions appended to `cache` -> (S, D) hidden states."""
-        import onnxruntime as ort
-
         if isinstance(cache, Slot):
             return cache.pool.run_one(cache, embeds)
+        return self._run(cache, embeds, None)[0]
 
-        if cache.length + len(embeds) > cache.capacity:
-            raise ValueError(f"sequence of {cache.length + len(embeds)} positions exceeds the KV buffer of "
+    def step(self, cache: BoundCache | Slot, codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(step graph) one row of (N,) codes appended -> its (D,) hidden state and (N, V) logits, in one call."""
+        if isinstance(cache, Slot):
+            hidden, logits = cache.pool.step_batch([cache], np.asarray(codes)[None])
+            return hidden[0], logits[0]
+        hidden, logits = self._run(cache, None, codes)
+        return hidden[-1], logits
+
+    def _run(self, cache: BoundCache, embeds, codes):
+        new = 1 if embeds is None else len(embeds)
+        if cache.length + new > cache.capacity:
+            raise ValueError(f"sequence of {cache.length + new} positions exceeds the KV buffer of "
                              f"{cache.capacity}")
-        cache.length += len(embeds)
+        cache.length += new
         io = cache.io
-        io.bind_cpu_input("inputs_embeds", np.ascontiguousarray(embeds[None], self.embed_dtype))
         io.bind_cpu_input("attention_mask", cache.mask[:, :cache.length])
-        if len(embeds) == 1:
-            out = cache.step_out
-        else:  # prefill: a one-off buffer
-            out = ort.OrtValue.ortvalue_from_shape_and_type((1, len(embeds), self.facts.hidden), self.embed_dtype,
-                                                            self.memory, 0)
-        io.bind_ortvalue_output("hidden_states", out)
+        # one position: the cache's own outputs; a prefill: one-off buffers
+        hidden, logits = (cache.step_out, cache.logits_out) if new == 1 else self.prefill_outputs(new)
+        self.bind_call(io, self.new_positions(embeds, codes), hidden, logits)
         self.session.run_with_iobinding(io)
-        return _check(out.numpy()[0])  # only the new rows' hidden states cross to NumPy, never the cache
+        # only the new rows' hidden states (and logits) cross to NumPy, never the cache
+        logits = _logits(logits)
+        return _check(hidden.numpy()[0]), None if logits is None else logits[0]
+
+
+def _logits(value) -> np.ndarray | None:
+    """(rows, 1, N, V) step-graph logits -> (rows, N, V) float32 (a copy: the buffer is the next call's output);
+    None stays None."""
+    return None if value is None else np.array(value.numpy()[:, 0], np.float32)
 
 
 class Slot:
@@ -304,6 +442,7 @@ class SlotPool:
                              f"{decoder.memory} memory does not allow; use one slot (--max-batch 1)")
         f, self.decoder = decoder.facts, decoder
         self.session, self.embed_dtype, self.hidden = decoder.session, decoder.embed_dtype, f.hidden
+        self.fused = decoder.fused
         self.slots, self.capacity, self.memory = slots, max_len, decoder.memory
         made = {n: decoder.allocate((slots, f.kv_heads, max_len, f.head_dim), n) for n in decoder.past}
         self.buffers = {n: v for n, (_, v) in made.items()}
@@ -344,6 +483,7 @@ class SlotPool:
         return self.slots - len(self.free_slots)
 
     def _binding(self, first: int, rows: int):
+        """(IOBinding of rows [first, first + rows) of every buffer, its one-position outputs)."""
         key = (first, rows)
         if key not in self._views:
             io = self.session.io_binding()
@@ -359,9 +499,7 @@ class SlotPool:
                 view = [rows, *shape[1:]]
                 io.bind_input(n, self.memory, 0, dtype, view, ptr)
                 io.bind_output(present, self.memory, 0, dtype, view, ptr)
-            out = self._ort.OrtValue.ortvalue_from_shape_and_type((rows, 1, self.hidden), self.embed_dtype,
-                                                                  self.memory, 0)
-            self._views[key] = (io, out)
+            self._views[key] = (io, self.decoder.step_outputs(rows))
         return self._views[key]
 
     def run_one(self, slot: Slot, embeds: np.ndarray) -> np.ndarray:
@@ -369,37 +507,50 @@ class SlotPool:
         i, start = slot.index, self.lengths[slot.index]
         if start + len(embeds) > self.capacity:
             raise ValueError(f"sequence of {start + len(embeds)} positions exceeds the KV buffer of {self.capacity}")
-        io, step_out = self._binding(i, 1)
-        io.bind_cpu_input("inputs_embeds", np.ascontiguousarray(embeds[None], self.embed_dtype))
+        io, outs = self._binding(i, 1)
         io.bind_cpu_input("attention_mask", self.mask[:1, :start + len(embeds)])
-        out = step_out if len(embeds) == 1 else self._ort.OrtValue.ortvalue_from_shape_and_type(
-            (1, len(embeds), self.hidden), self.embed_dtype, self.memory, 0)
-        io.bind_ortvalue_output("hidden_states", out)
+        hidden, logits = outs if len(embeds) == 1 else self.decoder.prefill_outputs(len(embeds))
+        self.decoder.bind_call(io, self.decoder.new_positions(embeds, None), hidden, logits)
         self.session.run_with_iobinding(io)
         self.lengths[i] = start + len(embeds)
-        return _check(out.numpy()[0])
+        return _check(hidden.numpy()[0])
 
     def run_batch(self, slots: list[Slot], embeds: np.ndarray) -> np.ndarray:
         """One decode step of several slots in one call: (B, D) next inputs -> (B, D) hidden states."""
+        return self._batch(slots, embeds, None)[0]
+
+    def step_batch(self, slots: list[Slot], codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(step graph) one decode step of several slots in one call: (B, N) codes -> (B, D) hidden states and
+        (B, N, V) logits."""
+        return self._batch(slots, None, codes)
+
+    def _batch(self, slots: list[Slot], embeds, codes):
         idx = [s.index for s in slots]
         rows = max(idx) + 1
         for i in idx:
             if self.lengths[i] + 1 > self.capacity:
                 raise ValueError(f"sequence of {self.lengths[i] + 1} positions exceeds the KV buffer of "
                                  f"{self.capacity}")
-        feed = np.zeros((rows, 1, self.hidden), self.embed_dtype)
-        feed[idx, 0] = embeds
+        if codes is None:
+            feed = np.zeros((rows, self.hidden), self.embed_dtype)
+            feed[idx] = embeds
+            feeds = {EMBEDS: feed[:, None]}
+            if self.fused:
+                feeds[CODES] = np.zeros((rows, 0, self.decoder.facts.num_codebooks), np.int64)
+        else:  # rows between the stepped ones ride along on code 0 (their written position is overwritten later)
+            feed = np.zeros((rows, np.shape(codes)[-1]), np.int64)
+            feed[idx] = codes
+            feeds = self.decoder.new_positions(None, feed, rows)
         lengths = np.asarray(self.lengths[:rows])
         mask = (np.arange(lengths.max() + 1)[None] <= lengths[:, None]).astype(np.int64)  # length + 1 ones per row
-        io, out = self._binding(0, rows)
-        io.bind_cpu_input("inputs_embeds", feed)
+        io, (hidden, logits) = self._binding(0, rows)
         io.bind_cpu_input("attention_mask", mask)
-        io.bind_ortvalue_output("hidden_states", out)
+        self.decoder.bind_call(io, feeds, hidden, logits)
         self.session.run_with_iobinding(io)
         for i in idx:
             self.lengths[i] += 1
-        hidden = out.numpy()[idx, 0]
-        return _check(hidden)
+        logits = _logits(logits)
+        return _check(hidden.numpy()[idx, 0]), None if logits is None else logits[idx]
 
 
 class ConcatCache(_Pooled):
@@ -419,7 +570,7 @@ class ConcatCache(_Pooled):
         self.length = length
 
 
-class ConcatDecoder:
+class ConcatDecoder(_Graph):
     """The portable decoder ("concat" cache): present = past + the new rows, a new tensor every step. The presents
     never cross to NumPy: ORT allocates them on the provider's device and they are bound as the next past; only
     the new rows' hidden states come back. Each step copies the cache once inside the graph (its Concat), the
@@ -428,8 +579,7 @@ class ConcatDecoder:
     def __init__(self, part, facts, memory: str = "cpu"):
         self.part, self.facts, self.memory = part, facts, memory
         self.session = part.session
-        self.past = [n for n in part.input_types if n.startswith(PAST)]
-        self.embed_dtype = part.input_types["inputs_embeds"]
+        self._graph(part, facts)
         self.outputs = part.output_names
 
     def new_cache(self, max_len: int, state: dict[str, np.ndarray] | None = None) -> ConcatCache:
@@ -452,12 +602,22 @@ class ConcatDecoder:
 
     def run(self, cache: ConcatCache, embeds: np.ndarray) -> np.ndarray:
         """(S, D) new positions appended to `cache` -> (S, D) hidden states."""
-        if cache.length + len(embeds) > cache.capacity:
-            raise ValueError(f"sequence of {cache.length + len(embeds)} positions exceeds the cache of "
+        return self._run(cache, embeds, None)[0]
+
+    def step(self, cache: ConcatCache, codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(step graph) one row of (N,) codes appended -> its (D,) hidden state and (N, V) logits."""
+        hidden, logits = self._run(cache, None, codes)
+        return hidden[-1], logits
+
+    def _run(self, cache: ConcatCache, embeds, codes):
+        new = 1 if embeds is None else len(embeds)
+        if cache.length + new > cache.capacity:
+            raise ValueError(f"sequence of {cache.length + new} positions exceeds the cache of "
                              f"{cache.capacity}")
         io = self.session.io_binding()
-        io.bind_cpu_input("inputs_embeds", np.ascontiguousarray(embeds[None], self.embed_dtype))
-        io.bind_cpu_input("attention_mask", np.ones((1, cache.length + len(embeds)), np.int64))
+        for name, value in self.new_positions(embeds, codes).items():
+            io.bind_cpu_input(name, value)
+        io.bind_cpu_input("attention_mask", np.ones((1, cache.length + new), np.int64))
         for n, v in cache.values.items():
             io.bind_ortvalue_input(n, v)
         for name in self.outputs:
@@ -465,8 +625,9 @@ class ConcatDecoder:
         self.session.run_with_iobinding(io)
         outs = dict(zip(self.outputs, io.get_outputs(), strict=True))
         cache.values = {n: outs[n.replace(PAST, PRESENT)] for n in self.past}
-        cache.length += len(embeds)
-        return _check(outs["hidden_states"].numpy()[0])
+        cache.length += new
+        logits = _logits(outs.get(LOGITS))
+        return _check(outs[HIDDEN].numpy()[0]), None if logits is None else logits[0]
 
 
 class SerialPool:
@@ -500,3 +661,7 @@ class SerialPool:
 
     def run_batch(self, caches: list, embeds: np.ndarray) -> np.ndarray:
         return np.stack([self.decoder.run(c, embeds[i:i + 1])[-1] for i, c in enumerate(caches)])
+
+    def step_batch(self, caches: list, codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        steps = [self.decoder.step(c, codes[i]) for i, c in enumerate(caches)]
+        return np.stack([h for h, _ in steps]), np.stack([lg for _, lg in steps])

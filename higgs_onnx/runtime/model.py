@@ -55,15 +55,18 @@ class HiggsTTS:
 
     `provider`: the runtime (default: the folder's device); `threads`: intra-op threads per session (0: ONNX
     Runtime's default); `verify`: check the files' hashes at load; `kv_cache`: "bound" (the decoder graph's own
-    layout on the provider's device) or "host" (NumPy arrays); `voice_cache_bytes` bounds the voices kept."""
+    layout on the provider's device) or "host" (NumPy arrays); `voice_cache_bytes` bounds the voices kept;
+    `step_graph`: decode through the export's one-call step graph where it has one (False: the three parts apart,
+    for comparisons)."""
 
     def __init__(self, model_path: str | os.PathLike, provider: str | None = None, threads: int = 0,
-                 verify: bool = True, kv_cache: str = "bound", voice_cache_bytes: int = DEFAULT_VOICE_CACHE_BYTES):
+                 verify: bool = True, kv_cache: str = "bound", voice_cache_bytes: int = DEFAULT_VOICE_CACHE_BYTES,
+                 step_graph: bool = True):
         self.parts = ModelParts(model_path, provider, threads, verify)
         p = self.parts
         self.manifest, self.provider, self.facts = p.manifest, p.provider, p.facts
         self.tokenizer, self.tokens, self.threads = p.tokenizer, p.tokens, p.threads
-        self.kv_cache = kv_cache
+        self.kv_cache, self.step_graph = kv_cache, step_graph
         self.codec = OnnxCodec(p)
         self.voices = VoiceCache(voice_cache_bytes)  # voices made from references, LRU by bytes
         self._backend: OnnxBackend | None = None
@@ -81,10 +84,12 @@ class HiggsTTS:
         return self.parts.ran_on()
 
     def preload(self, names: tuple[str, ...] | None = None) -> dict[str, str]:
-        """Make the sessions of `names` (default: every part of the export) and the backend now, so that the first
-        request does not pay for loading them; returns `ran_on()`."""
-        self.backend  # noqa: B018 - the decoder's session and its KV-cache layout
-        for name in self.manifest.parts if names is None else names:
+        """Make the sessions of `names` (default: every part a request may run) and the backend now, so that the
+        first request does not pay for loading them; returns `ran_on()`. Only one of the decoder and the step graph
+        is loaded (they hold the same weights): the one the backend runs."""
+        backend = self.backend  # the decoder's session and its KV-cache layout
+        unused = {"llm_decoder", "llm_step"} - {backend.decoder_part}
+        for name in [n for n in self.manifest.parts if n not in unused] if names is None else names:
             self.part(name)
         return self.ran_on()
 
@@ -96,12 +101,13 @@ class HiggsTTS:
         if self._backend is None:
             with self._lock:
                 if self._backend is None:
-                    self._backend = OnnxBackend(self.parts, self.kv_cache)
+                    self._backend = OnnxBackend(self.parts, self.kv_cache, self.step_graph)
         return self._backend
 
     @property
     def kv_memory(self) -> str:
-        """Where the decoder's KV cache lives: "cpu", "cuda", "dml" (the ORT memory of its buffers) or "host"
+        """Where the decoder's KV cache lives: "cpu", "cuda", "dml" (the ORT memory of its buffers), "state" (inside
+        OpenVINO's stateful compiled model) or "host"
         (NumPy arrays fed back each step: the OpenVINO runtime, `kv_cache="host"`)."""
         return self.backend.kv_memory
 

@@ -1,17 +1,19 @@
-"""Parts run by the OpenVINO runtime itself (not through an ONNX Runtime EP), and ONNX -> OpenVINO IR conversion.
+"""Parts run by the OpenVINO runtime itself (not through an ONNX Runtime EP); the ONNX -> IR conversion that builds
+the decoder for it is `parts.openvino_ir`.
 
     part = OvPart("llm_decoder", Path("onnx/openvino_int4/llm_decoder.xml"), threads=2)
     out = part(inputs_embeds=x, attention_mask=m, **past)          # {output name: ndarray}, like session.Part
-    to_ir(Path("llm_decoder.onnx"), Path("out/llm_decoder.xml"), "int4", block_size=32)
+    dec = OvPart("llm_decoder", xml, stateful=True)               # the KV cache held as the model's state
+    state = dec.new_state({past name: (1, KV heads, 0, head dim) array, ...}); state.infer(inputs_embeds=..., ...)
 
 `OvPart` has `session.Part`'s interface: `name`, `path`, `input_types` (name -> NumPy dtype), `output_names`, and a
-`session` whose `get_inputs()` / `get_outputs()` give `.name`, `.shape` (ints; the ONNX dim names for dynamic
-axes) and `.type` ("tensor(float)" ...) like ONNX Runtime's, plus `get_modelmeta().custom_metadata_map` (the ONNX
-file's `metadata_props`; kept in the IR's rt_info by `to_ir`). It reads a `.onnx` file (OpenVINO's ONNX front end)
-or an `.xml` IR. Loading refuses, as `ProviderError` naming the part, the op and a node: an op the ONNX front end
-cannot convert, an op the device does not support (`Core.query_model`), and a compiled model that runs anywhere
-but the requested device (`EXECUTION_DEVICES`, no HETERO/AUTO fallback). Calls are thread-safe: each takes an
-infer request from a small pool (one per concurrent caller).
+`session` whose `get_inputs()` / `get_outputs()` give `.name`, `.shape` (ints; the ONNX dim names for dynamic axes)
+and `.type` ("tensor(float)" ...) like ONNX Runtime's, plus `get_modelmeta().custom_metadata_map` (the ONNX file's
+`metadata_props`; kept in the IR's rt_info by `parts.openvino_ir.to_ir`). It reads a `.onnx` file (OpenVINO's ONNX
+front end) or an `.xml` IR. Loading refuses, as `ProviderError` naming the part, the op and a node: an op the ONNX
+front end cannot convert, an op the device does not support (`Core.query_model`), and a compiled model that runs
+anywhere but the requested device (`EXECUTION_DEVICES`, no HETERO/AUTO fallback). Calls are thread-safe: each takes
+an infer request from a small pool (one per concurrent caller).
 
 Facts measured here (openvino 2026.4.1, nncf 3.4.0, onnxruntime 1.32.0; 2-core AMD EPYC with AVX-512, VNNI and
 AVX-512-BF16, no AMX):
@@ -232,22 +234,25 @@ def _port_names(ports, declared: list[str]) -> list[str]:
 
 
 class OvSession:
-    """The slice of `onnxruntime.InferenceSession`'s API the runtime reads, over an OpenVINO compiled model."""
+    """The slice of `onnxruntime.InferenceSession`'s API the runtime reads, over an OpenVINO compiled model. A
+    stateful model's past inputs and present outputs (now its state) are listed as the graph declared them
+    (`state_io`), so the manifest's I/O check sees the graph it recorded."""
 
-    def __init__(self, compiled, info: GraphInfo, device: str):
+    def __init__(self, compiled, info: GraphInfo, device: str, state_io: tuple[list, list] = ([], [])):
         self.compiled, self.device = compiled, device
         self.input_names = _port_names(compiled.inputs, info.inputs)
         self.output_names = _port_names(compiled.outputs, info.outputs)
         self._inputs = [_io(p, n, info.dims.get(n)) for p, n in zip(compiled.inputs, self.input_names, strict=True)]
         self._outputs = [_io(p, n, info.dims.get(n)) for p, n in zip(compiled.outputs, self.output_names,
                                                                       strict=True)]
+        self._state_io = state_io
         self._meta = ModelMeta(dict(info.metadata))
 
     def get_inputs(self) -> list[IOInfo]:
-        return list(self._inputs)
+        return self._inputs + self._state_io[0]
 
     def get_outputs(self) -> list[IOInfo]:
-        return list(self._outputs)
+        return self._outputs + self._state_io[1]
 
     def get_modelmeta(self) -> ModelMeta:
         return self._meta
@@ -261,7 +266,10 @@ class OvPart:
     as `session.Part` (NaN/Inf guard included); see the module docstring."""
 
     def __init__(self, name: str, path: Path, threads: int = 0, device: str = "CPU",
-                 inference_precision: str = "f32"):
+                 inference_precision: str = "f32", stateful: bool = False):
+        """`stateful`: hold the decoder's KV cache inside the compiled model (OpenVINO's MakeStateful: every
+        `past_key_values.*` input and its `present.*` output become one state of each infer request); run it through
+        `new_state()` (see `OvState`), not by calling the part."""
         self.name, self.path, self.device = name, Path(path), device
         threads = check_threads(threads)
         precision = INFERENCE_PRECISIONS.get(inference_precision)
@@ -273,6 +281,9 @@ class OvPart:
                                 f"{', '.join(c.available_devices) or 'none'})")
         model, info = read_model(self.path, name, device)
         check_supported(name, model, device)
+        state_io, self.state_types = ([], []), {}
+        if stateful:
+            model, state_io, self.state_types = _make_stateful(name, model, info)
         config = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": precision}
         if threads:
             config["INFERENCE_NUM_THREADS"] = threads
@@ -289,9 +300,10 @@ class OvPart:
         if got != precision:
             raise ProviderError(f"{name}: asked OpenVINO {device} for {precision} inference, it compiled {got}")
         self.compiled, self.inference_precision = compiled, got
-        self.session = OvSession(compiled, info, device)
+        self.session = OvSession(compiled, info, device, state_io)
         self.input_types = {p.name: np.dtype(port.get_element_type().to_dtype())
-                            for p, port in zip(self.session.get_inputs(), compiled.inputs, strict=True)}
+                            for p, port in zip(self.session.get_inputs(), compiled.inputs, strict=False)}
+        self.input_types.update(self.state_types)  # a stateful model's past inputs, as the graph declared them
         self.output_names = list(self.session.output_names)
         self._out_ports = list(compiled.outputs)
         # inputs with a dynamic dim get an empty tensor between calls (fully static ones keep the last array)
@@ -299,6 +311,18 @@ class OvPart:
                               if port.get_partial_shape().is_dynamic]
         self._idle: list = []
         self._lock = threading.Lock()
+
+    @property
+    def stateful(self) -> bool:
+        return bool(self.state_types)
+
+    def new_state(self, arrays: dict[str, np.ndarray]) -> OvState:
+        """An infer request of its own holding `arrays` (past name -> (1, KV heads, L, head dim)) as its state."""
+        if not self.stateful:
+            raise RuntimeError(f"{self.name} was not compiled stateful")
+        state = OvState(self, self.compiled.create_infer_request())
+        state.write(arrays)
+        return state
 
     def _request(self):
         with self._lock:
@@ -339,6 +363,64 @@ class OvPart:
         return check_finite(self.name, outs)
 
 
+class OvState:
+    """One request's KV cache held inside a stateful compiled model: its own infer request, whose states are the
+    past inputs (each call appends the new positions to them inside the model; nothing crosses to the host but the
+    new embeddings in and their hidden states out)."""
+
+    def __init__(self, part: OvPart, request):
+        self.part, self.request = part, request
+        self.states = {_past_of(s.name, part.state_types): s for s in request.query_state()}
+
+    def infer(self, **feeds: np.ndarray) -> dict[str, np.ndarray]:
+        p = self.part
+        cast = {k: _saturate(np.ascontiguousarray(v, dtype=p.input_types[k])) for k, v in feeds.items()}
+        res = self.request.infer(cast, share_inputs=False, share_outputs=False)  # small: the new rows only
+        return check_finite(p.name, {n: res[port] for n, port in zip(p.output_names, p._out_ports, strict=True)})
+
+    def read(self, length: int | None = None) -> dict[str, np.ndarray]:
+        """Copies of the states (the first `length` positions)."""
+        return {n: np.array(s.state.data[:, :, :length]) for n, s in self.states.items()}
+
+    def write(self, arrays: dict[str, np.ndarray]) -> None:
+        import openvino as ov
+
+        for n, s in self.states.items():
+            s.state = ov.Tensor(np.ascontiguousarray(arrays[n], self.part.state_types[n]))
+
+
+def _past_of(state_name: str, past: dict) -> str:
+    """MakeStateful names a state after its pair: "past_key_values.0.key" + "present.0.key"."""
+    for n in past:
+        if state_name.startswith(n) and state_name[len(n):].startswith("present."):
+            return n
+    raise RuntimeError(f"state {state_name} pairs with no past input")
+
+
+def _make_stateful(name: str, model, info: GraphInfo):
+    """Turn every past input / present output pair into a state (OpenVINO's MakeStateful transformation); returns
+    (model, (the pairs' input IOInfos, output IOInfos) as declared, {past name: dtype})."""
+    from openvino._offline_transformations import apply_make_stateful_transformation
+
+    inputs = _port_names(model.inputs, info.inputs)
+    outputs = _port_names(model.outputs, info.outputs)
+    past = [(n, p) for n, p in zip(inputs, model.inputs, strict=True) if n.startswith("past_key_values.")]
+    present = {n: p for n, p in zip(outputs, model.outputs, strict=True) if n.startswith("present.")}
+    pairs = {n: n.replace("past_key_values.", "present.") for n, _ in past}
+    if not past or set(pairs.values()) != set(present):
+        raise ProviderError(f"{name}: no past_key_values.* / present.* pairs to hold as state")
+    state_io = ([_io(p, n, info.dims.get(n)) for n, p in past],
+                [_io(present[pairs[n]], pairs[n], info.dims.get(pairs[n])) for n, _ in past])
+    types = {n: np.dtype(p.get_element_type().to_dtype()) for n, p in past}
+    # the transformation finds the ports by tensor name: the ONNX-declared names are among each port's names
+    apply_make_stateful_transformation(model, {_any(p, n): _any(present[pairs[n]], pairs[n]) for n, p in past})
+    return model, state_io, types
+
+
+def _any(port, declared: str) -> str:
+    return declared if declared in port.get_names() else port.any_name
+
+
 def _empty(port):
     """A new tensor for `port` with every dynamic dim 0 (its static dims as they are)."""
     import openvino as ov
@@ -357,110 +439,3 @@ def _saturate(a: np.ndarray) -> np.ndarray:
 
 
 I32 = np.iinfo(np.int32)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# ONNX -> OpenVINO IR
-
-
-def to_ir(onnx_path: Path, out_xml: Path, precision: str, block_size: int = 32, mode: str = "int4_sym") -> Path:
-    """Convert one ONNX part to OpenVINO IR (`out_xml` + its `.bin`) at `precision`:
-    - "fp32": weights as they are; "fp16": fp16 weights (decompressed to f32 at compile time on the CPU);
-    - "int4": nncf's data-free weight compression, `mode` INT4_SYM by default (symmetric RTN like
-      `higgs_onnx.quantize`, so it lands next to the ORT export's int4; and faster on the CPU plugin: 4b step
-      82-88 ms vs 98 ms for INT4_ASYM), group `block_size`, ratio 1.0 and all_layers (every MatMul/Gather weight
-      at int4, as the MatMulNBits decoder has it; nncf would otherwise keep the last layer at int8). No data.
-    The ONNX io names, dim names and metadata_props go into the IR's rt_info for `OvPart`. Works on the portable
-    decoder and on ModelBuilder's GQA decoder alike.
-
-    Why openvino + nncf directly and not Olive's OpenVINOConversion / OpenVINOWeightCompression (which call the
-    same `ov.convert_model` / `nncf.compress_weights`): see `OLIVE_NOTE`."""
-    import openvino as ov
-
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-    if mode not in ("int4_sym", "int4_asym"):
-        raise ValueError(f"mode must be int4_sym or int4_asym, got {mode!r}")
-    onnx_path, out_xml = Path(onnx_path), Path(out_xml)
-    model, info = read_model(onnx_path, onnx_path.stem)
-    model.set_rt_info(info.to_json(), [RT_KEY, "graph"])
-    model.set_rt_info(precision, [RT_KEY, "precision"])
-    if precision == "int4":
-        import nncf
-
-        nncf.set_log_level(logging.ERROR)
-        _type_empty_constants(model)
-        model = nncf.compress_weights(model, mode=nncf.CompressWeightsMode[mode.upper()], group_size=block_size,
-                                      ratio=1.0, all_layers=True)
-        model.set_rt_info(str(block_size), [RT_KEY, "block_size"])
-    out_xml.parent.mkdir(parents=True, exist_ok=True)
-    ov.save_model(model, str(out_xml), compress_to_fp16=precision == "fp16")
-    del model
-    return out_xml
-
-
-def _type_empty_constants(model) -> None:
-    """The ONNX front end feeds GroupQueryAttention's absent optional inputs as empty Constants of element type
-    `dynamic`, which nncf's graph builder refuses ("NNCF is not yet supported OpenVINO data type: dynamic"): give
-    them f32 (they stay empty; the op only checks that they are absent)."""
-    import openvino as ov
-
-    for node in model.get_ordered_ops():
-        if node.get_type_name() == "Constant" and node.get_output_element_type(0).is_dynamic() \
-                and node.get_output_partial_shape(0).is_static and node.get_output_shape(0) == [0]:
-            node.output(0).replace(ov.op.Constant(ov.Type.f32, ov.Shape([0]), []).output(0))
-    model.validate_nodes_and_infer_types()
-
-
-OLIVE_NOTE = (
-    "Olive's OpenVINOWeightCompression re-reads the converted IR with a bare ov.Core() that lacks OpenVINO's "
-    "GroupQueryAttention IR extension, so it fails on a ModelBuilder decoder ('Cannot create GroupQueryAttention "
-    "layer ... from unsupported opset: extension'); on other graphs it works (tested: audio_heads -> i4 IR) but "
-    "writes a full-precision intermediate IR first (16 GB more disk for the 4b decoder), saves with "
-    "compress_to_fp16 on, and cannot carry the ONNX dim names/metadata this module keeps in rt_info.")
-
-
-def weight_types(model) -> dict[str, int]:
-    """Element type -> count over the model's weight Constants (those with more than 1024 elements)."""
-    counts: dict[str, int] = {}
-    for n in model.get_ordered_ops():
-        if n.get_type_name() == "Constant" and np.prod(n.get_output_shape(0), dtype=np.int64) > 1024:
-            t = n.get_output_element_type(0).get_type_name()
-            counts[t] = counts.get(t, 0) + 1
-    return counts
-
-
-def describe_ir(path: Path, precision: str) -> dict:
-    """The op types and weight types of an IR, for the export's graph check; at int4 the weights must be
-    compressed (u4/i4 constants) and no MatMul may keep a float weight. RuntimeError otherwise."""
-    model, _ = read_model(Path(path))
-    ops = sorted({n.get_type_name() for n in model.get_ordered_ops()})
-    weights = weight_types(model)
-    if precision == "int4":
-        if not {"u4", "i4"} & set(weights):
-            raise RuntimeError(f"{Path(path).name}: an int4 IR without u4/i4 weights (weights: {weights})")
-        float_mm = [n.get_friendly_name() for n in model.get_ordered_ops() if n.get_type_name() == "MatMul"
-                    and any(_float_const(i.get_source_output().get_node()) for i in n.inputs())]
-        if float_mm:
-            raise RuntimeError(f"{Path(path).name}: {len(float_mm)} MatMul(s) kept float weights at int4, e.g. "
-                               f"{float_mm[0]}")
-    return {"ops": ops, "nodes": len(model.get_ordered_ops()), "weights": weights, "checker": "openvino read_model"}
-
-
-def _float_const(node) -> bool:
-    return (node.get_type_name() == "Constant" and node.get_output_element_type(0).get_type_name() in ("f32", "f16")
-            and np.prod(node.get_output_shape(0), dtype=np.int64) > 1024)
-
-
-def ir_signature(path: Path) -> dict:
-    """Names, dtypes and (named) dims of an IR's inputs and outputs, like `export.io_signature`."""
-    model, info = read_model(Path(path))
-    ins = _port_names(model.inputs, info.inputs)
-    outs = _port_names(model.outputs, info.outputs)
-
-    def entry(port, name):
-        io = _io(port, name, info.dims.get(name))
-        return {"name": name, "dtype": np.dtype(port.get_element_type().to_dtype()).name, "shape": io.shape}
-
-    return {"inputs": [entry(p, n) for p, n in zip(model.inputs, ins, strict=True)],
-            "outputs": [entry(p, n) for p, n in zip(model.outputs, outs, strict=True)]}

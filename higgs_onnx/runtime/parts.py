@@ -21,6 +21,7 @@ from .. import providers
 from ..checkpoint import ModelFacts
 from ..generation.prompt import PromptTokens
 from ..manifest import Manifest, ManifestError, load_manifest
+from ..parts import FACTS
 from .checks import check_threads
 from .session import Part, open_part
 
@@ -49,6 +50,12 @@ class ModelParts:
                              f"(device {built_for}); run it with --provider {built_for}, or build a "
                              f"{self.provider} export: python optimize.py --device {self.provider} ...")
         folder = self.manifest.folder
+        if providers.get(self.provider).ort_name is None and self.manifest.kv_cache != "fp32":
+            # OpenVINO's GroupQueryAttention ignores the quantized-cache attributes: measured, 16 % of the codes
+            raise ValueError(f"{model_path} holds an {self.manifest.kv_cache} KV cache (ONNX Runtime's quantized "
+                             f"GroupQueryAttention), which the OpenVINO runtime does not compute right; run it with "
+                             f"--provider {built_for}, or build one for OpenVINO: python optimize.py --device "
+                             f"{built_for} --kv-cache fp32 (or --device openvino)")
         try:
             self.facts = ModelFacts.from_dict(self.manifest.model)
         except ValueError as e:
@@ -66,16 +73,18 @@ class ModelParts:
         self._sessions: dict[str, Part] = {}
         self._lock = threading.Lock()  # each session is made once, by whichever thread asks first
 
-    def part(self, name: str) -> Part:
+    def part(self, name: str, stateful: bool = False) -> Part:
         """The part's session (an ONNX Runtime `Part`, or an OpenVINO `OvPart`), made on first use; its inputs and
-        outputs are checked against the manifest and the model facts (`check_io`)."""
-        if name not in self._sessions:
+        outputs are checked against the manifest and the model facts (`check_io`). `stateful`: the decoder compiled
+        with its KV cache as state (the OpenVINO runtime only), a session of its own."""
+        key = f"{name} (stateful)" if stateful else name
+        if key not in self._sessions:
             with self._lock:
-                if name not in self._sessions:
-                    part = open_part(name, self.manifest.part_file(name), self.provider, self.threads)
+                if key not in self._sessions:
+                    part = open_part(name, self.manifest.part_file(name), self.provider, self.threads, stateful)
                     check_io(self.manifest, self.facts, name, part)
-                    self._sessions[name] = part
-        return self._sessions[name]
+                    self._sessions[key] = part
+        return self._sessions[key]
 
     def loaded(self) -> list[str]:
         """The parts whose sessions exist so far."""
@@ -106,7 +115,7 @@ class ModelParts:
 
 def check_genai_config(manifest: Manifest, facts: ModelFacts) -> None:
     """ModelBuilder's genai_config.json must exist and agree with the model facts (head size, KV heads)."""
-    path = manifest.path(manifest.data.get("genai_config", "genai_config.json"))
+    path = manifest.path(manifest.genai_config)
     try:
         dec = json.loads(path.read_text())["model"]["decoder"]
         ok = (dec["head_size"], dec["num_key_value_heads"]) == (facts.head_dim, facts.kv_heads)
@@ -124,13 +133,10 @@ def check_io(manifest: Manifest, facts: ModelFacts, name: str, part: Part) -> No
     if recorded != actual:
         raise ManifestError(f"{name}: the graph's inputs/outputs {sorted(actual[0])} -> {sorted(actual[1])} differ "
                             f"from the manifest's {sorted(recorded[0])} -> {sorted(recorded[1])}")
-    f = facts
-    want = {"llm_decoder": ("inputs_embeds", -1, f.hidden), "text_embed": ("embeddings", -1, f.hidden),
-            "audio_embed": ("audio_codes", -1, f.num_codebooks), "audio_heads": ("logits", -1, f.codebook_vocab),
-            "audio_tokenizer": ("audio_codes", 1, f.num_codebooks),
-            STATEFUL_CODEC: ("audio_codes", 1, f.num_codebooks)}.get(name)
-    if want:
-        io, axis, size = want
+    sized = FACTS[name].sized if name in FACTS else None  # the part's own facts (parts/__init__.py)
+    if sized:
+        io, axis, field = sized
+        size = getattr(facts, field)
         shapes = {x.name: x.shape for x in part.session.get_inputs() + part.session.get_outputs()}
         dim = shapes[io][axis]
         if isinstance(dim, int) and dim != size:

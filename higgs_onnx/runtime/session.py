@@ -23,6 +23,7 @@ from .checks import (  # noqa: F401 - re-exported: callers import them from here
 log = logging.getLogger(__name__)
 
 PROVIDERS = tuple(providers.PROVIDERS)  # what --provider takes
+DECODER_SESSIONS = ("llm_decoder", "llm_step")  # the sessions that run every step (spinning intra-op threads)
 ORT_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
               "tensor(int32)": np.int32, "tensor(int8)": np.int8, "tensor(bool)": np.bool_}
 
@@ -82,14 +83,17 @@ def create_session(path: Path, provider: str = "cpu", threads: int = 0, spin: bo
     return sess
 
 
-def open_part(name: str, path: Path, provider: str = "cpu", threads: int = 0):
+def open_part(name: str, path: Path, provider: str = "cpu", threads: int = 0, stateful: bool = False):
     """A part on `provider`'s runtime: an ONNX Runtime `Part`, or an `OvPart` on the OpenVINO runtime; both take
-    keyword inputs and return {output name: array}."""
+    keyword inputs and return {output name: array}. `stateful` (OpenVINO only): the decoder with its KV cache held
+    as the compiled model's state."""
     p = providers.get(provider)
     if p.ort_name is None:  # not ONNX Runtime: the OpenVINO runtime
         from .openvino import OvPart
 
-        return OvPart(name, path, threads, device=p.ov_device)
+        return OvPart(name, path, threads, device=p.ov_device, stateful=stateful)
+    if stateful:
+        raise ValueError(f"{name}: a stateful decoder is OpenVINO's; ONNX Runtime binds the cache instead")
     return Part(name, path, provider, threads)
 
 
@@ -99,9 +103,10 @@ class Part:
     def __init__(self, name: str, path: Path, provider: str = "cpu", threads: int = 0):
         self.name, self.path = name, path
         # only the decoder's pool may spin (it runs most of the time); see session_options
-        self.session = create_session(path, provider, threads, spin=name == "llm_decoder", name=name)
+        self.session = create_session(path, provider, threads, spin=name in DECODER_SESSIONS, name=name)
         self.input_types = {i.name: ORT_DTYPES.get(i.type, np.float32) for i in self.session.get_inputs()}
         self.output_names = [o.name for o in self.session.get_outputs()]
+        self.output_types = {o.name: ORT_DTYPES.get(o.type, np.float32) for o in self.session.get_outputs()}
 
     def __call__(self, **feeds: np.ndarray) -> dict[str, np.ndarray]:
         unknown = set(feeds) - set(self.input_types)

@@ -147,7 +147,7 @@ def warm_up(tts) -> None:
     from ..runtime.stream import StreamOptions
 
     tts.synthesizer  # noqa: B018 - text/audio embeddings, decoder and heads
-    for part in ("llm_decoder", "text_embed", "audio_embed", "audio_heads", "audio_encoder"):
+    for part in (tts.backend.decoder_part, "text_embed", "audio_embed", "audio_heads", "audio_encoder"):
         tts.part(part)
     codec = tts.codec_stream(StreamOptions())
     if not hasattr(codec, "part"):  # window decoding: the one-shot codec part
