@@ -79,14 +79,14 @@ def main(argv: list[str] | None = None) -> int:
         for folder in args.model_paths:
             m = load_manifest(folder, verify=False)  # a clear error before any run
             exports[folder.name] = folder
-            if args.also_host and m.device == "openvino":
+            if args.also_host and providers.get(m.device).ort_name is None:  # run by the OpenVINO runtime
                 exports[f"{folder.name}:host"], how[f"{folder.name}:host"] = folder, "host"
     for target in [] if args.model_paths else args.targets:
         device, _, attention = target.partition(":")
         providers.get(device).check(args.precision, attention or None)  # a clear error before any build
         _, exports[target] = ensure_export(args.preset, args.precision, args.work / args.preset, device,
                                            attention or None)
-        if args.also_host and device == "openvino":
+        if args.also_host and providers.get(device).ort_name is None:
             exports[f"{target}:host"], how[f"{target}:host"] = exports[target], "host"
     runs: dict[str, list[dict]] = {t: [] for t in exports}
     for r in range(args.rounds):
@@ -96,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
                            how.get(target, "bound"), script=__file__)
             runs[target].append(fig)
             print(f"  round {r + 1}: {target:<22} step {fig['decoder_step_ms']:.1f} ms", flush=True)
-    out = {"preset": args.preset, "precision": args.precision, "threads": args.threads, "exports": {}}
+    out = {"preset": None if args.model_paths else args.preset, "precision": args.precision, "threads": args.threads,
+           "exports": {}}
     for target, figs in runs.items():
         m = load_manifest(exports[target], verify=False)
         best = min(figs, key=lambda f: f["decoder_step_ms"])
@@ -107,8 +108,8 @@ def main(argv: list[str] | None = None) -> int:
                                   "step_ms_rounds": [f["decoder_step_ms"] for f in figs],
                                   "rss_mb_median": statistics.median(f["peak_rss_mb"] for f in figs)}
     base = next(iter(out["exports"].values()))
-    print(f"\ndevices: preset {args.preset}, {args.precision}, context {args.context}, {args.rows} rows; "
-          f"ratios to {next(iter(out['exports']))}")
+    what = "given exports" if args.model_paths else f"preset {args.preset}, {args.precision}"
+    print(f"\ndevices: {what}, context {args.context}, {args.rows} rows; ratios to {next(iter(out['exports']))}")
     print(f"{'target':<22}{'runs on':<22}{'cache':<7}{'parity':<8}{'step ms':>9}{'x':>6}{'prefill ms':>11}{'rows/s':>8}"
           f"{'RSS MB':>8}  decoder parity")
     for target, e in out["exports"].items():

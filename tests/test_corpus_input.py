@@ -322,15 +322,18 @@ def test_calls_share_one_scheduler_and_a_failure_mid_batch_fails_only_its_rows(b
                 raise RuntimeError("codec broke")
             return real_codec(codes)
 
-        backend, real_batch, calls = w.tts.backend, w.tts.backend.decode_batch, []
+        backend, calls = w.tts.backend, []
+        batched = "decode_batch_codes" if backend.fused else "decode_batch"  # the step graph's batched call
+        real_batch = getattr(backend, batched)
 
-        def decoder_fails(caches, embeds):
+        def decoder_fails(caches, feed):
             calls.append(len(caches))
             if len(calls) == 40:
                 raise RuntimeError("decoder broke")
-            return real_batch(caches, embeds)
+            return real_batch(caches, feed)
 
-        codec.decode_audio, backend.decode_batch = codec_fails, decoder_fails
+        codec.decode_audio = codec_fails
+        setattr(backend, batched, decoder_fails)
         rows = [{"id": f"x{i:02d}", "text": f"Row {i} of the batch.", "voice": None,
                  "options": {"seed": i, "max_rows": 30 + 17 * i}} for i in range(12)]
         results = []

@@ -158,7 +158,9 @@ def test_broken_decoder_is_pointed_at(builds, tiny_ckpt, tmp_path):
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert "part llm_decoder" in r.stderr and "| llm_decoder | fp32 |" in r.stdout
     assert "| audio_heads | fp32 | maxabs" in r.stdout
-    assert r.stdout.count("| NO |") == 2  # the decoder's part row, and its check in the summary
+    # the decoder's part row and its check in the summary, and the same two for the step graph (which runs on the
+    # decoder's weights file)
+    assert r.stdout.count("| NO |") == 4 and "part llm_step (fp32)" in r.stdout
     rep, md = reports(tmp_path)
     s = rep["sections"]
     assert s["encoder"]["agreement"] == 1.0  # runs through no decoder: not skipped

@@ -163,3 +163,10 @@ def test_portable_decoder_gets_a_step_graph_too(tiny_ckpt, out_root):
     assert load_manifest(export).parts["llm_step"]["parity"]["ok"]
     a = step.generate("Portable steps.", seed=6, max_rows=40).codes
     np.testing.assert_array_equal(a, parts.generate("Portable steps.", seed=6, max_rows=40).codes)
+
+
+def test_bad_runtime_options_are_refused_before_loading(tmp_path):
+    with pytest.raises(ValueError, match="kv_cache must be one of bound, host, got 'gpu'"):
+        HiggsTTS(tmp_path / "nowhere", kv_cache="gpu")
+    with pytest.raises(TypeError, match="step_graph must be True or False, got 'yes'"):
+        HiggsTTS(tmp_path / "nowhere", step_graph="yes")

@@ -885,9 +885,10 @@ def _atomic_write(path: Path, data: bytes) -> None:
 
 def generate_long(tts, text: str, out: str | os.PathLike, voice=None, options: GenerationOptions | None = None,
                   lf: LongFormOptions | None = None, resume: bool = False,
-                  on_piece: Callable[[PieceResult], None] | None = None) -> Path:
-    """Synthesize `text` into one recording at `out` (see the module docstring); returns the path."""
-    return LongForm(tts, text, out, voice, options, lf, resume).write(on_piece)
+                  on_piece: Callable[[PieceResult], None] | None = None, lanes: int | None = None) -> Path:
+    """Synthesize `text` into one recording at `out` (see the module docstring); returns the path. `lanes`: None
+    chooses from the machine's measured batch gain."""
+    return LongForm(tts, text, out, voice, options, lf, resume, lanes=lanes).write(on_piece)
 
 
 __all__ = ["JobLockedError", "LongForm", "LongFormOptions", "Piece", "PieceResult", "check_outputs", "generate_long",

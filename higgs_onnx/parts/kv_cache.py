@@ -175,7 +175,10 @@ GATE_TEXTS = ("Hello there, this is a test of the quantized cache, spoken clearl
 
 
 class _Recording:
-    """A backend that keeps every hidden state its heads are given (teacher-forced runs: one per row)."""
+    """A backend that keeps every hidden state its heads are given (teacher-forced runs: one per row). It drives the
+    parts apart (`fused` false: the heads see every row's hidden state), on the step graph's session too."""
+
+    fused = False
 
     def __init__(self, backend):
         self.backend, self.hidden = backend, []

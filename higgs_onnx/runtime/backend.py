@@ -20,6 +20,8 @@ import numpy as np
 from .. import providers
 from .decoder import BoundDecoder, ConcatDecoder, SimpleDecoder, StatefulDecoder
 
+KV_LAYOUTS = ("bound", "host")  # where a request's KV cache lives (see OnnxBackend)
+
 
 class OnnxBackend:
     """The generation `Backend` protocol on the exported parts; every request gets its own KV cache.
@@ -32,8 +34,8 @@ class OnnxBackend:
 
     def __init__(self, parts, kv_cache: str = "bound", step_graph: bool = True):
         self.parts = parts
-        if kv_cache not in ("bound", "host"):
-            raise ValueError(f"kv_cache must be 'bound' or 'host', got {kv_cache!r}")
+        if kv_cache not in KV_LAYOUTS:
+            raise ValueError(f"kv_cache must be one of {', '.join(KV_LAYOUTS)}, got {kv_cache!r}")
         self.decoder_part = decoder_part(parts.manifest, step_graph)
         p = providers.get(parts.provider)
         if kv_cache == "bound" and p.ort_name is None:  # the OpenVINO runtime: the cache is the model's state

@@ -39,7 +39,7 @@ from ..generation.pipeline import Speech, Synthesizer, reference_rows
 from ..generation.prompt import encode_user_text
 from ..generation.scheduler import PrefillPolicy, Scheduler
 from ..generation.stream import AudioChunk
-from .backend import OnnxBackend
+from .backend import KV_LAYOUTS, OnnxBackend
 from .codec import OnnxCodec
 from .parts import STATEFUL_CODEC, ModelParts
 from .session import Part
@@ -62,6 +62,10 @@ class HiggsTTS:
     def __init__(self, model_path: str | os.PathLike, provider: str | None = None, threads: int = 0,
                  verify: bool = True, kv_cache: str = "bound", voice_cache_bytes: int = DEFAULT_VOICE_CACHE_BYTES,
                  step_graph: bool = True):
+        if kv_cache not in KV_LAYOUTS:  # before the (slow) hashing of the model files
+            raise ValueError(f"kv_cache must be one of {', '.join(KV_LAYOUTS)}, got {kv_cache!r}")
+        if not isinstance(step_graph, bool):
+            raise TypeError(f"step_graph must be True or False, got {step_graph!r}")
         self.parts = ModelParts(model_path, provider, threads, verify)
         p = self.parts
         self.manifest, self.provider, self.facts = p.manifest, p.provider, p.facts
