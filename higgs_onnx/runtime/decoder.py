@@ -59,6 +59,20 @@ class _Graph:
         return {EMBEDS: np.zeros((rows, 0, self.facts.hidden), self.embed_dtype),
                 CODES: np.ascontiguousarray(np.asarray(codes, np.int64).reshape(rows, 1, -1))}
 
+    # a decoder class gives `_run(cache, embeds, codes) -> (hidden (S, D), logits (N, V) or None)`
+    def run(self, cache, embeds: np.ndarray) -> np.ndarray:
+        """(S, D) new positions appended to `cache` -> (S, D) hidden states."""
+        return self._run(cache, embeds, None)[0]
+
+    def step(self, cache, codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(step graph) one row of (N,) codes appended -> its (D,) hidden state and (N, V) logits, in one call."""
+        hidden, logits = self._run(cache, None, codes)
+        return hidden[-1], logits
+
+    def pool(self, slots: int, max_len: int) -> SerialPool:
+        """Slots stepped one after another (a decoder without a batched cache)."""
+        return SerialPool(self, slots, max_len)
+
 
 def _check(hidden: np.ndarray) -> np.ndarray:
     if not np.isfinite(hidden).all():
@@ -117,18 +131,6 @@ class SimpleDecoder(_Graph):
     def snapshot(self, cache: SimpleCache) -> dict[str, np.ndarray]:
         return {n: c.copy() for n, c in cache.arrays.items()}
 
-    def pool(self, slots: int, max_len: int) -> SerialPool:
-        return SerialPool(self, slots, max_len)
-
-    def run(self, cache: SimpleCache, embeds: np.ndarray) -> np.ndarray:
-        """(S, D) new positions appended to `cache` -> (S, D) hidden states."""
-        return self._run(cache, embeds, None)[0]
-
-    def step(self, cache: SimpleCache, codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(step graph) one row of (N,) codes appended -> its (D,) hidden state and (N, V) logits."""
-        hidden, logits = self._run(cache, None, codes)
-        return hidden[-1], logits
-
     def _run(self, cache: SimpleCache, embeds, codes):
         cache.length += 1 if embeds is None else len(embeds)
         outs = self.part(**self.new_positions(embeds, codes), attention_mask=np.ones((1, cache.length), np.int64),
@@ -176,18 +178,6 @@ class StatefulDecoder(_Graph):
 
     def snapshot(self, cache: StatefulCache) -> dict[str, np.ndarray]:
         return cache.state.read(cache.length)
-
-    def pool(self, slots: int, max_len: int) -> SerialPool:
-        return SerialPool(self, slots, max_len)
-
-    def run(self, cache: StatefulCache, embeds: np.ndarray) -> np.ndarray:
-        """(S, D) new positions appended to `cache` -> (S, D) hidden states."""
-        return self._run(cache, embeds, None)[0]
-
-    def step(self, cache: StatefulCache, codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(step graph) one row of (N,) codes appended -> its (D,) hidden state and (N, V) logits."""
-        hidden, logits = self._run(cache, None, codes)
-        return hidden[-1], logits
 
     def _run(self, cache: StatefulCache, embeds, codes):
         new = 1 if embeds is None else len(embeds)
@@ -596,18 +586,6 @@ class ConcatDecoder(_Graph):
 
     def snapshot(self, cache: ConcatCache) -> dict[str, np.ndarray]:
         return {n: v.numpy() for n, v in cache.values.items()}
-
-    def pool(self, slots: int, max_len: int) -> SerialPool:
-        return SerialPool(self, slots, max_len)
-
-    def run(self, cache: ConcatCache, embeds: np.ndarray) -> np.ndarray:
-        """(S, D) new positions appended to `cache` -> (S, D) hidden states."""
-        return self._run(cache, embeds, None)[0]
-
-    def step(self, cache: ConcatCache, codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(step graph) one row of (N,) codes appended -> its (D,) hidden state and (N, V) logits."""
-        hidden, logits = self._run(cache, None, codes)
-        return hidden[-1], logits
 
     def _run(self, cache: ConcatCache, embeds, codes):
         new = 1 if embeds is None else len(embeds)
