@@ -77,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "machine's measured batch gain; 1 where batching does not pay)")
     ap.add_argument("--resume", action="store_true", help="--text-file with --out: continue an interrupted job from "
                     "its work folder (OUT.work/) instead of refusing to overwrite it")
+    ap.add_argument("--retries", type=int, default=2, help="--text (not --stream): a take the guard finds "
+                    "degenerate (a loop, rambling past the text, dead air, no end of speech) is drawn again with a new "
+                    "seed and the temperature cooled by 0.15, up to this many times (default %(default)s; 0 = off; a "
+                    "greedy request is not retried: its draw would be the same). See docs/guard.md")
     ap.add_argument("--save-codes", type=Path, help="save the delayed rows to FILE.npy and raw codes to FILE.raw.npy")
     ap.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the model files")
     add_log_level(ap)
@@ -108,6 +112,8 @@ def check_args(args: argparse.Namespace) -> tuple[GenerationOptions, StreamOptio
                          else "--lanes is for --text-file (with --out or --out-dir)")
     if args.history < 0:
         raise ValueError(f"--history must be >= 0, got {args.history}")
+    if not 0 <= args.retries <= 10:
+        raise ValueError(f"--retries must be from 0 to 10, got {args.retries}")
     if args.text_file is not None and args.out_dir is not None and args.save_codes is not None:
         raise ValueError("--save-codes is for single utterances")
     if args.text_file is not None and args.out is not None and args.save_codes is not None:
@@ -158,9 +164,11 @@ def speak(tts, text: str, out: Path, args, voice) -> object:
             stats = speak_once(tts, text, out, args, voice, progress)
     finally:
         bar.close()
-    if stats.stop_reason != "eoc":
+    if stats.stop_reason == "max_rows":
         limit = "--max-rows" if args.max_rows is not None else "the default row limit"
         log.warning("%s: no end of speech within %d rows; the audio is cut at %s", out, stats.rows, limit)
+    elif stats.stop_reason != "eoc":  # the guard stopped it: a loop, or rambling far past the text
+        log.warning("%s: stopped by the guard (%s) after %d rows", out, stats.stop_reason, stats.rows)
     first = f"first audio after {stats.first_audio_s:.2f} s ({stats.chunks} chunks)" if args.stream else \
         f"first row after {stats.first_row_s:.2f} s"
     ran = sorted(set(tts.ran_on().values()))
@@ -175,12 +183,27 @@ def speak_once(tts, text: str, out: Path, args, voice, progress):
     from higgs_onnx.audio import write_audio
     from higgs_onnx.outputs import write_or_keep
 
-    speech = tts.generate(text, voice=voice, options=args.options, on_row=progress)
+    speech = tts.generate(text, voice=voice, options=args.options, on_row=progress,
+                          retries=getattr(args, "retries", 0))
     write_or_keep(lambda: write_audio(out, speech.waveform, speech.sample_rate), speech.waveform, speech.sample_rate,
                   out)
     if args.save_codes:
         save_codes(args.save_codes, speech.rows, speech.codes)
+    report_takes(out, speech)
     return speech.stats
+
+
+def report_takes(out: Path, speech) -> None:
+    """One line per take the guard judged, when there was more than one or the last is not good (stderr)."""
+    takes = speech.takes or []
+    if len(takes) < 2 and (speech.verdict is None or speech.verdict.good):
+        return
+    for i, t in enumerate(takes, 1):
+        print(f"{out}: take {i} (seed {t['seed']}, temperature {t['temperature']:.2f}): {t['verdict']}: "
+              f"{t['reason']}", file=sys.stderr)
+    if speech.verdict is not None and not speech.verdict.good:
+        print(f"{out}: kept the last take although the guard calls it {speech.verdict.name} (no retries left; "
+              f"--retries N draws more)", file=sys.stderr)
 
 
 def save_codes(path: Path, rows, codes) -> None:

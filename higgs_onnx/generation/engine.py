@@ -161,7 +161,7 @@ class Request:
     def __init__(self, prompt: list[int], rules: StopRules, options: GenerationOptions, placeholder: int,
                  ref_rows: np.ndarray | None = None, prefix: tuple[int, dict] | None = None,
                  teacher_rows: np.ndarray | None = None, keep_logits: bool = False, voice_s: float = 0.0,
-                 started: float | None = None, history_rows: np.ndarray | None = None):
+                 started: float | None = None, history_rows: np.ndarray | None = None, watch: Any = None):
         self.prompt, self.rules, self.options, self.placeholder = list(prompt), rules, options, placeholder
         self.history_rows = history_rows  # rows of earlier turns (long-form), after the reference's placeholders
         # prompt positions already in the cache it starts from: a voice's saved prefix, or (KV continuation) the
@@ -179,6 +179,10 @@ class Request:
         self.n = 0  # rows generated
         self.countdown = -1
         self.stop_reason: str | None = None  # set when done
+        self.text: str | None = None  # the text it speaks (set by the synthesizer; the guard's verdicts read it)
+        # the guard's online check (guard.RowWatch: `see(rows, n)` -> a verdict that stops it now, or None); not
+        # for teacher-forced or ignore_eoc runs, which must run their given length
+        self.watch = watch if teacher_rows is None and not options.ignore_eoc else None
         self.cache: Any = None  # the backend's KV cache, from prefill until done
         self.hidden: np.ndarray | None = None  # the hidden state that predicts the next row
         self.next_logits: np.ndarray | None = None  # its (N, V) logits, when the step graph gave them already
@@ -235,6 +239,8 @@ class Request:
             self.stop_reason = stop
         elif self.n == self.max_rows:
             self.stop_reason = "max_rows"
+        elif self.watch is not None:
+            self.stop_reason = self.watch.see(self.rows, self.n)  # "loop", "overlong" or None
         return codes
 
     def new_frames(self) -> np.ndarray:
@@ -268,6 +274,17 @@ class Request:
             voice_s=self.voice_s, prefill_s=self.prefill_s, decode_s=self.decode_s, codec_s=self.codec_s,
             first_row_s=self.voice_s + self.prefill_s, first_audio_s=first - self.started + self.voice_s,
             wall_s=end - self.started + self.voice_s, chunks=self.chunks, stop_reason=self.stop_reason or "running")
+
+    def redraw(self, options: GenerationOptions) -> Request:
+        """A new draw of the same prompt (same voice prefix, reference and history rows) with other `options`: a
+        retried take. Not for a request that continues another's cache (its prefix is that cache, now gone)."""
+        if self.prefix is not None and self.prefix[1] is None:
+            raise ValueError("a request that continued another's cache cannot be drawn again")
+        req = Request(self.prompt, self.rules, options, self.placeholder, ref_rows=self.ref_rows, prefix=self.prefix,
+                      voice_s=self.voice_s, started=self.started, history_rows=self.history_rows,
+                      watch=None if self.watch is None else self.watch.fresh())
+        req.text = self.text
+        return req
 
     def release(self) -> None:
         """Drop the KV cache (done, or abandoned by its consumer); a pool slot goes back to its pool."""

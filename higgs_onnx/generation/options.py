@@ -35,6 +35,9 @@ class GenerationOptions:
     # prompt, and a text too long for that is refused; a number: that budget, refused if it does not fit (contract)
     max_rows: int | None = None
     ignore_eoc: bool = False  # benchmarks: run to max_rows whatever the model says (sglang/vLLM's ignore_eos)
+    # the guard's online checks (higgs_onnx/guard.py): a loop or a take far past its text stops at once, with the
+    # verdict as its stop reason ("loop", "overlong") instead of running to max_rows
+    guard: bool = True
 
     def __post_init__(self) -> None:
         for name in ("top_k", "seed", "max_rows"):
@@ -55,8 +58,9 @@ class GenerationOptions:
             raise ValueError(f"temperature and top_p must be numbers, got {self.temperature!r}, "
                              f"{self.top_p!r}") from None
         self.sampling  # noqa: B018 - validates temperature / top_k / top_p
-        if not isinstance(self.ignore_eoc, bool):
-            raise ValueError(f"ignore_eoc must be True or False, got {self.ignore_eoc!r}")
+        for name in ("ignore_eoc", "guard"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
         if self.max_rows is not None and self.max_rows < 1:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -34,8 +34,10 @@ class Speech:
     sample_rate: int
     rows: np.ndarray  # (L, N) delayed rows as generated
     codes: np.ndarray  # (T, N) raw codes fed to the codec (BOC/EOC leftovers mapped to 0)
-    stop_reason: str  # "eoc" (clean stop) or "max_rows"
+    stop_reason: str  # "eoc" (clean stop), "max_rows", or the guard's "loop" / "overlong" (guard.py)
     stats: GenerationStats
+    verdict: object = None  # the guard's `Verdict` of this take (guard.judge), when it was judged
+    takes: list = field(default_factory=list)  # every take drawn for it, in order (`guard.take_record`), this last
 
     @property
     def seconds(self) -> float:
@@ -92,9 +94,17 @@ class Synthesizer:
         options = dataclasses.replace(options, max_rows=budget)
         if continues is not None:
             prefix = (continues_at(continues, prompt, f.placeholder), None)
-        return Request(prompt, self.rules, options, f.placeholder, ref_rows=ref_rows, prefix=prefix,
-                       voice_s=voice_s, started=started,
-                       history_rows=np.concatenate([r for _, r in history]) if history else None)
+        watch = None
+        if options.guard:
+            from ..guard import GuardOptions, RowWatch, expected_rows
+
+            g = GuardOptions()
+            watch = RowWatch(g, expected_rows(text, f.frame_rate, f.num_codebooks, g), f.num_codebooks, f.frame_rate)
+        req = Request(prompt, self.rules, options, f.placeholder, ref_rows=ref_rows, prefix=prefix,
+                      voice_s=voice_s, started=started, watch=watch,
+                      history_rows=np.concatenate([r for _, r in history]) if history else None)
+        req.text = text
+        return req
 
     def limits(self, slot: int | None = None) -> Limits:
         return Limits(self.facts.max_positions, slot)

@@ -116,6 +116,8 @@ class Handle:
         self._events: queue.Queue = queue.Queue()
         self._sink = sink  # called (from the scheduler's / codec's thread) with each event instead of queueing it
         self.streamer: AudioStreamer | None = None
+        self.retry = None  # guard.RetryPolicy: a degenerate take is drawn again (audio="speech")
+        self.takes: list[dict] = []  # every take judged so far (guard.take_record)
 
     # -- the consumer's side --------------------------------------------------------------------------------------
     def cancel(self) -> None:
@@ -252,8 +254,11 @@ class CodecWorker:
                         handle._emit(chunk)
                         if chunk.is_last:
                             handle.result = chunk
-                elif final:  # "speech": one decode of every frame
-                    handle.result = self._speech(handle.request, frames)
+                elif final:  # "speech": one decode of every frame, judged by the guard
+                    speech = self._speech(handle.request, frames)
+                    if handle.sched._retake(handle, speech):  # a degenerate take, drawn again: not the end
+                        continue
+                    handle.result = speech
             except Exception as e:  # noqa: BLE001 - this request fails (its slot is freed at the next step)
                 if not isinstance(e, NoAudioError):
                     log.exception("request %d failed in the codec", handle.id)
@@ -309,7 +314,7 @@ class Scheduler:
         self._stepping = threading.Lock()  # one step at a time (a caller-driven scheduler shared by threads)
         # submitted, started, retired (decoded to its end), and how each handle ended: finished, failed, cancelled
         self.counts = {k: 0 for k in ("submitted", "started", "retired", "finished", "failed", "cancelled",
-                                      "exclusive")}
+                                      "exclusive", "retried")}
         self.steps = self.batch_rows = 0  # decoder steps, and the rows they advanced (mean batch = ratio)
         self.prefill_calls = self.prefill_positions = 0
         self.decode_s = self.prefill_s = 0.0  # time in decoder steps and in prefill calls
@@ -330,17 +335,23 @@ class Scheduler:
 
     def submit(self, request: Request, audio: str | None = None, stream_options=None, *, keep: bool = False,
                exclusive: bool = False, after: Handle | None = None, on_row: Callable[[int], None] | None = None,
-               sink: Callable[[Any], None] | None = None) -> Handle:
+               sink: Callable[[Any], None] | None = None, retry=None) -> Handle:
         """Queue `request`; returns its `Handle`. `audio`: None (rows only), "stream" (AudioChunks while it is made,
         sized by `stream_options`), "speech" (one `Speech` at the end). `keep`: hold the cache when done, for a
         request that continues it (`after=` that handle: its prompt starts with the finished one's prompt and rows,
         and only the rest is prefilled). `exclusive`: run alone. `on_row(n)` is called after each row (from the
-        loop's thread). `sink(event)` receives the events instead of the handle's queue (the server's event loop)."""
+        loop's thread). `sink(event)` receives the events instead of the handle's queue (the server's event loop).
+        `retry` (a `guard.RetryPolicy`, audio="speech"): a take the guard finds degenerate is drawn again, with a
+        new seed and a cooler temperature, up to its retries; the `Speech` lists every take (`takes`)."""
         if audio not in AUDIO_MODES:
             raise ValueError(f"audio must be one of {AUDIO_MODES}, got {audio!r}")
         if after is not None and (after.sched is not self or not after.keep):
             raise ValueError("after= must be a handle of this scheduler submitted with keep=True")
+        if retry is not None and (audio != "speech" or keep or after is not None):
+            raise ValueError("retry= is for audio='speech' requests that neither keep nor continue a cache (a "
+                             "stream's audio is out before its take can be judged; long-form retries its pieces)")
         handle = Handle(self, request, audio, keep, exclusive, after, on_row, sink)
+        handle.retry = retry
         if audio == "stream":
             from ..runtime.stream import StreamOptions
 
@@ -354,6 +365,35 @@ class Scheduler:
             self.counts["submitted"] += 1
             self._wake.notify_all()
         return handle
+
+    def _retake(self, handle: Handle, speech) -> bool:
+        """Judge a finished take (the codec's thread); a degenerate one of a handle with retries left is queued
+        again as a new draw (first in line) and True returned. The verdict and the takes so far go on `speech`."""
+        from ..guard import judge, take_record
+
+        req, f = handle.request, self.codec.facts
+        if req.text is None:  # a request not made from a text (the guard has nothing to measure it against)
+            return False
+        verdict = judge(req.generated, req.text, f.frame_rate, f.num_codebooks, req.stop_reason, speech.waveform,
+                        f.hop)
+        handle.takes.append(take_record(req, verdict))
+        speech.verdict, speech.takes = verdict, list(handle.takes)
+        # a take cut by its row limit before the guard would call it overlong was cut by the caller's limit, not
+        # by the model: drawing it again would be cut the same way
+        if verdict.good or verdict.name == "max_rows" or handle.retry is None or handle.cancelled:
+            return False
+        options = handle.retry.next_options(req.options, len(handle.takes))
+        if options is None:
+            return False
+        log.info("request %d: take %d is %s (%s); drawing again with seed %d, temperature %.2f", handle.id,
+                 len(handle.takes), verdict.name, verdict.reason, options.seed, options.temperature)
+        handle.request = req.redraw(options)
+        with self._wake:
+            handle.state = "waiting"
+            self._waiting.appendleft(handle)
+            self.counts["retried"] += 1
+            self._wake.notify_all()
+        return True
 
     def _count(self, what: str) -> None:
         with self._lock:

@@ -39,6 +39,7 @@ from ..generation.pipeline import Speech, Synthesizer, reference_rows
 from ..generation.prompt import encode_user_text
 from ..generation.scheduler import PrefillPolicy, Scheduler
 from ..generation.stream import AudioChunk
+from ..guard import RetryPolicy
 from .backend import KV_LAYOUTS, OnnxBackend
 from .codec import OnnxCodec
 from .parts import STATEFUL_CODEC, ModelParts
@@ -219,13 +220,16 @@ class HiggsTTS:
                  options: GenerationOptions | None = None, *, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                  max_rows: int | None = None, on_row: Callable[[int], None] | None = None,
-                 max_frames: int | None = None) -> Speech:
+                 max_frames: int | None = None, retries: int | RetryPolicy | None = None) -> Speech:
         """Speech for `text`, decoded once at the end (see `request` for the arguments; `stream` for audio as it is
         made). A voice made from `ref_audio` is kept in memory, so the next clone with the same reference skips the
-        codec encoder and the reference's prefill. `max_frames` is the old name of `max_rows`."""
+        codec encoder and the reference's prefill. `max_frames` is the old name of `max_rows`. The guard judges the
+        take (`Speech.verdict`); `retries` (a count, or a `guard.RetryPolicy`) draws a degenerate take again with a
+        new seed and a cooler temperature (`Speech.takes` lists them all)."""
+        policy = retry_policy(retries)
         req = self.request(text, ref_audio, ref_text, voice, options, temperature=temperature, top_k=top_k,
                            top_p=top_p, seed=seed, max_rows=_rows(max_rows, max_frames))
-        return self.run(req, "speech", on_row=on_row)
+        return self.run(req, "speech", on_row=on_row, retry=policy)
 
     def stream(self, text: str, ref_audio=None, ref_text: str | None = None, voice: Voice | None = None,
                options: GenerationOptions | None = None, stream_options: StreamOptions | None = None, *,
@@ -240,7 +244,7 @@ class HiggsTTS:
         return self.run(req, "stream", stream_options, on_row=on_row)
 
     def run(self, request: Request, audio: str | None = "speech", stream_options: StreamOptions | None = None, *,
-            on_row: Callable[[int], None] | None = None):
+            on_row: Callable[[int], None] | None = None, retry: RetryPolicy | None = None):
         """Run one prepared `request` (from `request(...)`, no slot) to its end as a batch of one on a scheduler of
         its own: `audio="speech"` returns its `Speech` (one codec decode at the end), `"stream"` an iterator of
         `AudioChunk`s while it is made (closing it early frees the request), None the finished `Request` (its
@@ -255,7 +259,7 @@ class HiggsTTS:
                 raise
             return _closing(handle.chunks(), sched)
         with self.scheduler() as sched:
-            return sched.submit(request, audio, on_row=on_row).wait()
+            return sched.submit(request, audio, on_row=on_row, retry=retry).wait()
 
     def scheduler(self, slots: int = 1, positions: int | None = None, prefill: PrefillPolicy | None = None,
                   max_waiting: int | None = None) -> Scheduler:
@@ -291,6 +295,15 @@ class HiggsTTS:
     def forget_voice(self, voice: Voice) -> bool:
         """Drop a voice from the cache (a deleted voice): its memory is freed once no request uses it."""
         return self.voices.forget(voice) > 0
+
+
+def retry_policy(retries: int | RetryPolicy | None) -> RetryPolicy | None:
+    """A retry count (0 or None: no retries) or a policy -> the policy, or None."""
+    if retries is None or isinstance(retries, RetryPolicy):
+        return retries
+    if isinstance(retries, bool) or not isinstance(retries, int):
+        raise ValueError(f"retries must be a whole number, got {retries!r}")
+    return RetryPolicy(retries=retries) if retries else None
 
 
 def _closing(chunks: Iterator[AudioChunk], sched: Scheduler) -> Iterator[AudioChunk]:
