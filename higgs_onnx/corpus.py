@@ -19,7 +19,8 @@ A worker whose process dies (killed, out of memory, its node gone) is replaced b
 failed (a rerun tries it again). A worker that cannot load the model ends the job (one line, exit 1).
 
 Output: `<out>/<id>.wav` (written atomically, following the umask) and `<out>/manifest.jsonl`, one line per row,
-in input order: id, file, duration_s, rows, stop_reason, seconds, worker, worker_peak_rss_mb, error (a failed row:
+in input order: id, file, duration_s, rows, stop_reason, verdict (the guard's, docs/guard.md), tries, takes (seed,
+temperature, rows and verdict of each), seconds, worker, worker_peak_rss_mb, error (a failed row:
 id, line, error). A rerun skips rows whose file and successful manifest line exist, so a killed job finishes only
 what is missing; the hidden temp file of a row a killed worker was writing is removed before the row is made again.
 `<out>/summary.json` has the run's figures: rows/s, and per worker its mean batch (decoder rows / decoder steps, over
@@ -237,14 +238,16 @@ class Worker:
     is taken by a waiting one at the next step: no unit boundaries. A row's codec decode runs on the scheduler's
     codec thread (`audio="speech"`), its file is written by the call's thread; neither holds up the decoder loop."""
 
-    def __init__(self, model_path: str, out: str, batch: int, threads: int, voices: str | None, fmt: str):
+    def __init__(self, model_path: str, out: str, batch: int, threads: int, voices: str | None, fmt: str,
+                 retries: int = 2):
         import socket
 
         from .generation.scheduler import PrefillPolicy
-        from .runtime.model import HiggsTTS
+        from .runtime.model import HiggsTTS, retry_policy
 
         self.tts = HiggsTTS(model_path, threads=threads, verify=False)
         self.out, self.batch, self.voices, self.fmt = Path(out), batch, voices, fmt
+        self.retry = retry_policy(retries)  # the guard's retries of a degenerate take (guard.RetryPolicy)
         self.name = f"{socket.gethostname()}:{os.getpid()}"
         self._voice_cache: dict[str, object] = {}
         self._lock = threading.Lock()
@@ -307,8 +310,12 @@ class Worker:
         except OSError as e:
             # write_audio's own messages name the path; an OS error is its words ("No space left on device")
             raise RowWriteError(f"cannot write {path}: {e.strerror}" if e.strerror else str(e)) from None
+        verdict, takes = getattr(speech, "verdict", None), getattr(speech, "takes", None) or []
+        verdict = verdict.name if verdict is not None else None
         return {"id": row["id"], "file": path.name, "duration_s": wav.size / rate, "rows": len(speech.rows),
-                "stop_reason": speech.stop_reason, "seconds": time.perf_counter() - t0, "worker": self.name,
+                "stop_reason": speech.stop_reason, "verdict": verdict, "tries": len(takes) or 1,
+                "takes": [{k: t[k] for k in ("seed", "temperature", "rows", "verdict")} for t in takes],
+                "seconds": time.perf_counter() - t0, "worker": self.name,
                 "worker_peak_rss_mb": peak_rss() / 2**20, "error": None}
 
     def run(self, rows: list[dict]) -> list[dict]:
@@ -323,7 +330,7 @@ class Worker:
             try:  # built for the pool's slot: a request that does not fit is refused (the contract), not cut
                 req = self.tts.request(row["text"], voice=self._voice(row["voice"]),
                                        options=GenerationOptions.make(None, **row["options"]), slot=self.slot)
-                submitted.append((row, self.sched.submit(req, audio="speech"), t0))
+                submitted.append((row, self.sched.submit(req, audio="speech", retry=self.retry), t0))
             except Exception as e:  # noqa: BLE001 - the row is recorded as failed, the others go on
                 results.append(self.failure(row, e))
         for row, handle, t0 in submitted:
@@ -367,6 +374,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "ray[client]); default: start a local instance")
     ap.add_argument("--voices", type=Path, help="folder of named voices (<name>.npz from --save-voice)")
     ap.add_argument("--format", choices=FORMATS, default="wav")
+    ap.add_argument("--retries", type=int, default=2, help="a take the guard finds degenerate (a loop, rambling, "
+                    "dead air) is drawn again with a new seed and a cooler temperature, up to this many times "
+                    "(default %(default)s; 0 = off); the manifest records every try and its verdict")
     add_log_level(ap)
     return ap
 
@@ -405,6 +415,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.workers < 1 or args.batch < 1 or args.threads < 0:
         raise ValueError("--workers and --batch must be >= 1, --threads >= 0")
+    if not 0 <= args.retries <= 10:
+        raise ValueError(f"--retries must be from 0 to 10, got {args.retries}")
     check_address(args.address)
     load_manifest(args.model_path, verify=False)  # a missing or broken export: one line, before Ray starts
     rows = read_rows(args.input)
@@ -672,7 +684,7 @@ def generate_all(args, todo: list[Row], record, stop: StopSignal | None = None) 
 
         def new_lane() -> Lane:
             return Lane(actor.remote(str(args.model_path.resolve()), str(args.out.resolve()), args.batch, threads,
-                                     str(args.voices.resolve()) if args.voices else None, args.format))
+                                     str(args.voices.resolve()) if args.voices else None, args.format, args.retries))
 
         lanes = [new_lane() for _ in range(args.workers)]
         spare = MAX_REPLACEMENTS * args.workers  # new workers for ones that die

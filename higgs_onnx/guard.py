@@ -46,10 +46,11 @@ class GuardOptions:
     # frame that long); a cycle of 2-8 rows repeating that long is the same tone with a wobble
     loop_rows: int = 32
     loop_period: int = 8
-    # speaking rates, characters a second, per script: English runs ~150 words a minute at ~5.5 characters a word
-    # with its space (13.75/s); Mandarin 4-5 syllables (characters) a second; Japanese kana ~7 morae a second and a
-    # kanji ~2 morae; Korean 5-7 syllable blocks a second. The typical rate, not the fastest: `overlong` allows 2.5 x
-    rates: tuple[tuple[str, float], ...] = (("latin", 14.0), ("han", 4.5), ("kana", 7.0), ("hangul", 6.0))
+    # speaking rates, characters a second, per script, at the slow end of read speech (the guard's "expected" is the
+    # longest plausible reading, so that a slow reader is never called overlong): English audiobooks run 130-160
+    # words a minute at ~5.5 characters a word with its space (12-15/s: 12); read Mandarin 3.5-5 syllables
+    # (characters) a second (3.5); Japanese kana 6-8 morae a second (6); Korean 5-7 syllable blocks (5)
+    rates: tuple[tuple[str, float], ...] = (("latin", 12.0), ("han", 3.5), ("kana", 6.0), ("hangul", 5.0))
     # rows beyond `overlong_factor` x the text's expected rows plus `slack_s` of audio: users cap at ~20 rows a word
     # (2 x the ~10 of English at 150 words a minute); 2.5 x leaves room for slow, expressive reading, and the slack
     # for the pauses around a short line (measured: the synthetic checkpoints' takes run 6 rows per prompt token,
@@ -198,7 +199,9 @@ def judge(rows: np.ndarray, text: str, frame_rate: float, num_codebooks: int, st
     fig = {"rows": n, "expected_rows": want, "overlong_above": overlong_rows(want, frame_rate, options),
            "stop_reason": stop_reason, "seconds": max(n - num_codebooks + 1, 0) / frame_rate}
     watch = RowWatch(options, want, num_codebooks, frame_rate)
-    for i in range(1, n + 1):
+    # as the engine asked: after every row but the one that ended the take (a clean stop's last row, the row limit)
+    seen = n if stop_reason in ("loop", "overlong") else n - 1
+    for i in range(1, seen + 1):
         if watch.see(rows, i):
             break
     if watch.at is not None:

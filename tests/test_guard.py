@@ -30,11 +30,11 @@ def speech_rows(n: int, seed: int = 0) -> np.ndarray:
 
 def test_scripts_and_speaking_rates():
     assert [script_of(c) for c in "aЖ7 ,你カ한"] == ["latin", "latin", "latin", None, None, "han", "kana", "hangul"]
-    en = expected_seconds("Hello there, how are you today?")  # 24 letters + 5 spaces at 14/s
-    assert en == pytest.approx(29 / 14)
-    assert expected_seconds("你好，今天天气很好。") == pytest.approx(8 / 4.5)  # punctuation takes no time
+    en = expected_seconds("Hello there, how are you today?")  # 24 letters + 5 spaces at 12/s
+    assert en == pytest.approx(29 / 12)
+    assert expected_seconds("你好，今天天气很好。") == pytest.approx(8 / 3.5)  # punctuation takes no time
     assert expected_seconds("<|emotion:elation|>Hi!") == expected_seconds("Hi!")  # tags are not spoken
-    assert expected_rows("Hello there, how are you today?", FPS, N) == round(29 / 14 * FPS) + N - 1
+    assert expected_rows("Hello there, how are you today?", FPS, N) == round(29 / 12 * FPS) + N - 1
 
 
 def test_identical_rows_are_a_loop_exactly_loop_rows_after_they_start():

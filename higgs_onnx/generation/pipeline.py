@@ -72,6 +72,7 @@ class Synthesizer:
         self.backend, self.codec, self.tokenizer, self.tokens, self.facts = backend, codec, tokenizer, tokens, facts
         self.engine = Engine(backend)
         self.rules = stop_rules(facts)
+        self.guard = None  # guard.GuardOptions for the online watch (None: the defaults)
 
     def request(self, text: str, options: GenerationOptions, ref_rows: np.ndarray | None = None,
                 ref_text: str | None = None, prefix: tuple[int, dict] | None = None, voice_s: float = 0.0,
@@ -98,7 +99,7 @@ class Synthesizer:
         if options.guard:
             from ..guard import GuardOptions, RowWatch, expected_rows
 
-            g = GuardOptions()
+            g = self.guard or GuardOptions()
             watch = RowWatch(g, expected_rows(text, f.frame_rate, f.num_codebooks, g), f.num_codebooks, f.frame_rate)
         req = Request(prompt, self.rules, options, f.placeholder, ref_rows=ref_rows, prefix=prefix,
                       voice_s=voice_s, started=started, watch=watch,

@@ -369,13 +369,14 @@ class Scheduler:
     def _retake(self, handle: Handle, speech) -> bool:
         """Judge a finished take (the codec's thread); a degenerate one of a handle with retries left is queued
         again as a new draw (first in line) and True returned. The verdict and the takes so far go on `speech`."""
-        from ..guard import judge, take_record
+        from ..guard import GuardOptions, judge, take_record
 
         req, f = handle.request, self.codec.facts
         if req.text is None:  # a request not made from a text (the guard has nothing to measure it against)
             return False
+        g = req.watch.options if req.watch is not None else GuardOptions()
         verdict = judge(req.generated, req.text, f.frame_rate, f.num_codebooks, req.stop_reason, speech.waveform,
-                        f.hop)
+                        f.hop, g)
         handle.takes.append(take_record(req, verdict))
         speech.verdict, speech.takes = verdict, list(handle.takes)
         # a take cut by its row limit before the guard would call it overlong was cut by the caller's limit, not

@@ -39,7 +39,7 @@ from ..generation.pipeline import Speech, Synthesizer, reference_rows
 from ..generation.prompt import encode_user_text
 from ..generation.scheduler import PrefillPolicy, Scheduler
 from ..generation.stream import AudioChunk
-from ..guard import RetryPolicy
+from ..guard import GuardOptions, RetryPolicy
 from .backend import KV_LAYOUTS, OnnxBackend
 from .codec import OnnxCodec
 from .parts import STATEFUL_CODEC, ModelParts
@@ -58,15 +58,18 @@ class HiggsTTS:
     Runtime's default); `verify`: check the files' hashes at load; `kv_cache`: "bound" (the decoder graph's own
     layout on the provider's device) or "host" (NumPy arrays); `voice_cache_bytes` bounds the voices kept;
     `step_graph`: decode through the export's one-call step graph where it has one (False: the three parts apart,
-    for comparisons)."""
+    for comparisons); `guard`: the guard's thresholds (`guard.GuardOptions`; None: the defaults, docs/guard.md)."""
 
     def __init__(self, model_path: str | os.PathLike, provider: str | None = None, threads: int = 0,
                  verify: bool = True, kv_cache: str = "bound", voice_cache_bytes: int = DEFAULT_VOICE_CACHE_BYTES,
-                 step_graph: bool = True):
+                 step_graph: bool = True, guard: GuardOptions | None = None):
         if kv_cache not in KV_LAYOUTS:  # before the (slow) hashing of the model files
             raise ValueError(f"kv_cache must be one of {', '.join(KV_LAYOUTS)}, got {kv_cache!r}")
         if not isinstance(step_graph, bool):
             raise TypeError(f"step_graph must be True or False, got {step_graph!r}")
+        if guard is not None and not isinstance(guard, GuardOptions):
+            raise TypeError(f"guard must be a guard.GuardOptions, got {type(guard).__name__}")
+        self.guard = guard
         self.parts = ModelParts(model_path, provider, threads, verify)
         p = self.parts
         self.manifest, self.provider, self.facts = p.manifest, p.provider, p.facts
@@ -147,6 +150,7 @@ class HiggsTTS:
             with self._lock:
                 if self._synth is None:
                     self._synth = Synthesizer(backend, self, self.tokenizer, self.tokens, self.facts)
+                    self._synth.guard = self.guard
         return self._synth
 
     @property
