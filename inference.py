@@ -81,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "degenerate (a loop, rambling past the text, dead air, no end of speech) is drawn again with a new "
                     "seed and the temperature cooled by 0.15, up to this many times (default %(default)s; 0 = off; a "
                     "greedy request is not retried: its draw would be the same). See docs/guard.md")
+    ap.add_argument("--takes", type=int, default=1, help="--text (not --stream): draw N takes as rows of one batch "
+                    "(the prompt prefilled once), judge each with the guard and keep the best; every take's score is "
+                    "printed (default %(default)s; up to 16; needs sampling)")
+    ap.add_argument("--save-takes", type=Path, help="with --takes: a folder for every take (take-<i>.wav) and "
+                    "takes.json (seed, rows, verdict, score, kept)")
     ap.add_argument("--save-codes", type=Path, help="save the delayed rows to FILE.npy and raw codes to FILE.raw.npy")
     ap.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the model files")
     add_log_level(ap)
@@ -114,6 +119,17 @@ def check_args(args: argparse.Namespace) -> tuple[GenerationOptions, StreamOptio
         raise ValueError(f"--history must be >= 0, got {args.history}")
     if not 0 <= args.retries <= 10:
         raise ValueError(f"--retries must be from 0 to 10, got {args.retries}")
+    if not 1 <= args.takes <= 16:
+        raise ValueError(f"--takes must be from 1 to 16, got {args.takes}")
+    if args.takes > 1 and (args.text is None or args.stream):
+        raise ValueError("--takes is for --text without --stream (a stream's audio is out before the takes are "
+                         "judged)")
+    if args.takes > 1 and args.temperature == 0:
+        raise ValueError("--takes needs sampling (--temperature > 0): greedy takes are all the same")
+    if args.save_takes is not None and args.takes < 2:
+        raise ValueError("--save-takes needs --takes N (N >= 2)")
+    if args.save_takes is not None and args.save_takes.exists() and not args.save_takes.is_dir():
+        raise ValueError(f"--save-takes {args.save_takes} is a file, not a folder")
     if args.text_file is not None and args.out_dir is not None and args.save_codes is not None:
         raise ValueError("--save-codes is for single utterances")
     if args.text_file is not None and args.out is not None and args.save_codes is not None:
@@ -183,8 +199,11 @@ def speak_once(tts, text: str, out: Path, args, voice, progress):
     from higgs_onnx.audio import write_audio
     from higgs_onnx.outputs import write_or_keep
 
-    speech = tts.generate(text, voice=voice, options=args.options, on_row=progress,
-                          retries=getattr(args, "retries", 0))
+    if getattr(args, "takes", 1) > 1:
+        speech = tts.best_of(text, args.takes, voice=voice, options=args.options, save_takes=args.save_takes)
+    else:
+        speech = tts.generate(text, voice=voice, options=args.options, on_row=progress,
+                              retries=getattr(args, "retries", 0))
     write_or_keep(lambda: write_audio(out, speech.waveform, speech.sample_rate), speech.waveform, speech.sample_rate,
                   out)
     if args.save_codes:
@@ -199,8 +218,9 @@ def report_takes(out: Path, speech) -> None:
     if len(takes) < 2 and (speech.verdict is None or speech.verdict.good):
         return
     for i, t in enumerate(takes, 1):
+        score = f", score {t['score']:.3f}{', kept' if t['kept'] else ''}" if "score" in t else ""
         print(f"{out}: take {i} (seed {t['seed']}, temperature {t['temperature']:.2f}): {t['verdict']}: "
-              f"{t['reason']}", file=sys.stderr)
+              f"{t['reason']}{score}", file=sys.stderr)
     if speech.verdict is not None and not speech.verdict.good and speech.verdict.name != "max_rows":
         print(f"{out}: kept the last take although the guard calls it {speech.verdict.name} (no retries left; "
               f"--retries N draws more)", file=sys.stderr)

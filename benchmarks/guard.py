@@ -102,13 +102,48 @@ def draws(folder: Path, n: int, eoc_ratio: float) -> dict:
             "step_ms_per_row": step_s / max(rows_seen, 1) * 1e3}
 
 
+def takes_cost(folder: Path, rows: int, takes: int = 4) -> dict:
+    """`best_of(takes)` against one take of the same rows (ignore_eoc: every take makes exactly `rows`), wall time
+    with the codec, in one process, beside the scheduler's measured batch gain G(takes) at those rows."""
+    from benchmarks.bench import batch_figures, cpu_info
+    from higgs_onnx.generation.options import GenerationOptions
+    from higgs_onnx.runtime.model import HiggsTTS
+
+    tts = HiggsTTS(folder, verify=False)
+    options = GenerationOptions(max_rows=rows, ignore_eoc=True, seed=1)
+    tts.best_of(TEXTS[0], takes, options=GenerationOptions(max_rows=tts.facts.num_codebooks, ignore_eoc=True))
+    one, many = [], []
+    for _ in range(2):  # interleaved, best kept
+        t0 = time.perf_counter()
+        tts.generate(TEXTS[0], options=options)
+        one.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        tts.best_of(TEXTS[0], takes, options=options)
+        many.append(time.perf_counter() - t0)
+    gain = batch_figures(tts, [takes], rows, repeats=1)["gain"][str(takes)]
+    ratio = min(many) / min(one)
+    return {"rows": rows, "takes": takes, "one_take_s": min(one), "takes_s": min(many), "ratio": ratio,
+            "gain": gain, "target": 1.15 * takes / gain, "cpu": cpu_info()}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--takes-cost", type=Path, metavar="EXPORT", help="only: best_of(4) against one take on this "
+                    "export (e.g. the 4b preset's), against 1.15 x 4 / G(4) measured in the same run")
+    ap.add_argument("--rows", type=int, default=48, help="--takes-cost: rows of every take")
     ap.add_argument("--draws", type=int, default=60, help="draws per checkpoint")
     ap.add_argument("--work", type=Path, default=ROOT / "onnx" / "bench" / "guard")
     ap.add_argument("--only", nargs="+", choices=list(checkpoints()), help="some checkpoints only")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    if args.takes_cost:
+        r = takes_cost(args.takes_cost, args.rows)
+        print(f"takes: {r['takes']} takes of {r['rows']} rows in {r['takes_s']:.2f} s, one take "
+              f"{r['one_take_s']:.2f} s: {r['ratio']:.2f} x; G({r['takes']}) = {r['gain']:.2f}, target "
+              f"1.15 x {r['takes']} / G = {r['target']:.2f} x")
+        if args.json:
+            args.json.write_text(json.dumps(r, indent=2))
+        return 0
     out = {}
     for name, (preset, plant) in checkpoints().items():
         if args.only and name not in args.only:

@@ -43,6 +43,8 @@ TEXT_ROWS = [
     ("save-codes in a missing folder", ["--text", "Hi.", "--save-codes", "/no/such/rows.npy"],
      "--save-codes /no/such/rows.npy: folder /no/such does not exist"),
     ("stream chunk of 0 frames", ["--text", "Hi.", "--stream", "--first-frames", "0"], "first_frames must be >= 1"),
+    ("retries beyond 10", ["--text", "Hi.", "--retries", "11"], "--retries must be from 0 to 10, got 11"),
+    ("negative retries", ["--text", "Hi.", "--retries", "-1"], "--retries must be from 0 to 10, got -1"),
     ("stream chunk below 1", ["--text", "Hi.", "--stream", "--chunk-frames", "-2"], "chunk_frames must be >= 1"),
     ("save-voice is a folder", ["--text", "Hi.", "--ref-audio", str(DATA / "ref_en_24k.wav"), "--save-voice",
                                 DATA], f"--save-voice {DATA} is a folder, not a file: name a file"),

@@ -97,3 +97,54 @@ def test_the_guard_command_judges_a_saved_take(builds, tmp_path):
     assert r.returncode == 2 and "expected integer code rows of shape" in r.stderr
     r = _guard(codes, "--model-path", builds["int4"])
     assert r.returncode == 2 and "--text" in r.stderr
+
+
+@pytest.mark.slow
+def test_best_of_takes_in_one_batch(builds, tmp_path):
+    """Four takes as rows of one batch from one shared prefill: each take is the draw its seed gives alone, every
+    take is judged and scored, exactly one is kept, and --save-takes writes them all."""
+    import json
+
+    from higgs_onnx.runtime.model import TAKE_SEED_STEP, HiggsTTS
+
+    tts = HiggsTTS(builds["fp32"])
+    be, calls = tts.backend, []
+    real = be.prefill
+
+    def counted(cache, embeds):
+        calls.append(len(embeds))
+        return real(cache, embeds)
+
+    be.prefill = counted
+    s = tts.best_of(TEXT, 4, seed=3, save_takes=tmp_path / "takes")
+    del be.prefill
+    prompt = s.stats.prompt_tokens
+    assert calls == [prompt - 1, 1, 1, 1, 1]  # the prompt once, then each take's last position
+    assert [t["take"] for t in s.takes] == [1, 2, 3, 4] and sum(t["kept"] for t in s.takes) == 1
+    assert [t["seed"] for t in s.takes] == [3 + i * TAKE_SEED_STEP for i in range(4)]
+    kept = next(t for t in s.takes if t["kept"])
+    assert kept["score"] == max(t["score"] for t in s.takes) and len(s.rows) == kept["rows"]
+    alone = tts.generate(TEXT, seed=3 + 2 * TAKE_SEED_STEP)
+    assert len(alone.rows) == s.takes[2]["rows"]
+    files = sorted(p.name for p in (tmp_path / "takes").iterdir())
+    assert files == ["take-1.wav", "take-2.wav", "take-3.wav", "take-4.wav", "takes.json"]
+    assert json.loads((tmp_path / "takes" / "takes.json").read_text()) == s.takes
+    clone = tts.best_of(TEXT, 2, ref_audio=REF, seed=1)  # the voice's prefix under every take
+    assert len(clone.takes) == 2 and len(tts.voices) == 1
+    for bad, match in (({"takes": 0}, "takes must be a whole number from 1 to 16"),
+                       ({"takes": 17}, "from 1 to 16"), ({"takes": 2, "temperature": 0}, "needs sampling"),
+                       ({"takes": 2, "save_takes": builds["fp32"] / "manifest.json"}, "is a file, not a folder")):
+        kw = dict(bad)
+        with pytest.raises(ValueError, match=match):
+            tts.best_of(TEXT, kw.pop("takes"), **kw)
+
+
+@pytest.mark.slow
+def test_the_command_line_keeps_the_best_take(builds, tmp_path):
+    r = subprocess.run([sys.executable, "inference.py", "--model-path", builds["int4"], "--text", TEXT, "--takes", "3",
+                        "--out", tmp_path / "best.wav", "--save-takes", tmp_path / "all"], capture_output=True,
+                       text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr
+    lines = [x for x in r.stderr.splitlines() if ": take " in x]
+    assert len(lines) == 3 and sum(x.endswith(", kept") for x in lines) == 1
+    assert (tmp_path / "best.wav").is_file() and len(list((tmp_path / "all").glob("take-*.wav"))) == 3

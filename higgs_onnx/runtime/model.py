@@ -235,6 +235,63 @@ class HiggsTTS:
                            top_p=top_p, seed=seed, max_rows=_rows(max_rows, max_frames))
         return self.run(req, "speech", on_row=on_row, retry=policy)
 
+    def best_of(self, text: str, takes: int, ref_audio=None, ref_text: str | None = None, voice: Voice | None = None,
+                options: GenerationOptions | None = None, *, save_takes: str | os.PathLike | None = None,
+                **keywords) -> Speech:
+        """`takes` draws of one request as rows of one batch, each judged by the guard; the best is returned, with
+        every take's record (seed, temperature, rows, verdict, score, kept) in `Speech.takes`. Take i draws with
+        seed `seed + i * TAKE_SEED_STEP`. The prompt is prefilled once: every take starts from its saved state
+        (a voice's prefix included), so the takes cost what batching the rows costs. Best: a good take before a
+        degenerate one, then the one whose length is nearest the good takes' median (an outlier length is the
+        likelier failure); ties go to the lower take. `save_takes`: a folder for `take-<i>.wav` of every take and
+        `takes.json`. Sampling only (greedy takes would all be the same)."""
+        import dataclasses
+
+        from ..generation.engine import prompt_embeddings
+
+        if isinstance(takes, bool) or not isinstance(takes, int) or not 1 <= takes <= MAX_TAKES:
+            raise ValueError(f"takes must be a whole number from 1 to {MAX_TAKES}, got {takes!r}")
+        options = GenerationOptions.make(options, **keywords)
+        if takes > 1 and options.temperature == 0:
+            raise ValueError("takes > 1 needs sampling (temperature > 0): greedy takes are all the same")
+        folder = None if save_takes is None else _takes_folder(save_takes)
+        positions = self.slot_positions
+        if voice is not None and ref_audio is not None:
+            raise ValueError("give either voice or ref_audio, not both")
+        if voice is None and ref_audio is not None:
+            voice = self.make_voice(ref_audio, ref_text)  # once: every take hears it
+        first = self.request(text, voice=voice, options=options, slot=positions)
+        f, be = self.facts, self.backend
+        prompt, cached = first.prompt, first.cached
+        state = None if first.prefix is None else first.prefix[1]
+        if np.count_nonzero(np.asarray(prompt[cached:]) == f.placeholder):  # reference rows still to prefill
+            raise ValueError("best_of needs the voice made first (make_voice): its rows are then in its prefix")
+        cache = be.new_cache(len(prompt) - 1, state)  # the prompt but its last position, prefilled once
+        if len(prompt) - 1 > cached:
+            be.prefill(cache, prompt_embeddings(be, prompt[cached:-1], f.placeholder, None))
+        shared = (len(prompt) - 1, be.snapshot(cache))
+        del cache
+        kw = {} if voice is None else {"ref_rows": voice.rows, "ref_text": voice.ref_text}
+        reqs = [self.synthesizer.request(text, dataclasses.replace(options, seed=options.seed + i * TAKE_SEED_STEP),
+                                         prefix=shared, slot=positions, **kw) for i in range(takes)]
+        with self.scheduler(takes, positions) as sched:
+            handles = [sched.submit(r, "speech") for r in reqs]
+            speeches = [h.wait() for h in handles]
+        good = [s.verdict is not None and s.verdict.good for s in speeches]
+        middle = float(np.median([len(s.rows) for s, g in zip(speeches, good, strict=True) if g])) if any(good) else 0
+        scores = [float(g) - abs(len(s.rows) - middle) / max(middle, 1.0) / 2 for s, g in zip(speeches, good,
+                                                                                                 strict=True)]
+        best = max(range(takes), key=lambda i: (scores[i], -i))
+        records = []
+        for i, s in enumerate(speeches):
+            rec = {**(s.takes[-1] if s.takes else {}), "take": i + 1, "score": round(scores[i], 4), "kept": i == best}
+            records.append(rec)
+        if folder is not None:
+            _save_takes(folder, speeches, records)
+        kept = speeches[best]
+        kept.takes = records
+        return kept
+
     def stream(self, text: str, ref_audio=None, ref_text: str | None = None, voice: Voice | None = None,
                options: GenerationOptions | None = None, stream_options: StreamOptions | None = None, *,
                temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
@@ -299,6 +356,39 @@ class HiggsTTS:
     def forget_voice(self, voice: Voice) -> bool:
         """Drop a voice from the cache (a deleted voice): its memory is freed once no request uses it."""
         return self.voices.forget(voice) > 0
+
+
+MAX_TAKES = 16  # takes of one request (rows of one batch: every take needs its slot)
+TAKE_SEED_STEP = 7_919  # seed of take i: seed + i * this (other than a retry's step, so the two never meet)
+
+
+def _takes_folder(path):
+    """The `save_takes` folder (a `Path`): created, and writable, before any work."""
+    from pathlib import Path
+
+    folder = Path(path)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"save_takes {folder} is a file, not a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / ".write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"cannot write into save_takes {folder} ({e.strerror or type(e).__name__})") from None
+    return folder
+
+
+def _save_takes(folder, speeches: list, records: list[dict]) -> None:
+    import json
+
+    from ..audio import write_audio
+
+    for i, s in enumerate(speeches, 1):
+        write_audio(folder / f"take-{i}.wav", s.waveform, s.sample_rate)
+    tmp = folder / "takes.json.partial"
+    tmp.write_text(json.dumps(records, indent=2))
+    tmp.replace(folder / "takes.json")
 
 
 def retry_policy(retries: int | RetryPolicy | None) -> RetryPolicy | None:
