@@ -119,13 +119,13 @@ def test_best_of_takes_in_one_batch(builds, tmp_path):
     s = tts.best_of(TEXT, 4, seed=3, save_takes=tmp_path / "takes")
     del be.prefill
     prompt = s.stats.prompt_tokens
-    assert calls == [prompt - 1, 1, 1, 1, 1]  # the prompt once, then each take's last position
+    assert calls == [prompt]  # the prompt once: every take starts from its state and last hidden state
     assert [t["take"] for t in s.takes] == [1, 2, 3, 4] and sum(t["kept"] for t in s.takes) == 1
     assert [t["seed"] for t in s.takes] == [3 + i * TAKE_SEED_STEP for i in range(4)]
     kept = next(t for t in s.takes if t["kept"])
     assert kept["score"] == max(t["score"] for t in s.takes) and len(s.rows) == kept["rows"]
     alone = tts.generate(TEXT, seed=3 + 2 * TAKE_SEED_STEP)
-    assert len(alone.rows) == s.takes[2]["rows"]
+    assert len(alone.rows) == s.takes[2]["rows"]  # the draw its seed gives alone
     files = sorted(p.name for p in (tmp_path / "takes").iterdir())
     assert files == ["take-1.wav", "take-2.wav", "take-3.wav", "take-4.wav", "takes.json"]
     assert json.loads((tmp_path / "takes" / "takes.json").read_text()) == s.takes

@@ -180,6 +180,8 @@ class Request:
         self.countdown = -1
         self.stop_reason: str | None = None  # set when done
         self.text: str | None = None  # the text it speaks (set by the synthesizer; the guard's verdicts read it)
+        # with a `prefix` holding the whole prompt: the last prompt position's hidden state (nothing to prefill)
+        self.start_hidden: np.ndarray | None = None
         # the guard's online check (guard.RowWatch: `see(rows, n)` -> a verdict that stops it now, or None); not
         # for teacher-forced or ignore_eoc runs, which must run their given length
         self.watch = watch if teacher_rows is None and not options.ignore_eoc else None
@@ -324,7 +326,11 @@ class Engine:
                                 f"rows, but this engine's slots hold {self.pool.capacity} positions", "max_rows",
                                 "context_length_exceeded")
         be = self.backend
-        req.embeds = prompt_embeddings(be, req.prompt[req.cached:], req.placeholder, req.placeholder_rows())
+        whole = req.cached == len(req.prompt)  # the prompt's state and its last hidden state are given (takes)
+        if whole and req.start_hidden is None:
+            raise ValueError("a request whose whole prompt is cached needs its last hidden state (start_hidden)")
+        req.embeds = None if whole else prompt_embeddings(be, req.prompt[req.cached:], req.placeholder,
+                                                          req.placeholder_rows())
         req.prefilled = 0
         if cache is not None:
             capacity = getattr(cache, "capacity", None)
@@ -340,6 +346,8 @@ class Engine:
         state = None if req.prefix is None else req.prefix[1]
         capacity = len(req.prompt) + req.max_rows
         req.cache = be.new_cache(capacity, state) if self.pool is None else self.pool.acquire(capacity, state)
+        if whole:
+            req.hidden = req.start_hidden  # nothing to prefill: its next row can be sampled
 
     def prefill(self, req: Request, limit: int | None = None) -> int:
         """Prefill the next `limit` (None: all) of the request's remaining prompt positions; returns how many.

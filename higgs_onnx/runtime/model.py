@@ -39,7 +39,7 @@ from ..generation.pipeline import Speech, Synthesizer, reference_rows
 from ..generation.prompt import encode_user_text
 from ..generation.scheduler import PrefillPolicy, Scheduler
 from ..generation.stream import AudioChunk
-from ..guard import GuardOptions, RetryPolicy
+from ..guard import GuardOptions, RetryPolicy, judge, take_record
 from .backend import KV_LAYOUTS, OnnxBackend
 from .codec import OnnxCodec
 from .parts import STATEFUL_CODEC, ModelParts
@@ -239,10 +239,11 @@ class HiggsTTS:
                 options: GenerationOptions | None = None, *, save_takes: str | os.PathLike | None = None,
                 **keywords) -> Speech:
         """`takes` draws of one request as rows of one batch, each judged by the guard; the best is returned, with
-        every take's record (seed, temperature, rows, verdict, score, kept) in `Speech.takes`. Take i draws with
-        seed `seed + i * TAKE_SEED_STEP`. The prompt is prefilled once: every take starts from its saved state
-        (a voice's prefix included), so the takes cost what batching the rows costs. Best: a good take before a
-        degenerate one, then the one whose length is nearest the good takes' median (an outlier length is the
+        every take's record (seed, temperature, rows, verdict, score, kept) in `Speech.takes`. Take i draws with seed
+        `seed + i * TAKE_SEED_STEP`. The prompt is prefilled once: every take starts from its saved state and last
+        hidden state (a voice's prefix included), so the takes cost what batching the rows costs; only the takes the
+        choice needs are decoded (the best by its rows, checked for dead air; all with `save_takes`). Best: a good take
+        before a degenerate one, then the one whose length is nearest the good takes' median (an outlier length is the
         likelier failure); ties go to the lower take. `save_takes`: a folder for `take-<i>.wav` of every take and
         `takes.json`. Sampling only (greedy takes would all be the same)."""
         import dataclasses
@@ -266,31 +267,64 @@ class HiggsTTS:
         state = None if first.prefix is None else first.prefix[1]
         if np.count_nonzero(np.asarray(prompt[cached:]) == f.placeholder):  # reference rows still to prefill
             raise ValueError("best_of needs the voice made first (make_voice): its rows are then in its prefix")
-        cache = be.new_cache(len(prompt) - 1, state)  # the prompt but its last position, prefilled once
-        if len(prompt) - 1 > cached:
-            be.prefill(cache, prompt_embeddings(be, prompt[cached:-1], f.placeholder, None))
-        shared = (len(prompt) - 1, be.snapshot(cache))
+        cache = be.new_cache(len(prompt), state)  # the whole prompt, prefilled once for every take
+        hidden = be.prefill(cache, prompt_embeddings(be, prompt[cached:], f.placeholder, None))
+        shared = (len(prompt), be.snapshot(cache))
         del cache
         kw = {} if voice is None else {"ref_rows": voice.rows, "ref_text": voice.ref_text}
         reqs = [self.synthesizer.request(text, dataclasses.replace(options, seed=options.seed + i * TAKE_SEED_STEP),
                                          prefix=shared, slot=positions, **kw) for i in range(takes)]
+        for r in reqs:
+            r.start_hidden = hidden  # the prompt's last hidden state: each take samples its first row from it
         with self.scheduler(takes, positions) as sched:
-            handles = [sched.submit(r, "speech") for r in reqs]
-            speeches = [h.wait() for h in handles]
-        good = [s.verdict is not None and s.verdict.good for s in speeches]
-        middle = float(np.median([len(s.rows) for s, g in zip(speeches, good, strict=True) if g])) if any(good) else 0
-        scores = [float(g) - abs(len(s.rows) - middle) / max(middle, 1.0) / 2 for s, g in zip(speeches, good,
-                                                                                                 strict=True)]
-        best = max(range(takes), key=lambda i: (scores[i], -i))
-        records = []
-        for i, s in enumerate(speeches):
-            rec = {**(s.takes[-1] if s.takes else {}), "take": i + 1, "score": round(scores[i], 4), "kept": i == best}
-            records.append(rec)
+            handles = [sched.submit(r, None) for r in reqs]  # rows only: only the takes it needs get decoded
+            done = [h.wait() for h in handles]
+        g = self.guard or GuardOptions()
+        verdicts = [judge(r.generated, text, f.frame_rate, f.num_codebooks, r.stop_reason, options=g) for r in done]
+        speeches: dict[int, Speech] = {}
+
+        def decoded(i: int) -> Speech:  # a take's audio, and its verdict with the dead-air check on it
+            if i not in speeches:
+                s = speeches[i] = self._speech_of(done[i])
+                if verdicts[i].good:
+                    verdicts[i] = judge(done[i].generated, text, f.frame_rate, f.num_codebooks, done[i].stop_reason,
+                                        s.waveform, f.hop, g)
+            return speeches[i]
+
+        while True:  # the best by its rows; its audio checked; a take with dead air gives way to the next
+            scores = _take_scores([len(r.rows[:r.n]) for r in done], [v.good for v in verdicts])
+            best = max(range(takes), key=lambda i: (scores[i], -i))
+            was_good = verdicts[best].good
+            decoded(best)
+            if verdicts[best].good or not was_good:
+                break
         if folder is not None:
-            _save_takes(folder, speeches, records)
+            for i in range(takes):
+                decoded(i)
+            scores = _take_scores([len(r.rows[:r.n]) for r in done], [v.good for v in verdicts])
+        records = [{**take_record(r, v), "take": i + 1, "score": round(scores[i], 4), "kept": i == best}
+                   for i, (r, v) in enumerate(zip(done, verdicts, strict=True))]
+        if folder is not None:
+            _save_takes(folder, [speeches[i] for i in range(takes)], records)
         kept = speeches[best]
-        kept.takes = records
+        kept.verdict, kept.takes = verdicts[best], records
         return kept
+
+    def _speech_of(self, req: Request) -> Speech:
+        """A finished request's audio, decoded in one codec call (every frame of its rows)."""
+        from ..generation.contract import NoAudioError
+        from ..generation.delay import codes_for_codec
+
+        codes = codes_for_codec(req.new_frames(), self.facts.codebook_size)
+        if not codes.shape[-1]:
+            raise NoAudioError(f"the generation ended after {req.n} rows without one audio frame")
+        t0 = time.perf_counter()
+        wav = self.decode_audio(codes)
+        req.codec_s += time.perf_counter() - t0
+        req.audio_out(wav.size)
+        sr = self.facts.sample_rate
+        return Speech(waveform=wav, sample_rate=sr, rows=req.generated.copy(), codes=codes[0].T,
+                      stop_reason=req.stop_reason, stats=req.stats(wav.size, sr))
 
     def stream(self, text: str, ref_audio=None, ref_text: str | None = None, voice: Voice | None = None,
                options: GenerationOptions | None = None, stream_options: StreamOptions | None = None, *,
@@ -360,6 +394,13 @@ class HiggsTTS:
 
 MAX_TAKES = 16  # takes of one request (rows of one batch: every take needs its slot)
 TAKE_SEED_STEP = 7_919  # seed of take i: seed + i * this (other than a retry's step, so the two never meet)
+
+
+def _take_scores(rows: list[int], good: list[bool]) -> list[float]:
+    """A take's score: 1 for a good take, 0 for a degenerate one, less half its relative distance from the good
+    takes' median length (an outlier length is the likelier failure)."""
+    middle = float(np.median([n for n, ok in zip(rows, good, strict=True) if ok])) if any(good) else 0.0
+    return [float(ok) - abs(n - middle) / max(middle, 1.0) / 2 for n, ok in zip(rows, good, strict=True)]
 
 
 def _takes_folder(path):
