@@ -148,3 +148,19 @@ def test_the_command_line_keeps_the_best_take(builds, tmp_path):
     lines = [x for x in r.stderr.splitlines() if ": take " in x]
     assert len(lines) == 3 and sum(x.endswith(", kept") for x in lines) == 1
     assert (tmp_path / "best.wav").is_file() and len(list((tmp_path / "all").glob("take-*.wav"))) == 3
+
+
+@pytest.mark.slow
+def test_a_stream_the_guard_stops_ends_at_once_and_says_why(builds):
+    """Audio is out before a take can be judged, so a stream is not retried: when the online guard fires, the
+    stream ends there, and its last chunk's stats name the verdict (the server's done event carries it too)."""
+    from higgs_onnx.runtime.model import HiggsTTS
+
+    tts = HiggsTTS(builds["int4"], guard=GuardOptions(overlong_factor=1.01, slack_s=0.0))
+    chunks = list(tts.stream(TEXT, seed=4))
+    last = chunks[-1]
+    assert last.is_last and last.stats.stop_reason == "overlong"
+    whole = tts.generate(TEXT, seed=4)  # the same rows, stopped at the same row
+    assert whole.stop_reason == "overlong"
+    np.testing.assert_array_equal(last.rows, whole.rows)
+    assert abs(sum(c.samples.size for c in chunks) - whole.waveform.size) <= tts.facts.hop

@@ -54,6 +54,7 @@ import numpy as np
 
 from ..generation.contract import ContractError, check_max_rows, min_rows, needed_rows
 from ..generation.options import DEFAULT_MAX_ROWS, GenerationOptions
+from ..guard import RetryPolicy
 from ..outputs import OutputError, check_output_file, probe_writable
 from .split import Piece, split_text
 
@@ -63,7 +64,7 @@ PLAN = "plan.json"
 PLAN_VERSION = 2  # 2: lanes, and the rows as generated in every piece (KV continuation)
 PREFILL_CHUNK = 256  # fixed (not timed) prefill chunks: the same text and seed give the same decoder calls
 LOCK = "lock"  # in the work folder: held (flock) while a job runs on this output
-RETRY_SEED = 1_000_003  # added to a piece's seed for its one retry
+RETRY_SEED = RetryPolicy.seed_step  # added to a piece's seed for its one retry (guard.RetryPolicy, cooled too)
 STOP_REASONS = ("eoc", "max_rows", "loop", "overlong")  # the engine's and the guard's (guard.py)
 # what np.load / reading an archive member raises on a file that is not an intact .npz (empty, cut off, garbage)
 NPZ_ERRORS = (OSError, ValueError, EOFError, KeyError, TypeError, zipfile.BadZipFile, zlib.error)
@@ -624,8 +625,10 @@ class LongForm:
         budget = self._budget(i, 0, None) if voice is None else self._budget(i, len(voice.rows), voice.ref_text)
         if cont:
             budget = self._want(i)  # `_context` made sure the lane's prompt and all of it fit
-        options = dataclasses.replace(self.options, seed=self.options.seed + i + attempt * RETRY_SEED,
-                                      max_rows=budget)
+        options = dataclasses.replace(self.options, seed=self.options.seed + i, max_rows=budget)
+        if attempt:  # the guard's retry policy: the seed moved by RETRY_SEED, the temperature cooled (greedy: kept)
+            options = RetryPolicy().next_options(options, attempt) or dataclasses.replace(
+                options, seed=options.seed + attempt * RETRY_SEED)
         turns = [(self.pieces[k].text, done[k]["gen"]) for k in history]
         continues = prev if cont and prev is not None else None
         req = self.tts.request(self.pieces[i].text, voice=voice, options=options, history=turns, slot=self.slot,

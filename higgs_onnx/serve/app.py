@@ -493,7 +493,8 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
             s = stats.as_dict() if stats is not None else {}
             usage = {"input_tokens": s.get("prompt_tokens", 0), "output_tokens": s.get("rows", 0)}
             yield event({"type": "speech.audio.done", "usage": {**usage, "total_tokens": sum(usage.values())},
-                         "input_characters": input_chars, "speed_tag": tag, "stats": s})
+                         "input_characters": input_chars, "speed_tag": tag, "stop_reason": s.get("stop_reason"),
+                         "stats": s})
 
     # -- voices ------------------------------------------------------------------------------------------------
     @v1.get("/voices")

@@ -5,6 +5,7 @@ request's stop reason.
     watch.see(rows, n)            # -> "loop" | "overlong" | None (the request stops at once on a verdict)
     verdict = judge(rows, text, frame_rate, num_codebooks, stop_reason, wav, hop)   # a finished take
     python -m higgs_onnx.guard CODES.npy --text "..." --model-path onnx/cpu_int4 [--audio]   # exit 0 / 1 / 2
+                                                                        # (the command: guard/__main__.py)
 
 Verdicts (thresholds in `GuardOptions`, defaults justified beside each field):
 - `loop`: the same row, or the same cycle of up to `loop_period` rows, over `loop_rows` rows in a row: a tone loop.
@@ -23,16 +24,12 @@ rows the engine already holds; `RowWatch.see` is one comparison of the newest ro
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 import unicodedata
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import numpy as np
 
-from .generation.contract import _TAG
+from ..generation.contract import _TAG
 
 GOOD = ("eoc",)  # stop reasons of a good take (before the length and audio verdicts)
 VERDICTS = ("loop", "overlong", "short", "silence", "max_rows")  # a degenerate take, by name
@@ -273,55 +270,3 @@ def trim_tail(wav: np.ndarray, hop: int, frame_rate: float, options: GuardOption
     keep = int(round(options.keep_tail_s * frame_rate))
     end = min(len(wav), (loud[-1] + 1 + keep) * hop)
     return wav[:max(end, hop)]
-
-
-# -- the command ---------------------------------------------------------------------------------------------------
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m higgs_onnx.guard",
-                                 description="Check a saved take (inference.py --save-codes) and print its verdict: "
-                                             "exit 0 for a good take, 1 for a degenerate one, 2 for bad input.")
-    ap.add_argument("codes", type=Path, help="the delayed rows .npy that --save-codes wrote")
-    ap.add_argument("--text", required=True, help="the text the take speaks")
-    ap.add_argument("--model-path", type=Path, required=True, help="the export that made it (its model facts; "
-                    "with --audio, its codec)")
-    ap.add_argument("--stop", default=None, choices=("eoc", "max_rows", "loop", "overlong"), help="how it stopped "
-                    "(default: eoc when its last row holds EOC in the first codebook, else max_rows)")
-    ap.add_argument("--audio", action="store_true", help="also decode it and check for dead air")
-    ap.add_argument("--json", action="store_true", help="print the verdict as JSON")
-    try:
-        args = ap.parse_args(argv)
-    except SystemExit as e:
-        return 2 if e.code else 0
-    try:
-        from .checkpoint import ModelFacts
-        from .generation.delay import read_code_rows
-        from .manifest import load_manifest
-
-        manifest = load_manifest(args.model_path, verify=False)
-        f = ModelFacts.from_dict(manifest.model)
-        rows = read_code_rows(args.codes, f.num_codebooks, f.codebook_vocab, "CODES")
-        if not args.text.strip():
-            raise ValueError("--text is empty: give the text the take speaks")
-        # an EOC take winds down with EOC in the first codebook of its last rows
-        stop = args.stop or ("eoc" if rows[-1, 0] == f.eoc else "max_rows")
-        wav = None
-        if args.audio:
-            from .runtime.model import HiggsTTS
-
-            wav = HiggsTTS(args.model_path, verify=False).decode_rows(rows)
-        v = judge(rows, args.text, f.frame_rate, f.num_codebooks, stop, wav, f.hop)
-    except (OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(v.as_dict()))
-    else:
-        figs = ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in v.figures.items())
-        print(f"{v.name}: {v.reason} ({figs})")
-    return 0 if v.good else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
