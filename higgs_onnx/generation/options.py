@@ -35,7 +35,7 @@ class GenerationOptions:
     # prompt, and a text too long for that is refused; a number: that budget, refused if it does not fit (contract)
     max_rows: int | None = None
     ignore_eoc: bool = False  # benchmarks: run to max_rows whatever the model says (sglang/vLLM's ignore_eos)
-    # the guard's online checks (higgs_onnx/guard.py): a loop or a take far past its text stops at once, with the
+    # the guard's online checks (higgs_onnx/guard/): a loop or a take far past its text stops at once, with the
     # verdict as its stop reason ("loop", "overlong") instead of running to max_rows
     guard: bool = True
 

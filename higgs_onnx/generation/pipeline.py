@@ -34,7 +34,7 @@ class Speech:
     sample_rate: int
     rows: np.ndarray  # (L, N) delayed rows as generated
     codes: np.ndarray  # (T, N) raw codes fed to the codec (BOC/EOC leftovers mapped to 0)
-    stop_reason: str  # "eoc" (clean stop), "max_rows", or the guard's "loop" / "overlong" (guard.py)
+    stop_reason: str  # "eoc" (clean stop), "max_rows", or the guard's "loop" / "overlong" (higgs_onnx/guard)
     stats: GenerationStats
     verdict: object = None  # the guard's `Verdict` of this take (guard.judge), when it was judged
     takes: list = field(default_factory=list)  # every take drawn for it, in order (`guard.take_record`), this last

@@ -65,7 +65,7 @@ PLAN_VERSION = 2  # 2: lanes, and the rows as generated in every piece (KV conti
 PREFILL_CHUNK = 256  # fixed (not timed) prefill chunks: the same text and seed give the same decoder calls
 LOCK = "lock"  # in the work folder: held (flock) while a job runs on this output
 RETRY_SEED = RetryPolicy.seed_step  # added to a piece's seed for its one retry (guard.RetryPolicy, cooled too)
-STOP_REASONS = ("eoc", "max_rows", "loop", "overlong")  # the engine's and the guard's (guard.py)
+STOP_REASONS = ("eoc", "max_rows", "loop", "overlong")  # the engine's and the guard's (higgs_onnx/guard)
 # what np.load / reading an archive member raises on a file that is not an intact .npz (empty, cut off, garbage)
 NPZ_ERRORS = (OSError, ValueError, EOFError, KeyError, TypeError, zipfile.BadZipFile, zlib.error)
 # what soundfile raises when the output cannot be written (libsndfile errors are RuntimeErrors; a short write on a
