@@ -44,6 +44,21 @@ class Speech:
         return self.waveform.size / self.sample_rate
 
 
+def speech_from(req: Request, raw: np.ndarray, decode_audio: Callable[[np.ndarray], np.ndarray], sample_rate: int,
+                codebook_size: int) -> Speech:
+    """A finished request's `Speech`: its raw frames `raw` decoded in one codec call (the codec time counted on the
+    request); a request without one audio frame is a NoAudioError."""
+    codes = codes_for_codec(raw, codebook_size)
+    if not codes.shape[-1]:
+        raise NoAudioError(f"the generation ended after {req.n} rows without one audio frame")
+    t0 = time.perf_counter()
+    wav = decode_audio(codes)
+    req.codec_s += time.perf_counter() - t0
+    req.audio_out(wav.size)
+    return Speech(waveform=wav, sample_rate=sample_rate, rows=req.generated.copy(), codes=codes[0].T,
+                  stop_reason=req.stop_reason, stats=req.stats(wav.size, sample_rate))
+
+
 def stop_rules(facts: ModelFacts) -> StopRules:
     return StopRules(num_codebooks=facts.num_codebooks, boc=facts.boc, eoc=facts.eoc)
 
@@ -115,13 +130,5 @@ class Synthesizer:
         for n in self.engine.rows(req):
             if on_row:
                 on_row(n)
-        raw = req.new_frames()  # every frame (the request is done)
-        codes = codes_for_codec(raw, self.facts.codebook_size)
-        t0 = time.perf_counter()
-        if not codes.shape[-1]:
-            raise NoAudioError(f"the generation ended after {req.n} rows without one audio frame")
-        wav = self.codec.decode_audio(codes)
-        req.codec_s += time.perf_counter() - t0
-        req.audio_out(wav.size)
-        return Speech(waveform=wav, sample_rate=self.facts.sample_rate, rows=req.generated.copy(), codes=codes[0].T,
-                      stop_reason=req.stop_reason, stats=req.stats(wav.size, self.facts.sample_rate))
+        f = self.facts  # every frame (the request is done), in one codec call
+        return speech_from(req, req.new_frames(), self.codec.decode_audio, f.sample_rate, f.codebook_size)

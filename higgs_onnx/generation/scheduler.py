@@ -42,7 +42,6 @@ from typing import Any
 import numpy as np
 
 from .contract import NoAudioError
-from .delay import codes_for_codec
 from .engine import Engine, Request
 from .stream import AudioChunk, AudioStreamer
 
@@ -271,17 +270,9 @@ class CodecWorker:
                 handle._end()
 
     def _speech(self, req: Request, raw: np.ndarray):
-        from .pipeline import Speech
+        from .pipeline import speech_from
 
-        codes = codes_for_codec(raw, self.codebook_size)
-        if not codes.shape[-1]:
-            raise NoAudioError(f"the generation ended after {req.n} rows without one audio frame")
-        t0 = time.perf_counter()
-        wav = self.decode_audio(codes)
-        req.codec_s += time.perf_counter() - t0
-        req.audio_out(wav.size)
-        return Speech(waveform=wav, sample_rate=self.sample_rate, rows=req.generated.copy(), codes=codes[0].T,
-                      stop_reason=req.stop_reason, stats=req.stats(wav.size, self.sample_rate))
+        return speech_from(req, raw, self.decode_audio, self.sample_rate, self.codebook_size)
 
 
 class Scheduler:

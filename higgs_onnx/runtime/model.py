@@ -35,7 +35,7 @@ import numpy as np
 from ..generation.contract import Limits, check_max_rows
 from ..generation.engine import Request
 from ..generation.options import GenerationOptions
-from ..generation.pipeline import Speech, Synthesizer, reference_rows
+from ..generation.pipeline import Speech, Synthesizer, reference_rows, speech_from
 from ..generation.prompt import encode_user_text
 from ..generation.scheduler import PrefillPolicy, Scheduler
 from ..generation.stream import AudioChunk
@@ -312,19 +312,8 @@ class HiggsTTS:
 
     def _speech_of(self, req: Request) -> Speech:
         """A finished request's audio, decoded in one codec call (every frame of its rows)."""
-        from ..generation.contract import NoAudioError
-        from ..generation.delay import codes_for_codec
-
-        codes = codes_for_codec(req.new_frames(), self.facts.codebook_size)
-        if not codes.shape[-1]:
-            raise NoAudioError(f"the generation ended after {req.n} rows without one audio frame")
-        t0 = time.perf_counter()
-        wav = self.decode_audio(codes)
-        req.codec_s += time.perf_counter() - t0
-        req.audio_out(wav.size)
-        sr = self.facts.sample_rate
-        return Speech(waveform=wav, sample_rate=sr, rows=req.generated.copy(), codes=codes[0].T,
-                      stop_reason=req.stop_reason, stats=req.stats(wav.size, sr))
+        f = self.facts
+        return speech_from(req, req.new_frames(), self.decode_audio, f.sample_rate, f.codebook_size)
 
     def stream(self, text: str, ref_audio=None, ref_text: str | None = None, voice: Voice | None = None,
                options: GenerationOptions | None = None, stream_options: StreamOptions | None = None, *,
