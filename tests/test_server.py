@@ -637,6 +637,8 @@ def test_bad_command_lines_exit_2(builds):
                  (["--model-path", model, "--prefill-chunk", "0"], "--prefill-chunk"),
                  (["--model-path", model, "--prefill-chunk", "x"], "--prefill-chunk"),
                  (["--model-path", model, "--api-key", " "], "--api-key"),
+                 (["--model-path", model, "--guard", "loop_rows=0"], "loop_rows"),
+                 (["--model-path", model, "--guard", "nonsense=1"], "--guard"),
                  (["--model-path", str(REPO / "no_such_export")], "--model-path"),
                  (["--model-path", model, "--port", str(busy.getsockname()[1])], "cannot listen")]
         for args, words in cases:
@@ -644,3 +646,52 @@ def test_bad_command_lines_exit_2(builds):
             assert p.returncode == 2, (args, p.stderr)
             lines = p.stderr.strip().splitlines()
             assert len(lines) == 1 and lines[0].startswith("error:") and words in lines[0], (args, p.stderr)
+
+
+def test_retries_send_a_judged_take_whole(server):
+    """`"retries": n`: the take is judged by the guard before it is sent (whole, not streamed); the headers and
+    the SSE done event say how many takes it took and the verdict. A take cut by the request's own max_rows is not
+    drawn again."""
+    r = speech(server, seed=3, response_format="pcm", retries=2)
+    assert r.status_code == 200 and r.headers["x-takes"] == "1" and r.headers["x-verdict"] == "good"
+    assert r.content == speech(server, seed=3, response_format="pcm").content  # a good first take: the same audio
+    cut = speech(server, seed=3, response_format="pcm", retries=2, max_rows=20)
+    assert cut.status_code == 200 and (cut.headers["x-takes"], cut.headers["x-verdict"]) == ("1", "max_rows")
+    events = []
+    with server.http.stream("POST", "/v1/audio/speech", json={"model": "higgs-tts-3", "input": TEXT, "seed": 3,
+                                                              "retries": 1, "response_format": "pcm",
+                                                              "stream_format": "sse"}) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ")]
+    done = events[-1]
+    assert done["type"] == "speech.audio.done" and done["stop_reason"] == "eoc"
+    assert [t["verdict"] for t in done["takes"]] == ["good"] and done["takes"][0]["seed"] == 3
+    for bad in (11, -1):
+        assert_error(speech(server, retries=bad), 400, "retries", "invalid_value")
+    assert_error(speech(server, retries="2"), 400, "retries", "invalid_value")
+    server.settle()
+
+
+@pytest.fixture(scope="module")
+def strict(builds, tmp_path_factory):
+    """A guard that calls every take of the tiny checkpoint overlong (they run ~2 x their text's reading time)."""
+    s = Server(builds["fp32"], tmp_path_factory.mktemp("strict"), "--guard", "overlong_factor=1.01", "--guard",
+               "slack_s=0")
+    yield s
+    s.stop()
+
+
+def test_the_server_draws_a_degenerate_take_again(strict):
+    from higgs_onnx.guard import RetryPolicy
+
+    r = speech(strict, seed=3, response_format="pcm", retries=2)
+    assert r.status_code == 200 and r.headers["x-takes"] == "3" and r.headers["x-verdict"] == "overlong"
+    with strict.http.stream("POST", "/v1/audio/speech", json={"model": "higgs-tts-3", "input": TEXT, "seed": 3,
+                                                              "temperature": 0.8, "retries": 1,
+                                                              "response_format": "pcm", "stream_format": "sse"}) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ")]
+    takes = events[-1]["takes"]
+    assert [(t["seed"], t["verdict"]) for t in takes] == [(3, "overlong"), (3 + RetryPolicy.seed_step, "overlong")]
+    assert takes[1]["temperature"] == pytest.approx(0.65)
+    plain = speech(strict, seed=3, response_format="pcm", stream_format="sse")  # no retries: it streams, and stops
+    assert json.loads(plain.text.strip().splitlines()[-1][6:])["stop_reason"] == "overlong"
+    strict.settle()

@@ -79,6 +79,26 @@ class GuardOptions:
     def rate(self) -> dict[str, float]:
         return dict(self.rates)
 
+    @classmethod
+    def parse(cls, items: list[str] | tuple[str, ...]) -> GuardOptions:
+        """`["overlong_factor=3", "loop_rows=48"]` (a command line's `--guard KEY=VALUE`s) -> the options; an unknown
+        key or a bad value is a ValueError naming it."""
+        import dataclasses
+
+        fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "rates"}
+        values = {}
+        for item in items:
+            key, sep, raw = item.partition("=")
+            if not sep or key not in fields:
+                raise ValueError(f"--guard {item!r}: expected KEY=VALUE with KEY one of {', '.join(fields)}")
+            kind = int if fields[key].type in ("int", int) else float
+            try:
+                values[key] = kind(raw)
+            except ValueError:
+                raise ValueError(f"--guard {key}: {raw!r} is not {'a whole number' if kind is int else 'a number'}"
+                                 ) from None
+        return cls(**values)
+
 
 def script_of(ch: str) -> str | None:
     """The script a character is spoken at the rate of (None: not spoken: spaces, punctuation, symbols)."""

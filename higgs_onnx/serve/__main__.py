@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--voice-cache-mb", type=int, default=DEFAULT_VOICE_CACHE_BYTES >> 20, metavar="MB",
                     help="memory for voices made from references, least recently used out (a real-model voice is "
                     "~80 MB; default %(default)s)")
+    ap.add_argument("--guard", action="append", default=[], metavar="KEY=VALUE", help="a threshold of the guard "
+                    "(docs/guard.md), e.g. --guard loop_rows=48 --guard overlong_factor=3; repeatable")
     add_log_level(ap)
     return ap
 
@@ -94,6 +96,9 @@ def check_args(args: argparse.Namespace) -> None:
                          f"chunks by time)")
     timeouts_of(args)
     check_threads(args.threads)
+    from ..guard import GuardOptions
+
+    args.guard_options = GuardOptions.parse(args.guard) if args.guard else None
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key is empty; give a key, or leave the flag out for an open server")
     if not args.model_path.is_dir():
@@ -164,7 +169,7 @@ def serve(args: argparse.Namespace) -> int:
     from .scheduler import Scheduler
 
     tts = HiggsTTS(args.model_path, provider=args.provider, threads=args.threads, verify=not args.no_verify,
-                   voice_cache_bytes=args.voice_cache_mb << 20)
+                   voice_cache_bytes=args.voice_cache_mb << 20, guard=args.guard_options)
     warm_up(tts)
     voices = args.voices if args.voices is not None else Path(args.model_path) / "voices"
     try:

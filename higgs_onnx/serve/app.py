@@ -114,6 +114,15 @@ class SpeechRequest(BaseModel):
     max_rows: StrictInt | None = None
     # run alone (a batch of one): the audio equals the same request made alone, to the bit (see `Scheduler`)
     deterministic: StrictBool = False
+    # the guard's retries (docs/guard.md): the response waits for a good take (at most this many redraws, each with
+    # a new seed and a cooler temperature) and is then sent whole; 0 (the default): audio streams as it is made
+    retries: StrictInt = 0
+
+
+async def _replay(items: list) -> AsyncIterator:
+    """A list as an async iterator (the chunks of a take already made)."""
+    for item in items:
+        yield item
 
 
 def speed_tag(speed: float, tags: dict[str, int]) -> str | None:
@@ -425,11 +434,42 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
             message, param = validation_message(e)
             raise ApiError(400, message, param, "invalid_value") from None
         text, options, tag = check_speech(r)
+        if not 0 <= r.retries <= 10:
+            raise ApiError(400, f"retries must be from 0 to 10, got {r.retries}", "retries", "invalid_value")
         voice = await resolve_voice(r.voice)
         if r.model_extra:
             log.info("ignored fields: %s", ", ".join(sorted(r.model_extra)))
+        takes = None
+        if r.retries:
+            job, done, takes = await judged_takes(text, voice, options, r, request)
+            if job is None:
+                return Response(status_code=499)
+            first, chunks = (done[0] if done else None), _replay(done[1:])
+        else:
+            job = start_job(text, voice, options, r.deterministic)
+            chunks = aiter(job)
+            try:
+                first = await first_chunk(job, chunks, request)
+            except ConnectionAbortedError:
+                return Response(status_code=499)
+            except Exception as e:  # noqa: BLE001 - failed before any audio: a proper error response
+                log.error("request %s failed before its first audio: %s: %s", job.id, type(e).__name__, e)
+                raise failure(e) from None
+        if first is None:  # ended without a chunk and without an error: never a 200 with no audio
+            log.error("request %s ended without audio", job.id)
+            raise ApiError(500, "the generation ended without audio; no audio to send", None, "no_audio")
+        sse = r.stream_format == "sse"
+        body = stream_body(job, first, chunks, r.response_format, sse, len(r.input), tag, takes)
+        fmt = FORMATS[r.response_format]
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": str(job.id)}
+        if takes is not None:
+            headers.update({"X-Takes": str(len(takes)), "X-Verdict": takes[-1]["verdict"]})
+        return JobResponse(job, body, media_type="text/event-stream" if sse else fmt.media_type, headers=headers)
+
+    def start_job(text: str, voice, options, exclusive: bool):
+        """Submit one job; the scheduler's refusals as OpenAI-style errors."""
         try:
-            job = scheduler.submit(text, voice=voice, options=options, exclusive=r.deterministic)
+            return scheduler.submit(text, voice=voice, options=options, exclusive=exclusive)
         except QueueFull as e:
             raise ApiError(429, f"the server is busy ({e}); try again shortly", None, "rate_limit_exceeded",
                            {"Retry-After": "1"}) from None
@@ -440,26 +480,43 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
         except ValueError as e:
             raise ApiError(400, str(e), next((k for k in SAMPLING_FIELDS if str(e).startswith(k)), "input"),
                            "invalid_value") from None
-        chunks = aiter(job)
-        try:
-            first = await first_chunk(job, chunks, request)
-        except ConnectionAbortedError:
-            return Response(status_code=499)
-        except Exception as e:  # noqa: BLE001 - failed before any audio: a proper error response
-            log.error("request %s failed before its first audio: %s: %s", job.id, type(e).__name__, e)
-            raise failure(e) from None
-        if first is None:  # ended without a chunk and without an error: never a 200 with no audio
-            log.error("request %s ended without audio", job.id)
-            raise ApiError(500, "the generation ended without audio; no audio to send", None, "no_audio")
-        sse = r.stream_format == "sse"
-        body = stream_body(job, first, chunks, r.response_format, sse, len(r.input), tag)
-        fmt = FORMATS[r.response_format]
-        return JobResponse(job, body, media_type="text/event-stream" if sse else fmt.media_type,
-                           headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
-                                    "X-Request-Id": str(job.id)})
+
+    async def judged_takes(text: str, voice, options, r: SpeechRequest, request: Request):
+        """(job, chunks, takes): whole takes, each judged by the guard, until a good one or the retries run out
+        (the same `guard.RetryPolicy` as everywhere). (None, None, takes) when the client left meanwhile."""
+        import numpy as np
+
+        from ..guard import GuardOptions, RetryPolicy, judge
+
+        policy, takes, f = RetryPolicy(retries=r.retries), [], tts.facts
+        while True:
+            job = start_job(text, voice, options, r.deterministic)
+            done = []
+            try:
+                async for chunk in job:
+                    done.append(chunk)
+                    if await request.is_disconnected():
+                        job.cancel()
+                        return None, None, takes
+            except Exception as e:  # noqa: BLE001 - a take that fails is the request's error
+                log.error("request %s failed: %s: %s", job.id, type(e).__name__, e)
+                raise failure(e) from None
+            if not done:
+                return job, done, takes
+            last = done[-1]
+            wav = np.concatenate([c.samples for c in done])
+            v = judge(last.rows, text, f.frame_rate, f.num_codebooks, last.stats.stop_reason, wav, f.hop,
+                      tts.guard or GuardOptions())
+            takes.append({"seed": options.seed, "temperature": options.temperature, "rows": int(len(last.rows)),
+                          "stop_reason": last.stats.stop_reason, "verdict": v.name, "reason": v.reason})
+            nxt = None if v.good or v.name == "max_rows" else policy.next_options(options, len(takes))
+            if nxt is None:
+                return job, done, takes
+            log.info("request %s: take %d is %s (%s); drawing again", job.id, len(takes), v.name, v.reason)
+            options = nxt
 
     async def stream_body(job, first, chunks: AsyncIterator, fmt: str, sse: bool, input_chars: int,
-                          tag: str | None) -> AsyncIterator[bytes]:
+                          tag: str | None, takes: list | None = None) -> AsyncIterator[bytes]:
         def event(obj: dict) -> bytes:
             return f"data: {json.dumps(obj)}\n\n".encode()
 
@@ -492,9 +549,12 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
         if sse:
             s = stats.as_dict() if stats is not None else {}
             usage = {"input_tokens": s.get("prompt_tokens", 0), "output_tokens": s.get("rows", 0)}
-            yield event({"type": "speech.audio.done", "usage": {**usage, "total_tokens": sum(usage.values())},
-                         "input_characters": input_chars, "speed_tag": tag, "stop_reason": s.get("stop_reason"),
-                         "stats": s})
+            done = {"type": "speech.audio.done", "usage": {**usage, "total_tokens": sum(usage.values())},
+                    "input_characters": input_chars, "speed_tag": tag, "stop_reason": s.get("stop_reason"),
+                    "stats": s}
+            if takes is not None:
+                done["takes"] = takes
+            yield event(done)
 
     # -- voices ------------------------------------------------------------------------------------------------
     @v1.get("/voices")
