@@ -695,3 +695,20 @@ def test_the_server_draws_a_degenerate_take_again(strict):
     plain = speech(strict, seed=3, response_format="pcm", stream_format="sse")  # no retries: it streams, and stops
     assert json.loads(plain.text.strip().splitlines()[-1][6:])["stop_reason"] == "overlong"
     strict.settle()
+
+
+def test_best_of_takes_on_the_server(server):
+    with server.http.stream("POST", "/v1/audio/speech", json={"model": "higgs-tts-3", "input": TEXT, "seed": 3,
+                                                              "takes": 3, "response_format": "pcm",
+                                                              "stream_format": "sse"}) as s:
+        assert s.headers["x-takes"] == "3" and s.headers["x-verdict"] == "good"
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ")]
+    takes = events[-1]["takes"]
+    assert [t["take"] for t in takes] == [1, 2, 3] and sum(t["kept"] for t in takes) == 1
+    kept = next(t for t in takes if t["kept"])
+    assert events[-1]["stats"]["rows"] == kept["rows"] and kept["score"] == max(t["score"] for t in takes)
+    for body, words in (({"takes": 9}, "takes must be from 1 to 8"), ({"takes": 2, "retries": 1}, "not both"),
+                        ({"takes": 2, "temperature": 0}, "needs sampling"), ({"takes": "3"}, "takes")):
+        err = assert_error(speech(server, **body), 400, "takes", "invalid_value")
+        assert words in err["message"], err
+    server.settle()

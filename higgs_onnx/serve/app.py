@@ -117,6 +117,9 @@ class SpeechRequest(BaseModel):
     # the guard's retries (docs/guard.md): the response waits for a good take (at most this many redraws, each with
     # a new seed and a cooler temperature) and is then sent whole; 0 (the default): audio streams as it is made
     retries: StrictInt = 0
+    # best of n takes (docs/guard.md): n draws of the request batched with everything else, each judged, the best
+    # sent whole (1, the default: one take, streamed)
+    takes: StrictInt = 1
 
 
 async def _replay(items: list) -> AsyncIterator:
@@ -436,11 +439,23 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
         text, options, tag = check_speech(r)
         if not 0 <= r.retries <= 10:
             raise ApiError(400, f"retries must be from 0 to 10, got {r.retries}", "retries", "invalid_value")
+        if not 1 <= r.takes <= 8:
+            raise ApiError(400, f"takes must be from 1 to 8, got {r.takes}", "takes", "invalid_value")
+        if r.takes > 1 and r.retries:
+            raise ApiError(400, "give takes or retries, not both", "takes", "invalid_value")
+        if r.takes > 1 and options.temperature == 0:
+            raise ApiError(400, "takes > 1 needs sampling (temperature > 0): greedy takes are all the same", "takes",
+                           "invalid_value")
         voice = await resolve_voice(r.voice)
         if r.model_extra:
             log.info("ignored fields: %s", ", ".join(sorted(r.model_extra)))
         takes = None
-        if r.retries:
+        if r.takes > 1:
+            job, done, takes = await best_take(text, voice, options, r, request)
+            if job is None:
+                return Response(status_code=499)
+            first, chunks = (done[0] if done else None), _replay(done[1:])
+        elif r.retries:
             job, done, takes = await judged_takes(text, voice, options, r, request)
             if job is None:
                 return Response(status_code=499)
@@ -462,8 +477,9 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
         body = stream_body(job, first, chunks, r.response_format, sse, len(r.input), tag, takes)
         fmt = FORMATS[r.response_format]
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": str(job.id)}
-        if takes is not None:
-            headers.update({"X-Takes": str(len(takes)), "X-Verdict": takes[-1]["verdict"]})
+        if takes:
+            kept = next((t for t in takes if t.get("kept")), takes[-1])  # best of n: the kept one; retries: the last
+            headers.update({"X-Takes": str(len(takes)), "X-Verdict": kept["verdict"]})
         return JobResponse(job, body, media_type="text/event-stream" if sse else fmt.media_type, headers=headers)
 
     def start_job(text: str, voice, options, exclusive: bool):
@@ -484,36 +500,85 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
     async def judged_takes(text: str, voice, options, r: SpeechRequest, request: Request):
         """(job, chunks, takes): whole takes, each judged by the guard, until a good one or the retries run out
         (the same `guard.RetryPolicy` as everywhere). (None, None, takes) when the client left meanwhile."""
-        import numpy as np
+        from ..guard import RetryPolicy
 
-        from ..guard import GuardOptions, RetryPolicy, judge
-
-        policy, takes, f = RetryPolicy(retries=r.retries), [], tts.facts
+        policy, takes = RetryPolicy(retries=r.retries), []
         while True:
             job = start_job(text, voice, options, r.deterministic)
-            done = []
-            try:
-                async for chunk in job:
-                    done.append(chunk)
-                    if await request.is_disconnected():
-                        job.cancel()
-                        return None, None, takes
-            except Exception as e:  # noqa: BLE001 - a take that fails is the request's error
-                log.error("request %s failed: %s: %s", job.id, type(e).__name__, e)
-                raise failure(e) from None
+            done = await collect(job, request)
+            if done is None:
+                return None, None, takes
             if not done:
                 return job, done, takes
-            last = done[-1]
-            wav = np.concatenate([c.samples for c in done])
-            v = judge(last.rows, text, f.frame_rate, f.num_codebooks, last.stats.stop_reason, wav, f.hop,
-                      tts.guard or GuardOptions())
-            takes.append({"seed": options.seed, "temperature": options.temperature, "rows": int(len(last.rows)),
-                          "stop_reason": last.stats.stop_reason, "verdict": v.name, "reason": v.reason})
+            v = judged(text, done)
+            takes.append(take_entry(options, done, v))
             nxt = None if v.good or v.name == "max_rows" else policy.next_options(options, len(takes))
             if nxt is None:
                 return job, done, takes
             log.info("request %s: take %d is %s (%s); drawing again", job.id, len(takes), v.name, v.reason)
             options = nxt
+
+    async def collect(job, request: Request) -> list | None:
+        """Every chunk of a job (None: the client left, and the job is cancelled)."""
+        done = []
+        try:
+            async for chunk in job:
+                done.append(chunk)
+                if await request.is_disconnected():
+                    job.cancel()
+                    return None
+        except Exception as e:  # noqa: BLE001 - a take that fails is the request's error
+            log.error("request %s failed: %s: %s", job.id, type(e).__name__, e)
+            raise failure(e) from None
+        return done
+
+    def judged(text: str, done: list):
+        """The guard's verdict of a whole take."""
+        import numpy as np
+
+        from ..guard import GuardOptions, judge
+
+        f, last = tts.facts, done[-1]
+        return judge(last.rows, text, f.frame_rate, f.num_codebooks, last.stats.stop_reason,
+                     np.concatenate([c.samples for c in done]), f.hop, tts.guard or GuardOptions())
+
+    def take_entry(options, done: list, v) -> dict:
+        last = done[-1]
+        return {"seed": options.seed, "temperature": options.temperature, "rows": int(len(last.rows)),
+                "stop_reason": last.stats.stop_reason, "verdict": v.name, "reason": v.reason}
+
+    async def best_take(text: str, voice, options, r: SpeechRequest, request: Request):
+        """(job, chunks, takes): `r.takes` draws submitted together (they batch with every other request), each
+        judged; the best (`runtime.model._take_scores`) is sent. (None, None, takes) when the client left."""
+        import dataclasses
+
+        from ..runtime.model import TAKE_SEED_STEP, _take_scores
+
+        opts = [dataclasses.replace(options, seed=options.seed + i * TAKE_SEED_STEP) for i in range(r.takes)]
+        jobs = []
+        try:
+            for o in opts:
+                jobs.append(start_job(text, voice, o, r.deterministic))
+        except BaseException:
+            for j in jobs:
+                j.cancel()
+            raise
+        made = []
+        for j in jobs:
+            done = await collect(j, request)
+            if done is None:
+                for other in jobs:
+                    other.cancel()
+                return None, None, []
+            made.append(done)
+        verdicts = [judged(text, d) if d else None for d in made]
+        good = [v is not None and v.good for v in verdicts]
+        scores = _take_scores([len(d[-1].rows) if d else 0 for d in made], good)
+        best = max(range(len(made)), key=lambda i: (scores[i] if made[i] else -9.0, -i))
+        takes = [{**(take_entry(o, d, v) if d else {"seed": o.seed, "verdict": "no_audio"}), "take": i + 1,
+                  "score": round(scores[i], 4), "kept": i == best}
+                 for i, (o, d, v) in enumerate(zip(opts, made, verdicts, strict=True))]
+        return jobs[best], made[best], takes
 
     async def stream_body(job, first, chunks: AsyncIterator, fmt: str, sse: bool, input_chars: int,
                           tag: str | None, takes: list | None = None) -> AsyncIterator[bytes]:
