@@ -368,13 +368,11 @@ class Scheduler:
         g = req.watch.options if req.watch is not None else GuardOptions()
         verdict = judge(req.generated, req.text, f.frame_rate, f.num_codebooks, req.stop_reason, speech.waveform,
                         f.hop, g)
-        handle.takes.append(take_record(req, verdict))
+        handle.takes.append(take_record(req.options, req.n, req.stop_reason, verdict))
         speech.verdict, speech.takes = verdict, list(handle.takes)
-        # a take cut by its row limit before the guard would call it overlong was cut by the caller's limit, not
-        # by the model: drawing it again would be cut the same way
-        if verdict.good or verdict.name == "max_rows" or handle.retry is None or handle.cancelled:
+        if handle.retry is None or handle.cancelled:
             return False
-        options = handle.retry.next_options(req.options, len(handle.takes))
+        options = handle.retry.after(verdict, req.options, len(handle.takes))
         if options is None:
             return False
         log.info("request %d: take %d is %s (%s); drawing again with seed %d, temperature %.2f", handle.id,

@@ -144,6 +144,7 @@ class RowWatch:
     stops it now ("loop", "overlong") or None. `counts[p]` is how many rows in a row have equalled the row p back."""
 
     def __init__(self, options: GuardOptions, expected: int | None, num_codebooks: int, frame_rate: float):
+        self._settings = (options, expected, num_codebooks, frame_rate)
         self.options, self.num_codebooks = options, num_codebooks
         self.limit = None if expected is None else overlong_rows(expected, frame_rate, options)
         self.counts = np.zeros(options.loop_period, np.int64)
@@ -152,10 +153,7 @@ class RowWatch:
 
     def fresh(self) -> RowWatch:
         """A new watch with the same settings (for a new draw of the same text)."""
-        w = RowWatch.__new__(RowWatch)
-        w.options, w.num_codebooks, w.limit = self.options, self.num_codebooks, self.limit
-        w.counts, w.verdict, w.at = np.zeros(self.options.loop_period, np.int64), None, None
-        return w
+        return RowWatch(*self._settings)
 
     def see(self, rows: np.ndarray, n: int) -> str | None:
         if self.verdict is not None:
@@ -264,6 +262,14 @@ class RetryPolicy:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
                 raise ValueError(f"{name} must be a number >= 0, got {v!r}")
 
+    def after(self, verdict: Verdict, options, tries: int):
+        """The options of the next draw after the `tries`-th take was judged `verdict`, or None: a good take, one cut
+        by the caller's own row limit (before the guard would call it overlong: a new draw would be cut the same
+        way), or no retry left."""
+        if verdict.good or verdict.name == "max_rows":
+            return None
+        return self.next_options(options, tries)
+
     def next_options(self, options, tries: int):
         """The options of try `tries + 1` (tries made so far: `tries`), or None when no retry is left."""
         import dataclasses
@@ -275,10 +281,10 @@ class RetryPolicy:
                                                                                               options.temperature))
 
 
-def take_record(req, verdict: Verdict) -> dict:
-    """One take as reports list it: its seed, temperature, rows, stop reason and verdict."""
-    return {"seed": req.options.seed, "temperature": req.options.temperature, "rows": int(req.n),
-            "stop_reason": req.stop_reason, "verdict": verdict.name, "reason": verdict.reason}
+def take_record(options, rows: int, stop_reason: str, verdict: Verdict) -> dict:
+    """One take as reports list it: the seed and temperature of its `options`, its rows, stop reason and verdict."""
+    return {"seed": options.seed, "temperature": options.temperature, "rows": int(rows),
+            "stop_reason": stop_reason, "verdict": verdict.name, "reason": verdict.reason}
 
 
 def trim_tail(wav: np.ndarray, hop: int, frame_rate: float, options: GuardOptions = GuardOptions()) -> np.ndarray:

@@ -44,15 +44,15 @@ class _Graph:
         self.fused = CODES in part.input_types  # the step graph (parts/llm_step.py)
         self.logits_shape = (facts.num_codebooks, facts.codebook_vocab)
         self.logits_dtype = getattr(part, "output_types", {}).get(LOGITS, np.float32)
-        self.no_codes = np.zeros((1, 0, facts.num_codebooks), np.int64)
 
     def new_positions(self, embeds: np.ndarray | None, codes: np.ndarray | None, rows: int = 1) -> dict:
-        """The feeds of the new positions: `embeds` (S, D) of one row, or (step graph) `codes` (B, N), one position
-        of each of B rows; the other input is empty."""
+        """The feeds of the new positions: `embeds` (S, D) of one row or (B, S, D) of B rows, or (step graph)
+        `codes` (B, N), one position of each of B rows; the other input is empty."""
         if codes is None:
-            feeds = {EMBEDS: np.ascontiguousarray(embeds[None], self.embed_dtype)}
+            x = np.ascontiguousarray(embeds if embeds.ndim == 3 else embeds[None], self.embed_dtype)
+            feeds = {EMBEDS: x}
             if self.fused:
-                feeds[CODES] = self.no_codes
+                feeds[CODES] = np.zeros((len(x), 0, self.facts.num_codebooks), np.int64)
             return feeds
         if not self.fused:
             raise RuntimeError("decode steps from codes need the step graph (llm_step)")
@@ -524,9 +524,7 @@ class SlotPool:
         if codes is None:
             feed = np.zeros((rows, self.hidden), self.embed_dtype)
             feed[idx] = embeds
-            feeds = {EMBEDS: feed[:, None]}
-            if self.fused:
-                feeds[CODES] = np.zeros((rows, 0, self.decoder.facts.num_codebooks), np.int64)
+            feeds = self.decoder.new_positions(feed[:, None], None)
         else:  # rows between the stepped ones ride along on code 0 (their written position is overwritten later)
             feed = np.zeros((rows, np.shape(codes)[-1]), np.int64)
             feed[idx] = codes

@@ -292,7 +292,7 @@ class HiggsTTS:
             return speeches[i]
 
         while True:  # the best by its rows; its audio checked; a take with dead air gives way to the next
-            scores = _take_scores([len(r.rows[:r.n]) for r in done], [v.good for v in verdicts])
+            scores = _take_scores([r.n for r in done], [v.good for v in verdicts])
             best = max(range(takes), key=lambda i: (scores[i], -i))
             was_good = verdicts[best].good
             decoded(best)
@@ -301,9 +301,9 @@ class HiggsTTS:
         if folder is not None:
             for i in range(takes):
                 decoded(i)
-            scores = _take_scores([len(r.rows[:r.n]) for r in done], [v.good for v in verdicts])
-        records = [{**take_record(r, v), "take": i + 1, "score": round(scores[i], 4), "kept": i == best}
-                   for i, (r, v) in enumerate(zip(done, verdicts, strict=True))]
+            scores = _take_scores([r.n for r in done], [v.good for v in verdicts])
+        records = [{**take_record(r.options, r.n, r.stop_reason, v), "take": i + 1, "score": round(scores[i], 4),
+                    "kept": i == best} for i, (r, v) in enumerate(zip(done, verdicts, strict=True))]
         if folder is not None:
             _save_takes(folder, [speeches[i] for i in range(takes)], records)
         kept = speeches[best]

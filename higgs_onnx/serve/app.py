@@ -512,7 +512,7 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
                 return job, done, takes
             v = judged(text, done)
             takes.append(take_entry(options, done, v))
-            nxt = None if v.good or v.name == "max_rows" else policy.next_options(options, len(takes))
+            nxt = policy.after(v, options, len(takes))
             if nxt is None:
                 return job, done, takes
             log.info("request %s: take %d is %s (%s); drawing again", job.id, len(takes), v.name, v.reason)
@@ -543,9 +543,9 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
                      np.concatenate([c.samples for c in done]), f.hop, tts.guard or GuardOptions())
 
     def take_entry(options, done: list, v) -> dict:
-        last = done[-1]
-        return {"seed": options.seed, "temperature": options.temperature, "rows": int(len(last.rows)),
-                "stop_reason": last.stats.stop_reason, "verdict": v.name, "reason": v.reason}
+        from ..guard import take_record
+
+        return take_record(options, len(done[-1].rows), done[-1].stats.stop_reason, v)
 
     async def best_take(text: str, voice, options, r: SpeechRequest, request: Request):
         """(job, chunks, takes): `r.takes` draws submitted together (they batch with every other request), each
