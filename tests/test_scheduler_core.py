@@ -6,6 +6,7 @@ bit on the tiny fp32 export."""
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from pathlib import Path
@@ -175,3 +176,35 @@ def test_a_decode_row_cannot_ride_along_a_prefill_chunk_on_the_gqa_graph(builds)
 
     r = probe(builds["int4"])
     assert not r["supported"] and "batch_size must be 1" in r["reason"]
+
+
+def test_a_mailbox_hands_items_over_in_order_and_times_out():
+    from higgs_onnx.generation.scheduler import Mailbox
+
+    box = Mailbox()
+    with pytest.raises(queue.Empty):
+        box.get_nowait()
+    t0 = time.perf_counter()
+    with pytest.raises(queue.Empty):
+        box.get(timeout=0.1)
+    assert 0.09 <= time.perf_counter() - t0 < 1.0
+    for i in range(3):
+        box.put(i)  # rings an already rung bell: no error, no block
+    assert [box.get(timeout=0) for _ in range(3)] == [0, 1, 2]
+    threading.Timer(0.1, box.put, ("late",)).start()
+    assert box.get(timeout=5) == "late"  # a waiter wakes when the item comes, not at its timeout
+
+
+def test_closing_a_scheduler_whose_lock_a_ctrl_c_left_held_still_ends(tts):
+    """A KeyboardInterrupt can land between a lock's acquire and its `try`, leaving it held (the hang this
+    guards against: `queue.Queue` in a handle, then closing waited forever). Closing must end, failing every
+    request, however many there are."""
+    sched = tts.scheduler(2, 256)
+    handles = [sched.submit(tts.request(t, seed=i, max_rows=50, slot=256), "speech") for i, t in enumerate(TEXTS)]
+    sched.step()
+    sched._lock.acquire()  # as a Ctrl-C would leave it
+    t0 = time.perf_counter()
+    sched.close()
+    assert time.perf_counter() - t0 < 6
+    assert all(h.finished.is_set() and h.error is not None for h in handles)
+    sched._lock.release()

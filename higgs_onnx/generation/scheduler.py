@@ -29,6 +29,7 @@ so its codes do not depend on its batch-mates (up to the rounding of batched ker
 
 from __future__ import annotations
 
+import _thread
 import itertools
 import logging
 import queue
@@ -112,7 +113,7 @@ class Handle:
         self.result: Any = None  # Speech (audio="speech"), the last AudioChunk ("stream"), the Request (None)
         self.finished = threading.Event()  # everything done, the codec's part included
         self._cancel = threading.Event()
-        self._events: queue.Queue = queue.Queue()
+        self._events = Mailbox()
         self._sink = sink  # called (from the scheduler's / codec's thread) with each event instead of queueing it
         self.streamer: AudioStreamer | None = None
         self.retry = None  # guard.RetryPolicy: a degenerate take is drawn again (audio="speech")
@@ -219,12 +220,51 @@ class Handle:
 _END = object()  # the last event of every handle
 
 
+class Mailbox:
+    """A FIFO between threads that a Ctrl-C cannot wedge. `queue.Queue` takes its lock in Python code, so a
+    KeyboardInterrupt landing in the main thread between the acquire and the `try` leaves it held, and the next
+    `put` (closing the scheduler hands every handle its end) waits forever. Here the items live in a deque (append
+    and popleft are atomic) and a waiter sleeps on a bare lock used as a doorbell: `put` only ever releases it,
+    and a waiter interrupted after taking it leaves it as it found it, rung or not."""
+
+    def __init__(self) -> None:
+        self._items: deque = deque()
+        self._bell = _thread.allocate_lock()
+        self._bell.acquire()  # held: nothing new
+
+    def put(self, item: Any) -> None:
+        self._items.append(item)
+        try:
+            self._bell.release()
+        except RuntimeError:  # already rung
+            pass
+
+    def get(self, timeout: float | None = None) -> Any:
+        """The oldest item; `queue.Empty` when none came within `timeout` seconds (None: wait for one)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                return self._items.popleft()
+            except IndexError:
+                pass
+            left = -1 if deadline is None else deadline - time.monotonic()
+            if deadline is not None and left <= 0:
+                raise queue.Empty
+            self._bell.acquire(timeout=left)
+
+    def get_nowait(self) -> Any:
+        try:
+            return self._items.popleft()
+        except IndexError:
+            raise queue.Empty from None
+
+
 class CodecWorker:
     """A thread that turns finished frames into audio, off the decoder loop, in submission order."""
 
     def __init__(self, decode_audio: Callable[[np.ndarray], np.ndarray], sample_rate: int, codebook_size: int):
         self.decode_audio, self.sample_rate, self.codebook_size = decode_audio, sample_rate, codebook_size
-        self._tasks: queue.Queue = queue.Queue()
+        self._tasks = Mailbox()
         self._thread: threading.Thread | None = None
         self.busy_s = 0.0
 
@@ -302,6 +342,7 @@ class Scheduler:
         self._wake = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._wedged = False  # close() found the lock held for good (a Ctrl-C left it so)
         self._stepping = threading.Lock()  # one step at a time (a caller-driven scheduler shared by threads)
         # submitted, started, retired (decoded to its end), and how each handle ended: finished, failed, cancelled
         self.counts = {k: 0 for k in ("submitted", "started", "retired", "finished", "failed", "cancelled",
@@ -386,12 +427,20 @@ class Scheduler:
         return True
 
     def _count(self, what: str) -> None:
+        if self._wedged:  # closing with the lock held for good: nothing else runs to race the count
+            self.counts[what] += 1
+            return
         with self._lock:
             self.counts[what] += 1
 
     def _poke(self) -> None:
-        with self._wake:
-            self._wake.notify_all()
+        """Wake the loop and anyone waiting. Never blocks for long: a Ctrl-C in the caller's thread may have left
+        the lock held (see Mailbox), and the close that follows pokes once per handle."""
+        if not self._wedged and self._lock.acquire(timeout=1.0):
+            try:
+                self._wake.notify_all()
+            finally:
+                self._lock.release()
 
     # -- the loop ----------------------------------------------------------------------------------------------
     def start(self) -> Scheduler:
@@ -415,6 +464,7 @@ class Scheduler:
         """Fail what is left, free every slot, stop the codec worker. Never blocks for long: a Ctrl-C that landed
         while the lock was being taken may have left it held, and closing must still end."""
         got = self._lock.acquire(timeout=2)
+        self._wedged = not got  # then nobody waits on it any more: pokes are skipped, not each timed out
         try:
             left, self._waiting = list(self._waiting), deque()
         finally:
