@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "printed (default %(default)s; up to 16; needs sampling)")
     ap.add_argument("--save-takes", type=Path, help="with --takes: a folder for every take (take-<i>.wav) and "
                     "takes.json (seed, rows, verdict, score, kept)")
+    ap.add_argument("--asr-model", type=Path, metavar="DIR", help="with --takes: also hear every good take with this "
+                    "local faster-whisper model and keep the one with the lowest word (character) error rate "
+                    "(needs `pip install faster-whisper`; nothing is downloaded)")
     ap.add_argument("--save-codes", type=Path, help="save the delayed rows to FILE.npy and raw codes to FILE.raw.npy")
     ap.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the model files")
     add_log_level(ap)
@@ -130,6 +133,8 @@ def check_args(args: argparse.Namespace) -> tuple[GenerationOptions, StreamOptio
         raise ValueError("--save-takes needs --takes N (N >= 2)")
     if args.save_takes is not None and args.save_takes.exists() and not args.save_takes.is_dir():
         raise ValueError(f"--save-takes {args.save_takes} is a file, not a folder")
+    if args.asr_model is not None and args.takes < 2:
+        raise ValueError("--asr-model needs --takes N (N >= 2): it ranks the takes by what is heard")
     if args.text_file is not None and args.out_dir is not None and args.save_codes is not None:
         raise ValueError("--save-codes is for single utterances")
     if args.text_file is not None and args.out is not None and args.save_codes is not None:
@@ -200,7 +205,8 @@ def speak_once(tts, text: str, out: Path, args, voice, progress):
     from higgs_onnx.outputs import write_or_keep
 
     if getattr(args, "takes", 1) > 1:
-        speech = tts.best_of(text, args.takes, voice=voice, options=args.options, save_takes=args.save_takes)
+        speech = tts.best_of(text, args.takes, voice=voice, options=args.options, save_takes=args.save_takes,
+                             asr=getattr(args, "asr", None))
     else:
         speech = tts.generate(text, voice=voice, options=args.options, on_row=progress,
                               retries=getattr(args, "retries", 0))
@@ -218,7 +224,8 @@ def report_takes(out: Path, speech) -> None:
     if len(takes) < 2 and (speech.verdict is None or speech.verdict.good):
         return
     for i, t in enumerate(takes, 1):
-        score = f", score {t['score']:.3f}{', kept' if t['kept'] else ''}" if "score" in t else ""
+        heard = "".join(f", {m.upper()} {t[m] * 100:.0f}% (heard {t['heard']!r})" for m in ("wer", "cer") if m in t)
+        score = f", score {t['score']:.3f}{heard}{', kept' if t['kept'] else ''}" if "score" in t else ""
         print(f"{out}: take {i} (seed {t['seed']}, temperature {t['temperature']:.2f}): {t['verdict']}: "
               f"{t['reason']}{score}", file=sys.stderr)
     if speech.verdict is not None and not speech.verdict.good and speech.verdict.name != "max_rows":
@@ -273,6 +280,10 @@ def speak_streaming(tts, text: str, out: Path, args, voice, progress):
 
 def run(args: argparse.Namespace) -> int:
     args.options, args.stream_options = check_args(args)
+    if args.asr_model is not None:  # before the model loads: a missing recogniser is known now
+        from higgs_onnx.asr import Transcriber
+
+        args.asr = Transcriber.load(args.asr_model)
     from higgs_onnx.runtime.model import HiggsTTS
 
     tts = HiggsTTS(args.model_path, provider=args.provider, threads=args.threads, verify=not args.no_verify)

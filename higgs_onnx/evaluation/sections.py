@@ -149,44 +149,36 @@ def kv_cache(ev: EvalContext) -> dict:
 
 
 def intelligibility(ev: EvalContext) -> dict:
-    """WER of greedy ONNX and PyTorch audio against the prompt text, with faster-whisper + jiwer if installed.
-
-    The ASR model is `$HIGGS_ASR_MODEL` (default `base`), fetched by faster-whisper on first use.
-    """
+    """WER (CER for Chinese/Japanese) of greedy ONNX and PyTorch audio against the prompt text, heard by
+    faster-whisper if installed (`asr.Transcriber`). The ASR model is `$HIGGS_ASR_MODEL` (default `base`): a local
+    folder, or a name faster-whisper fetches on first use."""
     import importlib.util
     import os
 
-    if importlib.util.find_spec("faster_whisper") is None or importlib.util.find_spec("jiwer") is None:
-        return {"skipped": "faster-whisper/jiwer are not installed (pip install faster-whisper jiwer); WER is "
-                           "meaningful only on real weights"}
-    from faster_whisper import WhisperModel
+    from ..asr import AsrUnavailable, Transcriber
 
+    if importlib.util.find_spec("faster_whisper") is None:
+        return {"skipped": "faster-whisper is not installed (pip install faster-whisper); WER is meaningful only "
+                           "on real weights"}
     name = os.environ.get("HIGGS_ASR_MODEL", "base")
     try:
-        asr = WhisperModel(name, device="cpu", compute_type="int8")
-    except Exception as e:  # no network, unknown model name ...: say so instead of failing the report
-        return {"skipped": f"could not load ASR model {name!r}: {e}"}
+        asr = Transcriber.load(name, local_only=Path(name).is_dir())
+    except AsrUnavailable as e:  # no network, unknown model name ...: say so instead of failing the report
+        return {"skipped": str(e)}
     rows = [_wer_row(ev, asr, text) for text in ev.options.prompts]
     return {"asr_model": name, "rows": rows, "onnx_wer": float(np.mean([r["onnx_wer"] for r in rows])),
             "torch_wer": float(np.mean([r["torch_wer"] for r in rows]))}
 
 
 def _wer_row(ev: EvalContext, asr, text: str) -> dict:
-    import jiwer
+    from ..asr import error_rate
 
-    from ..audio import resample
-    from ..generation.prompt import TAG_PATTERN
-
-    norm = jiwer.Compose([jiwer.ToLowerCase(), jiwer.RemovePunctuation(), jiwer.RemoveMultipleSpaces(),
-                          jiwer.Strip(), jiwer.ReduceToListOfListOfWords()])
-    truth = TAG_PATTERN.sub(" ", text)
     options = dataclasses.replace(GREEDY_OPTIONS, max_rows=ev.options.max_rows)
     wavs = {"onnx": ev.tts.generate(text, options=options).waveform,
             "torch": ev.ref.generate(text, options=options).waveform}
     row = {"prompt": text}
     for k, wav in wavs.items():
-        segments, _ = asr.transcribe(resample(wav, ev.tts.facts.sample_rate, 16000), beam_size=1)
-        heard = " ".join(s.text for s in segments)
+        heard = asr.hear(wav, ev.tts.facts.sample_rate)
         row[f"{k}_text"] = heard
-        row[f"{k}_wer"] = jiwer.wer(truth, heard or "-", reference_transform=norm, hypothesis_transform=norm)
+        row[f"{k}_wer"] = error_rate(text, heard)[1]
     return row

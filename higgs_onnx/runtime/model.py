@@ -237,7 +237,7 @@ class HiggsTTS:
 
     def best_of(self, text: str, takes: int, ref_audio=None, ref_text: str | None = None, voice: Voice | None = None,
                 options: GenerationOptions | None = None, *, save_takes: str | os.PathLike | None = None,
-                **keywords) -> Speech:
+                asr=None, **keywords) -> Speech:
         """`takes` draws of one request as rows of one batch, each judged by the guard; the best is returned, with
         every take's record (seed, temperature, rows, verdict, score, kept) in `Speech.takes`. Take i draws with seed
         `seed + i * TAKE_SEED_STEP`. The prompt is prefilled once: every take starts from its saved state and last
@@ -245,7 +245,9 @@ class HiggsTTS:
         choice needs are decoded (the best by its rows, checked for dead air; all with `save_takes`). Best: a good take
         before a degenerate one, then the one whose length is nearest the good takes' median (an outlier length is the
         likelier failure); ties go to the lower take. `save_takes`: a folder for `take-<i>.wav` of every take and
-        `takes.json`. Sampling only (greedy takes would all be the same)."""
+        `takes.json`. `asr` (an `asr.Transcriber`): every good take is also decoded and heard, and the best is the good
+        take with the lowest word (character) error rate, then as above; each record gets what was heard and its
+        `wer` or `cer`. Sampling only (greedy takes would all be the same)."""
         import dataclasses
 
         from ..generation.engine import prompt_embeddings
@@ -291,7 +293,17 @@ class HiggsTTS:
                                         s.waveform, f.hop, g)
             return speeches[i]
 
-        while True:  # the best by its rows; its audio checked; a take with dead air gives way to the next
+        heard: dict[int, dict] = {}
+        if asr is not None:  # every good take decoded (dead air checked) and heard; the best says the text best
+            for i in range(takes):
+                if verdicts[i].good:
+                    decoded(i)  # may find dead air
+                if verdicts[i].good:
+                    heard[i] = asr.score(text, speeches[i].waveform, f.sample_rate)
+            scores = _take_scores([r.n for r in done], [v.good for v in verdicts])
+            best = max(range(takes), key=lambda i: (verdicts[i].good, -_heard_rate(heard.get(i)), scores[i], -i))
+            decoded(best)
+        while asr is None:  # the best by its rows; its audio checked; a take with dead air gives way to the next
             scores = _take_scores([r.n for r in done], [v.good for v in verdicts])
             best = max(range(takes), key=lambda i: (scores[i], -i))
             was_good = verdicts[best].good
@@ -303,7 +315,7 @@ class HiggsTTS:
                 decoded(i)
             scores = _take_scores([r.n for r in done], [v.good for v in verdicts])
         records = [{**take_record(r.options, r.n, r.stop_reason, v), "take": i + 1, "score": round(scores[i], 4),
-                    "kept": i == best} for i, (r, v) in enumerate(zip(done, verdicts, strict=True))]
+                    **heard.get(i, {}), "kept": i == best} for i, (r, v) in enumerate(zip(done, verdicts, strict=True))]
         if folder is not None:
             _save_takes(folder, [speeches[i] for i in range(takes)], records)
         kept = speeches[best]
@@ -383,6 +395,13 @@ class HiggsTTS:
 
 MAX_TAKES = 16  # takes of one request (rows of one batch: every take needs its slot)
 TAKE_SEED_STEP = 7_919  # seed of take i: seed + i * this (other than a retry's step, so the two never meet)
+
+
+def _heard_rate(record: dict | None) -> float:
+    """A heard take's error rate (`asr.Transcriber.score`); a take not heard ranks after every heard one."""
+    if record is None:
+        return float("inf")
+    return record.get("wer", record.get("cer"))
 
 
 def _take_scores(rows: list[int], good: list[bool]) -> list[float]:
