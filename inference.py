@@ -23,6 +23,7 @@ from pathlib import Path
 from higgs_onnx.cli import add_log_level, run_main
 from higgs_onnx.generation.options import DEFAULT_MAX_ROWS, GenerationOptions
 from higgs_onnx.generation.prompt import check_text
+from higgs_onnx.loudness import check_target as check_loudness
 from higgs_onnx.runtime.session import PROVIDERS, check_threads
 from higgs_onnx.runtime.stream import CODEC_MODES, StreamOptions
 
@@ -86,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "printed (default %(default)s; up to 16; needs sampling)")
     ap.add_argument("--save-takes", type=Path, help="with --takes: a folder for every take (take-<i>.wav) and "
                     "takes.json (seed, rows, verdict, score, kept)")
+    ap.add_argument("--loudness", type=float, metavar="LUFS", help="bring each output to this integrated loudness "
+                    "(EBU R128; e.g. -16 for podcasts, -23 for broadcast), the peak kept under -1 dBFS; needs the "
+                    "whole take, so not with --stream or --out -. See docs/audio.md")
     ap.add_argument("--asr-model", type=Path, metavar="DIR", help="with --takes: also hear every good take with this "
                     "local faster-whisper model and keep the one with the lowest word (character) error rate "
                     "(needs `pip install faster-whisper`; nothing is downloaded)")
@@ -133,6 +137,9 @@ def check_args(args: argparse.Namespace) -> tuple[GenerationOptions, StreamOptio
         raise ValueError("--save-takes needs --takes N (N >= 2)")
     if args.save_takes is not None and args.save_takes.exists() and not args.save_takes.is_dir():
         raise ValueError(f"--save-takes {args.save_takes} is a file, not a folder")
+    check_loudness(args.loudness)
+    if args.loudness is not None and args.stream:
+        raise ValueError("--loudness needs the whole take before it is written: not with --stream or --out -")
     if args.asr_model is not None and args.takes < 2:
         raise ValueError("--asr-model needs --takes N (N >= 2): it ranks the takes by what is heard")
     if args.text_file is not None and args.out_dir is not None and args.save_codes is not None:
@@ -210,12 +217,39 @@ def speak_once(tts, text: str, out: Path, args, voice, progress):
     else:
         speech = tts.generate(text, voice=voice, options=args.options, on_row=progress,
                               retries=getattr(args, "retries", 0))
-    write_or_keep(lambda: write_audio(out, speech.waveform, speech.sample_rate), speech.waveform, speech.sample_rate,
-                  out)
+    wav = level(speech.waveform, speech.sample_rate, args, out)
+    write_or_keep(lambda: write_audio(out, wav, speech.sample_rate), wav, speech.sample_rate, out)
     if args.save_codes:
         save_codes(args.save_codes, speech.rows, speech.codes)
     report_takes(out, speech)
     return speech.stats
+
+
+def level(wav, sample_rate: int, args, out: Path):
+    """`wav` at `--loudness` (unchanged without it), with one line on what was done."""
+    if getattr(args, "loudness", None) is None:
+        return wav
+    from higgs_onnx.loudness import normalise
+
+    wav, lv = normalise(wav, sample_rate, args.loudness)
+    if lv.measured is None:
+        print(f"{out}: too short or silent to measure its loudness; left as it is", file=sys.stderr)
+    else:
+        short = f" (the peak ceiling held it {lv.target - lv.reached:.1f} LU below)" if lv.reached < lv.target - 0.05 \
+            else ""
+        print(f"{out}: loudness {lv.measured:.1f} -> {lv.reached:.1f} LUFS (gain {lv.gain_db:+.1f} dB){short}",
+              file=sys.stderr)
+    return wav
+
+
+def level_file(path: Path, args) -> None:
+    """A written recording brought to `--loudness` in place (atomically: a temp file renamed over it)."""
+    import soundfile as sf
+
+    from higgs_onnx.audio import write_audio
+
+    wav, sr = sf.read(path, dtype="float32")
+    write_audio(path, level(wav, sr, args, path), sr)
 
 
 def report_takes(out: Path, speech) -> None:
@@ -290,7 +324,7 @@ def run(args: argparse.Namespace) -> int:
     if args.selftest:
         return selftest(tts)
     if args.codes is not None:
-        return decode_codes(tts, args.codes, args.out)
+        return decode_codes(tts, args.codes, args.out, args)
     if args.text is not None:  # the text's tokens too, before a reference is encoded
         from higgs_onnx.generation.prompt import encode_user_text
 
@@ -374,8 +408,9 @@ def speak_lines(tts, lines: list[str], args, voice) -> int:
                         stats = h.result.stats
                     else:
                         speech = h.result
-                        write_or_keep(lambda s=speech, o=out: write_audio(o, s.waveform, s.sample_rate),
-                                      speech.waveform, speech.sample_rate, out)
+                        wav = level(speech.waveform, speech.sample_rate, args, out)
+                        write_or_keep(lambda w=wav, s=speech, o=out: write_audio(o, w, s.sample_rate), wav,
+                                      speech.sample_rate, out)
                         stats = speech.stats
                     made += 1
                     audio += stats.audio_s
@@ -449,6 +484,8 @@ def _speak_long(tts, text: str, args, voice, tmp: Path) -> int:
     else:
         try:
             job.write(progress)  # grows OUT.partial piece by piece, renames it at the end, removes OUT.work/
+            if args.loudness is not None:  # the whole recording at one level (one gain: pieces keep their balance)
+                level_file(args.out, args)
         except (OutputError, ContractError):
             raise  # their message says what to do (and resuming cannot make a piece fit)
         except BaseException:
@@ -464,7 +501,7 @@ def _speak_long(tts, text: str, args, voice, tmp: Path) -> int:
     return 0
 
 
-def decode_codes(tts, path: Path, out: Path) -> int:
+def decode_codes(tts, path: Path, out: Path, args=None) -> int:
     import numpy as np
 
     from higgs_onnx.audio import write_audio
@@ -474,7 +511,7 @@ def decode_codes(tts, path: Path, out: Path) -> int:
     n = tts.facts.num_codebooks
     delayed = len(rows) > 0 and rows[0, 1:].tolist() == [tts.facts.boc] * (n - 1)  # delayed rows start with BOC
     wav = tts.decode_rows(rows.astype(np.int64), delayed=delayed)
-    write_audio(out, wav, tts.facts.sample_rate)
+    write_audio(out, level(wav, tts.facts.sample_rate, args, out), tts.facts.sample_rate)
     print(f"{out}: {wav.size / tts.facts.sample_rate:.2f} s decoded from {'delayed' if delayed else 'raw'} rows")
     return 0
 

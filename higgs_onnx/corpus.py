@@ -239,7 +239,7 @@ class Worker:
     codec thread (`audio="speech"`), its file is written by the call's thread; neither holds up the decoder loop."""
 
     def __init__(self, model_path: str, out: str, batch: int, threads: int, voices: str | None, fmt: str,
-                 retries: int = 2):
+                 retries: int = 2, loudness: float | None = None):
         import socket
 
         from .generation.scheduler import PrefillPolicy
@@ -248,6 +248,7 @@ class Worker:
         self.tts = HiggsTTS(model_path, threads=threads, verify=False)
         self.out, self.batch, self.voices, self.fmt = Path(out), batch, voices, fmt
         self.retry = retry_policy(retries)  # the guard's retries of a degenerate take (guard.RetryPolicy)
+        self.loudness = loudness  # LUFS every file is brought to (None: as generated)
         self.name = f"{socket.gethostname()}:{os.getpid()}"
         self._voice_cache: dict[str, object] = {}
         self._lock = threading.Lock()
@@ -305,6 +306,11 @@ class Worker:
             raise NoAudioError(f"the generation ended after {len(speech.rows)} rows ({speech.stop_reason}) without "
                                f"audio")
         path = self.out / f"{row['id']}.{self.fmt}"
+        level = None
+        if self.loudness is not None:
+            from .loudness import normalise
+
+            wav, level = normalise(wav, rate, self.loudness)
         try:
             write_audio(path, wav, rate)
         except OSError as e:
@@ -314,6 +320,7 @@ class Worker:
         verdict = verdict.name if verdict is not None else None
         return {"id": row["id"], "file": path.name, "duration_s": wav.size / rate, "rows": len(speech.rows),
                 "stop_reason": speech.stop_reason, "verdict": verdict, "tries": len(takes) or 1,
+                **({"loudness": level.as_dict()} if level is not None else {}),
                 "takes": [{k: t[k] for k in ("seed", "temperature", "rows", "verdict")} for t in takes],
                 "seconds": time.perf_counter() - t0, "worker": self.name,
                 "worker_peak_rss_mb": peak_rss() / 2**20, "error": None}
@@ -374,6 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "ray[client]); default: start a local instance")
     ap.add_argument("--voices", type=Path, help="folder of named voices (<name>.npz from --save-voice)")
     ap.add_argument("--format", choices=FORMATS, default="wav")
+    ap.add_argument("--loudness", type=float, metavar="LUFS", help="bring every file to this integrated loudness "
+                    "(EBU R128, e.g. -23), the peak under -1 dBFS; the manifest records each file's before/after")
     ap.add_argument("--retries", type=int, default=2, help="a take the guard finds degenerate (a loop, rambling, "
                     "dead air) is drawn again with a new seed and a cooler temperature, up to this many times "
                     "(default %(default)s; 0 = off); the manifest records every try and its verdict")
@@ -417,6 +426,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--workers and --batch must be >= 1, --threads >= 0")
     if not 0 <= args.retries <= 10:
         raise ValueError(f"--retries must be from 0 to 10, got {args.retries}")
+    from .loudness import check_target
+
+    check_target(args.loudness)
     check_address(args.address)
     load_manifest(args.model_path, verify=False)  # a missing or broken export: one line, before Ray starts
     rows = read_rows(args.input)
@@ -684,7 +696,8 @@ def generate_all(args, todo: list[Row], record, stop: StopSignal | None = None) 
 
         def new_lane() -> Lane:
             return Lane(actor.remote(str(args.model_path.resolve()), str(args.out.resolve()), args.batch, threads,
-                                     str(args.voices.resolve()) if args.voices else None, args.format, args.retries))
+                                     str(args.voices.resolve()) if args.voices else None, args.format, args.retries,
+                                     args.loudness))
 
         lanes = [new_lane() for _ in range(args.workers)]
         spare = MAX_REPLACEMENTS * args.workers  # new workers for ones that die

@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "while other requests decode (default: sized by time, about one decode step's worth)")
     ap.add_argument("--voices", type=Path, help="folder of saved voices (default: MODEL_PATH/voices; a voice "
                     "belongs to the export that made it); created if missing")
+    ap.add_argument("--default-voice", default="default", metavar="NAME", help="the voice for requests that name "
+                    "none or one of OpenAI's (alloy, echo, nova, ...: what stock clients such as Open "
+                    "WebUI send): a saved voice's name, or 'default' (zero-shot, the default)")
     ap.add_argument("--api-key", default=os.environ.get("HIGGS_API_KEY"), help="require 'Authorization: Bearer "
                     "KEY' on /v1 (default: $HIGGS_API_KEY, which keeps the key out of the process list)")
     ap.add_argument("--threads", type=int, default=0, help="intra-op threads (0 = one per core)")
@@ -178,6 +181,13 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError(f"cannot create the voices folder {voices} ({e.strerror}); pass --voices DIR") from None
     if not os.access(voices, os.W_OK):
         raise PermissionError(f"the voices folder {voices} is not writable; pass --voices DIR")
+    if args.default_voice.lower() != "default":  # a missing or unusable default voice is known now, not per request
+        from .voices import VoiceError, VoiceStore
+
+        try:
+            VoiceStore(voices, tts.model_id).get(args.default_voice)
+        except VoiceError as e:
+            raise ValueError(f"--default-voice: {e}") from None
     loopback = is_loopback(args.host)
     if not loopback and args.api_key is None:
         print(f"warning: listening on {args.host} without --api-key: anyone who reaches this port can use it",
@@ -185,7 +195,7 @@ def serve(args: argparse.Namespace) -> int:
     scheduler = Scheduler(tts, max_batch=args.max_batch, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk)
     timeouts = timeouts_of(args)
     app = create_app(tts, scheduler, voices, args.api_key, allowed_hosts=LOOPBACK_NAMES if loopback else None,
-                     timeouts=timeouts)
+                     timeouts=timeouts, default_voice=args.default_voice)
     port = sock.getsockname()[1]
     shown = f"[{args.host}]" if ":" in args.host else args.host
     banner = (f"higgs-onnx speech server: http://{shown}:{port}/ (model {Path(tts.manifest.folder).name}, "

@@ -44,6 +44,7 @@ from starlette.requests import ClientDisconnect
 from ..audio import AudioError, check_format, check_recording
 from ..generation.contract import ContractError, NoAudioError, min_rows
 from ..generation.options import DEFAULT_MAX_ROWS, GenerationOptions
+from ..loudness import check_target as check_loudness
 from .formats import FORMATS, encoder
 from .limits import (
     COUNTERS,
@@ -62,6 +63,10 @@ log = logging.getLogger(__name__)
 
 ALIASES = ("higgs-tts-3", "higgs-audio-v3-tts")  # Boson's hosted API names
 OPENAI_ALIASES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")  # so a stock OpenAI client config works unchanged
+# OpenAI's built-in voice names (clients default to "alloy"): each is the server's default voice (--default-voice)
+# unless a saved voice has that name
+OPENAI_VOICES = ("alloy", "ash", "ballad", "cedar", "coral", "echo", "fable", "marin", "nova", "onyx", "sage",
+                 "shimmer", "verse")
 MAX_INPUT_CHARS = 4096  # OpenAI's limit
 SPEED_RANGE = (0.25, 4.0)
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "max_rows")
@@ -120,6 +125,9 @@ class SpeechRequest(BaseModel):
     # best of n takes (docs/guard.md): n draws of the request batched with everything else, each judged, the best
     # sent whole (1, the default: one take, streamed)
     takes: StrictInt = 1
+    # EBU R128 integrated loudness in LUFS (docs/audio.md): the take is measured whole, brought to it and then sent
+    # whole (None, the default: as generated, streamed)
+    loudness: StrictFloat | None = None
 
 
 async def _replay(items: list) -> AsyncIterator:
@@ -258,10 +266,13 @@ class HostGuard:
 
 
 def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = None, *,
-               allowed_hosts: list[str] | None = None, timeouts: Timeouts | None = None) -> FastAPI:
+               allowed_hosts: list[str] | None = None, timeouts: Timeouts | None = None,
+               default_voice: str = DEFAULT) -> FastAPI:
     """The app for one loaded model. Its lifespan starts and stops `scheduler`. `api_key` (if set) is required as
     `Authorization: Bearer <key>` on every /v1 route; `allowed_hosts` (if set) refuses other Host headers (DNS
-    rebinding: the server's own loopback names); `timeouts` bound the request bodies (`limits`)."""
+    rebinding: the server's own loopback names); `timeouts` bound the request bodies (`limits`); `default_voice` (a
+    saved voice's name) speaks for requests that name no voice or one of OpenAI's (`OPENAI_VOICES`); "default" named
+    is zero-shot speech."""
     timeouts = timeouts or Timeouts()
     model_id = Path(tts.manifest.folder).name
     models = [model_id, *ALIASES, *OPENAI_ALIASES]
@@ -358,7 +369,9 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
 
     async def resolve_voice(voice: str | VoiceRef | None):
         name = voice.id if isinstance(voice, VoiceRef) else voice
-        if name is None or name.lower() == DEFAULT:
+        if name is None or name.lower() in OPENAI_VOICES and store.find(name) is None:
+            name = default_voice  # no voice named, or a stock client's "alloy": the server's default voice
+        if name.lower() == DEFAULT:  # zero-shot, always, when named
             return None
         try:
             return await asyncio.to_thread(store.get, name)
@@ -446,6 +459,10 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
         if r.takes > 1 and options.temperature == 0:
             raise ApiError(400, "takes > 1 needs sampling (temperature > 0): greedy takes are all the same", "takes",
                            "invalid_value")
+        try:
+            check_loudness(r.loudness, "loudness")
+        except ValueError as e:
+            raise ApiError(400, str(e), "loudness", "invalid_value") from None
         voice = await resolve_voice(r.voice)
         if r.model_extra:
             log.info("ignored fields: %s", ", ".join(sorted(r.model_extra)))
@@ -458,6 +475,12 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
         elif r.retries:
             job, done, takes = await judged_takes(text, voice, options, r, request)
             if job is None:
+                return Response(status_code=499)
+            first, chunks = (done[0] if done else None), _replay(done[1:])
+        elif r.loudness is not None:  # measured whole: the take is collected, then sent
+            job = start_job(text, voice, options, r.deterministic)
+            done = await collect(job, request)
+            if done is None:
                 return Response(status_code=499)
             first, chunks = (done[0] if done else None), _replay(done[1:])
         else:
@@ -473,10 +496,15 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
         if first is None:  # ended without a chunk and without an error: never a 200 with no audio
             log.error("request %s ended without audio", job.id)
             raise ApiError(500, "the generation ended without audio; no audio to send", None, "no_audio")
-        sse = r.stream_format == "sse"
-        body = stream_body(job, first, chunks, r.response_format, sse, len(r.input), tag, takes)
+        sse, level = r.stream_format == "sse", None
+        if r.loudness is not None and first is not None:
+            done, level = leveled([first, *[c async for c in chunks]], r.loudness)
+            first, chunks = done[0], _replay(done[1:])
+        body = stream_body(job, first, chunks, r.response_format, sse, len(r.input), tag, takes, level)
         fmt = FORMATS[r.response_format]
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": str(job.id)}
+        if level is not None and level.reached is not None:
+            headers["X-Loudness"] = f"{level.reached:.1f}"
         if takes:
             kept = next((t for t in takes if t.get("kept")), takes[-1])  # best of n: the kept one; retries: the last
             headers.update({"X-Takes": str(len(takes)), "X-Verdict": kept["verdict"]})
@@ -580,8 +608,21 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
                  for i, (o, d, v) in enumerate(zip(opts, made, verdicts, strict=True))]
         return jobs[best], made[best], takes
 
+    def leveled(done: list, lufs: float) -> tuple[list, object]:
+        """A whole take's chunks brought to `lufs` together (one gain), and the `loudness.Loudness` record."""
+        import dataclasses
+
+        import numpy as np
+
+        from ..loudness import normalise
+
+        wav, level = normalise(np.concatenate([c.samples for c in done]), sample_rate, lufs)
+        ends = np.cumsum([c.samples.size for c in done])
+        return [dataclasses.replace(c, samples=wav[e - c.samples.size:e]) for c, e in zip(done, ends, strict=True)
+                ], level
+
     async def stream_body(job, first, chunks: AsyncIterator, fmt: str, sse: bool, input_chars: int,
-                          tag: str | None, takes: list | None = None) -> AsyncIterator[bytes]:
+                          tag: str | None, takes: list | None = None, level=None) -> AsyncIterator[bytes]:
         def event(obj: dict) -> bytes:
             return f"data: {json.dumps(obj)}\n\n".encode()
 
@@ -619,7 +660,23 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
                     "stats": s}
             if takes is not None:
                 done["takes"] = takes
+            if level is not None:
+                done["loudness"] = level.as_dict()
             yield event(done)
+
+    # -- Open WebUI's lists (backend/open_webui/routers/audio.py reads {"models": [{"id"}]} and
+    # {"voices": [{"id", "name"}]}); "data" too, for clients that read OpenAI's list shape
+    @v1.get("/audio/models")
+    async def audio_models():
+        entries = [model_entry(m) for m in models]
+        return {"object": "list", "models": [{"id": e["id"], "name": e["id"]} for e in entries], "data": entries}
+
+    @v1.get("/audio/voices")
+    async def audio_voices():
+        names = [DEFAULT, *store.names()]
+        return {"object": "list", "voices": [{"id": n, "name": n + (" (server default)" if n == default_voice else "")}
+                                             for n in names],
+                "default": default_voice, "aliases": {v: default_voice for v in OPENAI_VOICES if store.find(v) is None}}
 
     # -- voices ------------------------------------------------------------------------------------------------
     @v1.get("/voices")

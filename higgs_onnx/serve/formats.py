@@ -11,6 +11,9 @@ Each `Encoder` takes `push(samples) -> bytes` per generated chunk and `finish() 
   placeholder is dropped instead, so the stream is plain CBR frames (decoders derive the length from the size;
   without the tag the ~50 ms encoder delay is not trimmed).
 - `opus`: Ogg Opus from libsndfile, drained after each chunk (Ogg pages never seek back).
+- `aac`: AAC-LC in ADTS frames (64 kbit/s) from FFmpeg's native encoder, which PyAV's wheel carries. ADTS is a
+  plain frame stream (no header to fill in later), drained after each chunk; the encoder holds about two frames
+  (1024 samples each) until `finish` flushes them. Decoders play 1024 samples of encoder priming first, as for any AAC.
 - `flac`: encoded chunk by chunk but sent whole at `finish`: libsndfile seeks back at close to write the sample
   count and MD5 into STREAMINFO, and a FLAC without the count is unreadable for libsndfile itself (it reports an
   unbounded length), so nothing is sent before the end.
@@ -40,6 +43,7 @@ FORMATS = {
     "mp3": Format("audio/mpeg", True),
     "opus": Format("audio/ogg", True),
     "wav": Format("audio/wav", True),
+    "aac": Format("audio/aac", True),
     "flac": Format("audio/flac", False),
     "pcm": Format("audio/pcm", True),
 }
@@ -183,6 +187,60 @@ class SoundFileEncoder:
         return frame + rest
 
 
+class _Sink(io.RawIOBase):
+    """A write-only in-memory file for PyAV's muxer: what it wrote since the last `drain`."""
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        self.buf += b
+        return len(b)
+
+    def drain(self) -> bytes:
+        out = bytes(self.buf)
+        self.buf.clear()
+        return out
+
+
+class AacEncoder:
+    """AAC-LC in ADTS through PyAV (FFmpeg's encoder), drained after each chunk."""
+
+    BIT_RATE = 64000
+
+    def __init__(self, sample_rate: int):
+        import av
+
+        self.sink, self.rate, self.pts = _Sink(), sample_rate, 0
+        self.out = av.open(self.sink, mode="w", format="adts")
+        self.stream = self.out.add_stream("aac", rate=sample_rate)
+        self.stream.layout, self.stream.bit_rate = "mono", self.BIT_RATE
+
+    def _mux(self, frame) -> bytes:
+        for packet in self.stream.encode(frame):
+            self.out.mux(packet)
+        return self.sink.drain()
+
+    def push(self, samples: np.ndarray) -> bytes:
+        import av
+
+        if not samples.size:
+            return b""
+        x = np.ascontiguousarray(np.clip(samples, -1.0, 1.0), np.float32)[None, :]
+        frame = av.AudioFrame.from_ndarray(x, format="flt", layout="mono")
+        frame.sample_rate, frame.pts = self.rate, self.pts
+        self.pts += x.shape[1]
+        return self._mux(frame)
+
+    def finish(self) -> bytes:
+        out = self._mux(None)
+        self.out.close()
+        return out + self.sink.drain()
+
+
 def encoder(fmt: str, sample_rate: int) -> Encoder:
     """A fresh encoder for one response in `fmt` (a key of FORMATS)."""
     if fmt == "pcm":
@@ -196,4 +254,6 @@ def encoder(fmt: str, sample_rate: int) -> Encoder:
         return SoundFileEncoder(sample_rate, "OGG", "OPUS", True)
     if fmt == "flac":
         return SoundFileEncoder(sample_rate, "FLAC", "PCM_16", False)
+    if fmt == "aac":
+        return AacEncoder(sample_rate)
     raise ValueError(f"unsupported response_format {fmt!r}; use one of {', '.join(FORMATS)}")
