@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
@@ -128,6 +128,9 @@ class SpeechRequest(BaseModel):
     # EBU R128 integrated loudness in LUFS (docs/audio.md): the take is measured whole, brought to it and then sent
     # whole (None, the default: as generated, streamed)
     loudness: StrictFloat | None = None
+
+
+WS_ONLY = ("type", "session", "split_granularity", "stream_audio", "input", "continuation")  # not speech fields
 
 
 async def _replay(items: list) -> AsyncIterator:
@@ -255,9 +258,12 @@ class HostGuard:
         self.app, self.names = app, {n.lower() for n in names}
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
+        if scope["type"] in ("http", "websocket"):
             host = dict(scope["headers"]).get(b"host", b"").decode("latin-1").lower()
             name = host if host.endswith("]") else host.rsplit(":", 1)[0]
+            if name not in self.names and scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 1008, "reason": "Host is not this server's name"})
+                return
             if name not in self.names:
                 await error_response(400, f"Host {host!r} is not this server's name; use one of "
                                      f"{', '.join(sorted(self.names))}", None, "invalid_host")(scope, receive, send)
@@ -267,7 +273,7 @@ class HostGuard:
 
 def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = None, *,
                allowed_hosts: list[str] | None = None, timeouts: Timeouts | None = None,
-               default_voice: str = DEFAULT) -> FastAPI:
+               default_voice: str = DEFAULT, ws_idle_s: float = 30.0) -> FastAPI:
     """The app for one loaded model. Its lifespan starts and stops `scheduler`. `api_key` (if set) is required as
     `Authorization: Bearer <key>` on every /v1 route; `allowed_hosts` (if set) refuses other Host headers (DNS
     rebinding: the server's own loopback names); `timeouts` bound the request bodies (`limits`); `default_voice` (a
@@ -663,6 +669,33 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
             if level is not None:
                 done["loudness"] = level.as_dict()
             yield event(done)
+
+    # -- text in, audio out: one WebSocket session (sglang-omni's message names; docs/integrations.md) -----------
+    @app.websocket("/v1/audio/speech/stream")
+    async def speech_stream(ws: WebSocket):
+        from .textstream import SpeechSession
+        from .wsproto import WsSession
+
+        origin = ws.headers.get("origin")
+        if origin and urlsplit(origin).netloc != ws.headers.get("host"):
+            await ws.close(1008, "cross-origin WebSocket refused")
+            return
+        if api_key is not None:
+            scheme, _, token = ws.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+                await ws.close(1008, "this server needs an API key: Authorization: Bearer <key>")
+                return
+        await ws.accept()
+
+        def configure(cfg: dict):
+            """(voice, options, format, granularity) from a session.config; ApiError for the first bad field."""
+            r = SpeechRequest.model_validate({"model": model_id, **{k: v for k, v in cfg.items() if k not in WS_ONLY},
+                                              "input": "-"})
+            _, options, _ = check_speech(r)
+            return r, options
+
+        await WsSession(ws, configure, resolve_voice, lambda voice, options: SpeechSession(scheduler, voice, options),
+                        sample_rate, ws_idle_s).run()
 
     # -- Open WebUI's lists (backend/open_webui/routers/audio.py reads {"models": [{"id"}]} and
     # {"voices": [{"id", "name"}]}); "data" too, for clients that read OpenAI's list shape

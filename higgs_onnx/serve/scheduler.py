@@ -141,15 +141,20 @@ class Scheduler:
         self.core.stop()
 
     def submit(self, text: str, *, voice=None, options: GenerationOptions | None = None,
-               stream_options: StreamOptions | None = None, exclusive: bool = False) -> Job:
+               stream_options: StreamOptions | None = None, exclusive: bool = False, keep: bool = False,
+               history: list = (), continues: Job | None = None) -> Job:
         """A job for `text` (call from the event loop), built for one pool slot. A request that breaks the contract
         raises ContractError, other bad text/options ValueError, here; a full queue raises QueueFull, a stopped
         scheduler ShuttingDown. An
-        `exclusive` job runs alone (a batch of one): reproducible to the bit, at the cost of draining the batch."""
+        `exclusive` job runs alone (a batch of one): reproducible to the bit, at the cost of draining the batch.
+        `keep`: its KV cache is held when it ends, for a job that `continues` it (KV continuation: `history` then
+        ends with its (text, rows) turn, and only the new text is prefilled); a kept job nobody continues is given
+        back with `job.handle.release()`."""
         if self._stopping.is_set():
             raise ShuttingDown("the server is shutting down")
         # a bad request is refused before a full queue
-        req = self.tts.request(text, voice=voice, options=options, slot=self.slot_positions)
+        req = self.tts.request(text, voice=voice, options=options, slot=self.slot_positions, history=history,
+                               continues=None if continues is None else continues.request)
         job = Job(req, asyncio.get_running_loop(), exclusive, self._ended, self._stopping)
         with self._lock:
             if self._pending >= self.max_batch + self.max_queue:
@@ -159,7 +164,8 @@ class Scheduler:
             self.counts["submitted"] += 1
         try:
             job.handle = self.core.submit(req, "stream", stream_options or StreamOptions(), exclusive=exclusive,
-                                          sink=job._sink)
+                                          sink=job._sink, keep=keep,
+                                          after=None if continues is None else continues.handle)
         except BaseException:
             with self._lock:
                 self._pending -= 1

@@ -1,0 +1,229 @@
+"""The WebSocket text-in stream, `/v1/audio/speech/stream`, with sglang-omni's message names (its
+`sglang_omni/serve/speech_ws.py`), so its clients work unchanged.
+
+Client -> server, JSON text frames:
+- `{"type": "session.config", ...}`: the speech fields of `/v1/audio/speech` (voice, response_format, temperature,
+  top_k, top_p, seed, max_rows, speed), flat or under `"session"`, plus `split_granularity` ("sentence" or "clause")
+  and `continuation` (default true: each segment continues the KV context of the one before). First, within
+  CONFIG_S seconds.
+- `{"type": "input.text", "text": "..."}` as text arrives (an LLM's tokens); `{"type": "input.commit"}` speaks what
+  is buffered now; `{"type": "input.done"}` ends the input.
+
+Server -> client: `session.configured`; per segment `audio.start` (id, sentence_index, sentence_text, format,
+sample_rate), binary frames of audio as it is made, `audio.done` (id, sentence_index, total_bytes, error, stop_reason,
+continued); `input.committed`; `session.done` (session_id, total_sentences); errors as `{"type": "error", "message",
+"error_type", "param", "code"}`. A bad message is answered with an error and the session goes on; a session that
+cannot start (bad config, no config in time, idle for `idle_s` with nothing to speak, more text than MAX_BUFFER
+without a cut) gets an error and a close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+
+from ..generation.contract import ContractError, NoAudioError
+from ..textin import GRANULARITIES, TextSegmenter
+from .formats import encoder
+
+log = logging.getLogger(__name__)
+CONFIG_S = 10.0
+MAX_MESSAGE_CHARS = 65536  # one input.text; an LLM sends tokens
+_ids = itertools.count(1)
+
+
+class Close(Exception):
+    """End the session after an error message."""
+
+
+class WsSession:
+    def __init__(self, ws, configure, resolve_voice, make_session, sample_rate: int, idle_s: float):
+        self.ws, self.configure, self.resolve_voice, self.make_session = ws, configure, resolve_voice, make_session
+        self.sample_rate, self.idle_s = sample_rate, idle_s
+        self.id = f"ws-{next(_ids)}"
+        self.send_lock = asyncio.Lock()
+        self.busy = False  # a segment is queued or being spoken
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    async def send(self, obj: dict | bytes) -> None:
+        async with self.send_lock:
+            if isinstance(obj, bytes):
+                await self.ws.send_bytes(obj)
+            else:
+                await self.ws.send_text(json.dumps(obj))
+
+    async def error(self, message: str, error_type: str = "invalid_request_error", param: str | None = None,
+                    code: str | None = None) -> None:
+        await self.send({"type": "error", "message": message, "error_type": error_type, "param": param,
+                         "code": code})
+
+    async def receive(self, timeout: float) -> dict | None:
+        """The next JSON message (None: the client left); errors for frames that are not one."""
+        while True:
+            msg = await asyncio.wait_for(self.ws.receive(), timeout)
+            if msg["type"] == "websocket.disconnect":
+                return None
+            if msg.get("text") is None:
+                await self.error("send JSON text frames; binary frames are not accepted", code="invalid_frame")
+                continue
+            if len(msg["text"]) > MAX_MESSAGE_CHARS:
+                await self.error(f"a message is at most {MAX_MESSAGE_CHARS} characters; send text as it arrives",
+                                 code="message_too_long")
+                continue
+            try:
+                data = json.loads(msg["text"])
+            except (ValueError, RecursionError) as e:
+                await self.error(f"the message is not valid JSON ({e})", code="invalid_json")
+                continue
+            if not isinstance(data, dict) or not isinstance(data.get("type"), str):
+                await self.error('a message is a JSON object with a "type"', code="invalid_message")
+                continue
+            return data
+
+    async def run(self) -> None:
+        from fastapi import WebSocketDisconnect
+
+        session = speaker = None
+        try:
+            session, segmenter = await self.start()
+            speaker = asyncio.create_task(self.speak(session))
+            await self.read(segmenter, speaker)
+            await speaker
+        except Close:
+            await self._close(1008)
+        except (WebSocketDisconnect, ConnectionError, RuntimeError) as e:  # the client left mid-send
+            log.info("%s: the client left (%s)", self.id, type(e).__name__)
+        finally:
+            if speaker is not None and not speaker.done():
+                speaker.cancel()
+                await asyncio.gather(speaker, return_exceptions=True)
+            if session is not None:
+                session.close()
+        await self._close(1000)
+
+    async def _close(self, code: int) -> None:
+        try:
+            await self.ws.close(code)
+        except Exception:  # noqa: BLE001 - closed already
+            pass
+
+    async def start(self):
+        from .app import ApiError
+
+        try:
+            msg = await self.receive(CONFIG_S)
+        except TimeoutError:
+            await self.error(f"no session.config within {CONFIG_S:g} s", code="config_timeout")
+            raise Close from None
+        if msg is None:
+            raise ConnectionError("left before configuring")
+        if msg["type"] != "session.config":
+            await self.error(f"the first message must be session.config, got {msg['type']!r}", code="not_configured")
+            raise Close
+        cfg = msg.get("session") if isinstance(msg.get("session"), dict) else msg
+        granularity = cfg.get("split_granularity", "sentence")
+        continuation = cfg.get("continuation", True)
+        try:
+            if granularity not in GRANULARITIES:
+                raise ApiError(400, f"split_granularity must be one of {', '.join(GRANULARITIES)}, got "
+                               f"{granularity!r}", "split_granularity", "invalid_value")
+            if not isinstance(continuation, bool):
+                raise ApiError(400, "continuation must be true or false", "continuation", "invalid_value")
+            if cfg.get("stream_audio", True) is not True:
+                raise ApiError(400, "stream_audio: audio is always streamed here (binary frames as it is made)",
+                               "stream_audio", "unsupported_parameter")
+            r, options = self.configure(cfg)
+            voice = await self.resolve_voice(r.voice)
+        except ApiError as e:
+            await self.error(e.message, param=e.param, code=e.code)
+            raise Close from None
+        except ValueError as e:  # pydantic's ValidationError
+            from .app import validation_message
+
+            message, param = validation_message(e)
+            await self.error(message, param=param, code="invalid_value")
+            raise Close from None
+        self.fmt = r.response_format
+        session = self.make_session(voice, options)
+        session.continuation = continuation
+        await self.send({"type": "session.configured", "session_id": self.id, "response_format": self.fmt,
+                         "stream_audio": True, "split_granularity": granularity, "sample_rate": self.sample_rate,
+                         "continuation": continuation})
+        return session, TextSegmenter(granularity)
+
+    async def read(self, segmenter: TextSegmenter, speaker: asyncio.Task) -> None:
+        while True:
+            try:
+                msg = await self.receive(self.idle_s)
+            except TimeoutError:
+                if self.busy or not self.queue.empty():
+                    continue  # speaking: the client waits for audio, it is not idle
+                await self.error(f"idle for {self.idle_s:g} s with nothing to speak", code="idle_timeout")
+                raise Close from None
+            if msg is None:
+                raise ConnectionError("the client left")
+            kind = msg["type"]
+            try:
+                if kind == "input.text":
+                    if not isinstance(msg.get("text"), str):
+                        await self.error("input.text needs a string text", param="text", code="invalid_value")
+                        continue
+                    self.put(segmenter.feed(msg["text"]))
+                elif kind == "input.commit":
+                    self.put(segmenter.flush())
+                    await self.send({"type": "input.committed", "session_id": self.id})
+                elif kind == "input.done":
+                    self.put(segmenter.flush())
+                    self.queue.put_nowait(None)
+                    return
+                elif kind == "session.config":
+                    await self.error("the session is configured already", code="already_configured")
+                else:
+                    await self.error(f"unknown message type {kind!r}; use input.text, input.commit or input.done",
+                                     code="unknown_type")
+            except ValueError as e:  # too much text without a place to cut it
+                await self.error(str(e), param="text", code="text_too_long")
+                raise Close from None
+            if speaker.done():  # it ended on an error of its own
+                return
+
+    def put(self, segments: list[str]) -> None:
+        for s in segments:
+            self.queue.put_nowait(s)
+
+    async def speak(self, session) -> None:
+        index = 0
+        while (text := await self.queue.get()) is not None:
+            self.busy = True
+            seg = f"{self.id}-{index}"
+            await self.send({"type": "audio.start", "id": seg, "sentence_index": index, "sentence_text": text,
+                             "format": self.fmt, "sample_rate": self.sample_rate})
+            enc, total, failed, stop = encoder(self.fmt, self.sample_rate), 0, False, None
+            try:
+                async for chunk in session.speak(text):
+                    if data := enc.push(chunk.samples):
+                        await self.send(data)
+                        total += len(data)
+                    if chunk.is_last and chunk.stats is not None:
+                        stop = chunk.stats.stop_reason
+                if data := enc.finish():
+                    await self.send(data)
+                    total += len(data)
+            except ContractError as e:  # special tokens, a segment that cannot fit: this segment fails
+                failed = True
+                await self.error(str(e), param="input", code=e.code)
+            except (ValueError, NoAudioError) as e:
+                failed = True
+                await self.error(str(e), param="input", code="invalid_value")
+            except Exception as e:  # noqa: BLE001 - the segment fails, the session says so and goes on
+                log.exception("%s: segment %d failed", self.id, index)
+                failed = True
+                await self.error(f"speech generation failed ({type(e).__name__}); the server log has the details",
+                                 "server_error", code="server_error")
+            await self.send({"type": "audio.done", "id": seg, "sentence_index": index, "total_bytes": total,
+                             "error": failed, "stop_reason": stop, "continued": session.last_continued})
+            index += 1
+            self.busy = False
+        await self.send({"type": "session.done", "session_id": self.id, "total_sentences": index})

@@ -1,0 +1,222 @@
+"""Text in, audio out: the segmenter that cuts an LLM's token stream into segments (no model), and the WebSocket
+session `/v1/audio/speech/stream` (sglang-omni's message names) on a real server, driven by the `websockets` client
+over loopback: segments continue one KV context (only each segment's new text is prefilled), audio arrives while
+text still does, and hostile clients (malformed frames, binary frames, unknown types, no config, idle, vanishing
+mid-audio, a session longer than the context) each get one clear error and leave nothing held."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+import pytest
+
+from higgs_onnx.textin import TextSegmenter
+
+
+def feed_words(seg: TextSegmenter, text: str) -> list[tuple[int, str]]:
+    """(words fed so far, segment) for each segment the segmenter gives while `text` arrives word by word."""
+    out = []
+    for i, w in enumerate(text.split(" "), 1):
+        out += [(i, s) for s in seg.feed(w + " ")]
+    return out + [(-1, s) for s in seg.flush()]
+
+
+def test_a_sentence_is_cut_once_the_next_word_begins():
+    got = feed_words(TextSegmenter(), "Hello there. Dr. Smith is 3.5 metres tall, etc. and more! Next one? Done")
+    assert got == [(3, "Hello there."), (12, "Dr. Smith is 3.5 metres tall, etc. and more!"), (14, "Next one?"),
+                   (-1, "Done")]
+    assert feed_words(TextSegmenter(), "Stop! he said.") == [(-1, "Stop! he said.")]  # a lowercase word goes on
+
+
+def test_clauses_paragraphs_cjk_tags_and_long_text():
+    assert feed_words(TextSegmenter("clause"), "One, two; three") == [(2, "One,"), (3, "two;"), (-1, "three")]
+    seg = TextSegmenter()
+    assert seg.feed("First paragraph with no stop\n\nSecond") == ["First paragraph with no stop"]
+    assert seg.flush() == ["Second"]
+    seg = TextSegmenter()
+    assert seg.feed("你好。世界！再") == ["你好。", "世界！"] and seg.flush() == ["再"]
+    seg = TextSegmenter()  # a tag with no words after it waits for the words it leads
+    assert seg.feed("Fine. <|emotion:elation|> ") == ["Fine."]
+    assert seg.feed("Great news. And") == ["<|emotion:elation|> Great news."]
+    seg = TextSegmenter(max_chars=100)  # no end in sight: cut as long-form cuts a long sentence
+    parts = seg.feed("word " * 60) + seg.flush()
+    assert len(parts) >= 3 and all(len(p) <= 100 for p in parts) and " ".join(parts).split() == ["word"] * 60
+    with pytest.raises(ValueError, match="granularity"):
+        TextSegmenter("word")
+    with pytest.raises(ValueError, match="string"):
+        TextSegmenter().feed(5)
+
+
+# -- the WebSocket session -----------------------------------------------------------------------------------------
+pytest_slow = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def ws_server(builds, tmp_path_factory):
+    from test_server import Server
+
+    s = Server(builds["fp32"], tmp_path_factory.mktemp("ws"), "--ws-idle-timeout", "1.5")
+    yield s
+    s.stop()
+    log = s.log.read_text()
+    assert "Traceback" not in log, log[-3000:]
+
+
+def url(server) -> str:
+    return server.url.replace("http://", "ws://") + "/v1/audio/speech/stream"
+
+
+async def session(server, config: dict, messages: list, *, read_all: bool = True, pause: float = 0.0) -> list:
+    """Send `config` and `messages` (dicts as JSON, bytes as binary frames, str raw), then read until session.done,
+    an error that closes, or the close; returns everything received (bytes and parsed JSON)."""
+    import websockets
+
+    got = []
+    async with websockets.connect(url(server), max_size=None) as ws:
+        if config is not None:
+            await ws.send(json.dumps({"type": "session.config", **config}))
+        for m in messages:
+            await ws.send(m if isinstance(m, (bytes, str)) else json.dumps(m))
+            if pause:
+                await asyncio.sleep(pause)
+        if not read_all:
+            return got
+        try:
+            while True:
+                m = await asyncio.wait_for(ws.recv(), 120)
+                got.append(m if isinstance(m, bytes) else json.loads(m))
+                if isinstance(got[-1], dict) and got[-1]["type"] == "session.done":
+                    break
+        except websockets.ConnectionClosed:
+            pass
+    return got
+
+
+def events(got: list, kind: str) -> list[dict]:
+    return [m for m in got if isinstance(m, dict) and m["type"] == kind]
+
+
+def per_segment(got: list) -> list[bytes]:
+    """The audio bytes of each segment (between its audio.start and audio.done)."""
+    out = []
+    for m in got:
+        if isinstance(m, dict) and m["type"] == "audio.start":
+            out.append(b"")
+        elif isinstance(m, bytes):
+            out[-1] += m
+    return out
+
+
+TEXT = "Hello there, this is the first sentence. And here comes a second one! A third follows it."
+
+
+@pytest_slow
+def test_segments_continue_one_context_and_audio_comes_while_text_arrives(ws_server):
+    before = ws_server.stats()["prefill_positions"]
+    words = [{"type": "input.text", "text": w + " "} for w in TEXT.split(" ")]
+    got = asyncio.run(session(ws_server, {"response_format": "pcm", "seed": 1}, [*words, {"type": "input.done"}]))
+    assert events(got, "session.configured")[0]["continuation"] is True
+    starts, dones = events(got, "audio.start"), events(got, "audio.done")
+    assert [s["sentence_text"] for s in starts] == ["Hello there, this is the first sentence.",
+                                                   "And here comes a second one!", "A third follows it."]
+    assert [d["continued"] for d in dones] == [False, True, True] and not any(d["error"] for d in dones)
+    assert events(got, "session.done")[0]["total_sentences"] == 3
+    audio = [m for m in got if isinstance(m, bytes)]
+    assert sum(map(len, audio)) == sum(d["total_bytes"] for d in dones) > 0
+    stats = ws_server.settle()
+    assert stats["kept"] == 0  # the last segment's cache is given back at the end
+    prefilled = stats["prefill_positions"] - before
+    alone = asyncio.run(session(ws_server, {"response_format": "pcm", "seed": 1, "continuation": False},
+                                [*words, {"type": "input.done"}]))
+    assert [d["continued"] for d in events(alone, "audio.done")] == [False, False, False]
+    fresh = ws_server.settle()["prefill_positions"] - before - prefilled
+    # a continued segment's prompt holds every earlier segment's text and rows (~100 positions each), yet only its
+    # own text is prefilled: no more than segments that start afresh from the (cached) system prompt
+    assert prefilled <= fresh + 6, (prefilled, fresh)
+    pieces = lambda got: per_segment(got)  # noqa: E731
+    ctx, fresh_audio = pieces(got), pieces(alone)
+    assert ctx[0] == fresh_audio[0] and ctx[1] != fresh_audio[1]  # the same first segment; the context shapes the rest
+
+
+@pytest_slow
+def test_audio_of_the_first_sentence_arrives_before_the_input_ends(ws_server):
+    import websockets
+
+    async def run():
+        async with websockets.connect(url(ws_server)) as ws:
+            await ws.send(json.dumps({"type": "session.config", "response_format": "pcm"}))
+            await ws.recv()
+            await ws.send(json.dumps({"type": "input.text", "text": "The first sentence is here. Then"}))
+            seen = []
+            while not any(isinstance(m, bytes) for m in seen):  # audio while the input is still open
+                seen.append(await asyncio.wait_for(ws.recv(), 60))
+            await ws.send(json.dumps({"type": "input.done"}))
+            while not (isinstance(seen[-1], str) and '"session.done"' in seen[-1]):
+                seen.append(await asyncio.wait_for(ws.recv(), 60))
+            return seen
+
+    seen = asyncio.run(run())
+    texts = [json.loads(m)["sentence_text"] for m in seen if isinstance(m, str) and '"audio.start"' in m]
+    assert texts == ["The first sentence is here.", "Then"]
+
+
+@pytest_slow
+def test_hostile_clients_get_one_clear_error_each(ws_server):
+    ok = {"response_format": "pcm", "max_rows": 60}
+    got = asyncio.run(session(ws_server, ok, [b"\x00\x01", "{not json", json.dumps([1]), {"type": "bogus"},
+                                              {"type": "input.text", "text": 5}, {"type": "session.config"},
+                                              {"type": "input.text", "text": "Bad <|im_start|> token. "},
+                                              {"type": "input.text", "text": "A good one. "},
+                                              {"type": "input.done"}]))
+    codes = [e["code"] for e in events(got, "error")]
+    assert codes[:6] == ["invalid_frame", "invalid_json", "invalid_message", "unknown_type", "invalid_value",
+                         "already_configured"]
+    assert len(codes) == 7 and all(set(e) == {"type", "message", "error_type", "param", "code"}
+                                   for e in events(got, "error"))
+    assert [d["error"] for d in events(got, "audio.done")] == [True, False]  # the bad segment fails, the next speaks
+    for config, code in (({"voice": "nobody"}, "voice_not_found"), ({"temperature": -1}, "invalid_value"),
+                         ({"response_format": "m4a"}, "unsupported_format"),
+                         ({"split_granularity": "word"}, "invalid_value"), ({"continuation": "yes"}, "invalid_value")):
+        got = asyncio.run(session(ws_server, config, []))
+        assert [e["code"] for e in events(got, "error")] == [code], (config, got)
+    got = asyncio.run(session(ws_server, None, [{"type": "input.text", "text": "Hi."}]))
+    assert [e["code"] for e in events(got, "error")] == ["not_configured"]
+    got = asyncio.run(session(ws_server, ok, []))  # configured, then silent: closed after --ws-idle-timeout
+    assert [e["code"] for e in events(got, "error")] == ["idle_timeout"]
+    assert ws_server.settle()["kept"] == 0
+
+
+@pytest_slow
+def test_a_client_that_vanishes_mid_audio_frees_everything(ws_server):
+    import websockets
+
+    async def run():
+        ws = await websockets.connect(url(ws_server))
+        await ws.send(json.dumps({"type": "session.config", "response_format": "pcm"}))
+        await ws.recv()
+        await ws.send(json.dumps({"type": "input.text", "text": "A long sentence that keeps the model talking for a "
+                                  "while, and more. Another one after it. "}))
+        while not isinstance(await asyncio.wait_for(ws.recv(), 60), bytes):
+            pass
+        ws.transport.abort()  # gone without a close frame
+
+    asyncio.run(run())
+    stats = ws_server.wait(lambda s: s["in_flight"] == 0 and s["kept"] == 0, "the vanished session's work freed")
+    assert stats["cancelled"] >= 1
+
+
+@pytest_slow
+def test_a_session_longer_than_the_context_starts_again_from_the_voice(ws_server):
+    slot = ws_server.stats()["slot_positions"]
+    sentences = [f"Sentence number {i} of a session that outgrows its context." for i in range(40)]
+    got = asyncio.run(session(ws_server, {"response_format": "pcm", "seed": 3},
+                              [{"type": "input.text", "text": " ".join(sentences) + " "}, {"type": "input.done"}]))
+    dones = events(got, "audio.done")
+    assert len(dones) == 40 and not any(d["error"] for d in dones)
+    continued = [d["continued"] for d in dones]
+    restarts = [i for i, c in enumerate(continued) if not c]
+    assert restarts[0] == 0 and len(restarts) >= 2, (continued, slot)  # the context filled up, and it went on
+    assert np.all(np.diff(restarts) > 5)
+    assert ws_server.settle()["kept"] == 0
