@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--default-voice", default="default", metavar="NAME", help="the voice for requests that name "
                     "none or one of OpenAI's (alloy, echo, nova, ...: what stock clients such as Open "
                     "WebUI send): a saved voice's name, or 'default' (zero-shot, the default)")
+    ap.add_argument("--wyoming", metavar="URI", help="also answer Home Assistant's Wyoming protocol on URI "
+                    "(tcp://HOST:PORT), on the same scheduler: its requests batch with the HTTP ones")
     ap.add_argument("--ws-idle-timeout", type=float, default=30.0, metavar="S", help="a text-in WebSocket session "
                     "with nothing to speak and no message for this long is closed (default %(default)s)")
     ap.add_argument("--api-key", default=os.environ.get("HIGGS_API_KEY"), help="require 'Authorization: Bearer "
@@ -96,6 +98,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--voice-cache-mb must be >= 0, got {args.voice_cache_mb}")
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.wyoming is not None:
+        from ..wyoming import check_uri
+
+        check_uri(args.wyoming, "--wyoming")
     if not args.ws_idle_timeout > 0:
         raise ValueError(f"--ws-idle-timeout must be > 0 seconds, got {args.ws_idle_timeout}")
     if args.prefill_chunk is not None and args.prefill_chunk < 1:
@@ -200,7 +206,7 @@ def serve(args: argparse.Namespace) -> int:
     timeouts = timeouts_of(args)
     app = create_app(tts, scheduler, voices, args.api_key, allowed_hosts=LOOPBACK_NAMES if loopback else None,
                      timeouts=timeouts, default_voice=args.default_voice,
-                     ws_idle_s=args.ws_idle_timeout)
+                     ws_idle_s=args.ws_idle_timeout, wyoming=args.wyoming)
     port = sock.getsockname()[1]
     shown = f"[{args.host}]" if ":" in args.host else args.host
     banner = (f"higgs-onnx speech server: http://{shown}:{port}/ (model {Path(tts.manifest.folder).name}, "

@@ -273,7 +273,7 @@ class HostGuard:
 
 def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = None, *,
                allowed_hosts: list[str] | None = None, timeouts: Timeouts | None = None,
-               default_voice: str = DEFAULT, ws_idle_s: float = 30.0) -> FastAPI:
+               default_voice: str = DEFAULT, ws_idle_s: float = 30.0, wyoming: str | None = None) -> FastAPI:
     """The app for one loaded model. Its lifespan starts and stops `scheduler`. `api_key` (if set) is required as
     `Authorization: Bearer <key>` on every /v1 route; `allowed_hosts` (if set) refuses other Host headers (DNS
     rebinding: the server's own loopback names); `timeouts` bound the request bodies (`limits`); `default_voice` (a
@@ -290,9 +290,17 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         scheduler.start()
+        beside = None
         try:
+            if wyoming is not None:  # Home Assistant's protocol on the same scheduler (higgs_onnx.wyoming)
+                from ..wyoming import WyomingService, start
+
+                beside = await start(wyoming, WyomingService(tts, scheduler, store, default_voice=default_voice))
+                log.info("Wyoming server on %s", wyoming)
             yield
         finally:
+            if beside is not None:
+                beside.close()
             scheduler.stop()
 
     # no /docs page: Swagger UI loads from a CDN (offline machines, the page CSP); the schema stays at /openapi.json
