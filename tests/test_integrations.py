@@ -138,3 +138,51 @@ def test_the_corpus_normalises_every_file_and_records_it(builds, tmp_path):
     bad = corpus("--model-path", builds["fp32"], "--input", tmp_path / "rows.jsonl", "--out", tmp_path / "o2",
                  "--loudness", "-1")
     assert bad.returncode == 2 and "from -70 to -5" in bad.stderr and not (tmp_path / "o2").exists()
+
+
+def test_boson_and_sglang_request_shapes(webui):
+    """Code written for Boson's hosted API or sglang-omni works by changing the base URL: the reference in the
+    speech request (base64, data URI, sglang's references), stream: true as raw PCM, their field names; what cannot
+    be honoured is a 400 naming the field."""
+    import base64
+
+    auth = {"Authorization": f"Bearer {KEY}"}
+    clip = (DATA / "ref_en_24k.wav").read_bytes()
+    b64 = base64.b64encode(clip).decode()
+    said = (DATA / "ref_en_24k.txt").read_text().strip()
+    base = {"model": "higgs-tts-3", "input": TEXT, "response_format": "pcm", "seed": 5, **QUICK}
+
+    def post(path="/v1/audio/speech", **body):
+        return webui.http.post(path, json=body, headers=auth)
+
+    boson = post(**base, ref_audio=b64, ref_text=said, stream=True)
+    assert boson.status_code == 200 and boson.headers["X-Sample-Rate"] == "24000", boson.text
+    assert post(**base, ref_audio=f"data:audio/wav;base64,{b64}", ref_text=said).content == boson.content
+    saved = post(**base, voice="narrator").content  # the same clip and transcript, saved as a voice
+    assert saved == boson.content
+    sglang = post(**{k: v for k, v in base.items() if k != "max_rows"}, max_new_tokens=QUICK["max_rows"],
+                  references=[{"data": b64, "media_type": "audio/wav", "text": said}], repetition_penalty=1.0)
+    assert sglang.status_code == 200 and sglang.content == boson.content, sglang.text
+    for extra, param in (({"ref_audio": b64, "voice": "narrator"}, "voice"), ({"stream": True, "response_format":
+                         "mp3"}, "stream"), ({"ref_audio": "https://example.com/a.wav"}, "ref_audio"),
+                         ({"ref_audio": "not base64!"}, "ref_audio"), ({"ref_text": "hello"}, "ref_text"),
+                         ({"references": [{"audio_path": "/etc/passwd", "text": "x"}]}, "references"),
+                         ({"references": [{"data": b64}, {"data": b64}]}, "references"),
+                         ({"references": [{"vq_codes": [[1, 2]]}]}, "references"),
+                         ({"x_vector_only_mode": True}, "x_vector_only_mode"),
+                         ({"repetition_penalty": 1.1}, "repetition_penalty"),
+                         ({"stage_params": {"a": 1}}, "stage_params"),
+                         ({"ref_audio": base64.b64encode(b"RIFF not audio").decode()}, "ref_audio"),
+                         ({"speaker": "narrator", "voice": "narrator"}, "speaker")):
+        assert_error(post(**{**base, **extra}), 400, param)
+    # Boson's voice creation: an id derived from the clip, the same clip gives the same id
+    first = post("/v1/audio/voices", ref_audio=b64, ref_text=said, description="the test clip")
+    again = post("/v1/audio/voices", ref_audio=f"data:audio/wav;base64,{b64}", ref_text=said)
+    assert (first.status_code, again.status_code) == (201, 200), first.text
+    vid = first.json()["voice"]
+    assert vid.startswith("voice_") and again.json()["voice"] == vid
+    assert post(**base, voice=vid).content == boson.content
+    listed = webui.http.get("/v1/audio/voices", headers=auth).json()
+    assert vid in [v["voice"] for v in listed["data"]] and vid in [v["id"] for v in listed["voices"]]
+    assert_error(post("/v1/audio/voices", ref_audio=b64), 400, "ref_text")
+    assert webui.http.delete(f"/v1/voices/{vid}", headers=auth).status_code == 200

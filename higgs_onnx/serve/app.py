@@ -57,6 +57,7 @@ from .limits import (
     Timeouts,
 )
 from .scheduler import QueueFull, ShuttingDown
+from .shapes import InlineReference as InlineRef
 from .voices import DEFAULT, UnknownVoice, VoiceError, VoiceExists, VoiceStore, check_name
 
 log = logging.getLogger(__name__)
@@ -128,6 +129,8 @@ class SpeechRequest(BaseModel):
     # EBU R128 integrated loudness in LUFS (docs/audio.md): the take is measured whole, brought to it and then sent
     # whole (None, the default: as generated, streamed)
     loudness: StrictFloat | None = None
+    # Boson's and sglang-omni's raw PCM stream (needs response_format "pcm"; every format streams without it)
+    stream: StrictBool = False
 
 
 WS_ONLY = ("type", "session", "split_granularity", "stream_audio", "input", "continuation")  # not speech fields
@@ -394,6 +397,21 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
         except VoiceError as e:
             raise ApiError(400, str(e), "voice", "invalid_voice") from None
 
+    async def inline_voice(ref):
+        """A reference sent in the speech request itself (Boson's ref_audio, sglang-omni's references): the voice,
+        made once per clip and transcript (the model's voice cache keeps it)."""
+        try:
+            wav, sr = await asyncio.to_thread(read_upload_audio, ref.audio)
+        except ApiError as e:
+            raise ApiError(400, e.message.replace("uploaded audio", "reference audio"), ref.param, e.code) from None
+        async with voice_lock:
+            try:
+                return await asyncio.to_thread(tts.make_voice, (wav, sr), ref.text)
+            except ContractError as e:
+                raise contract_error(e, {"ref_text": "ref_text"}) from None
+            except ValueError as e:
+                raise ApiError(400, str(e), ref.param, "invalid_value") from None
+
     def check_speech(r: SpeechRequest) -> tuple[str, GenerationOptions, str | None]:
         """The text to submit (speed tag first), the options and the tag; ApiError for the first bad field."""
         if r.model not in models:
@@ -458,8 +476,15 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
 
     @v1.post("/audio/speech")
     async def speech(request: Request):
+        from .shapes import ShapeError, normalise
+
+        body = await read_json(request)
         try:
-            r = SpeechRequest.model_validate(await read_json(request))
+            inline = normalise(body)  # Boson's and sglang-omni's fields (serve/shapes.py)
+        except ShapeError as e:
+            raise ApiError(400, str(e), e.param, e.code) from None
+        try:
+            r = SpeechRequest.model_validate(body)
         except ValidationError as e:
             message, param = validation_message(e)
             raise ApiError(400, message, param, "invalid_value") from None
@@ -477,7 +502,10 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
             check_loudness(r.loudness, "loudness")
         except ValueError as e:
             raise ApiError(400, str(e), "loudness", "invalid_value") from None
-        voice = await resolve_voice(r.voice)
+        if r.stream and r.response_format != "pcm":
+            raise ApiError(400, f"stream: true sends raw PCM: it needs response_format 'pcm', got "
+                           f"{r.response_format!r} (every format streams here without it)", "stream", "invalid_value")
+        voice = await inline_voice(inline) if inline is not None else await resolve_voice(r.voice)
         if r.model_extra:
             log.info("ignored fields: %s", ", ".join(sorted(r.model_extra)))
         takes = None
@@ -517,6 +545,8 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
         body = stream_body(job, first, chunks, r.response_format, sse, len(r.input), tag, takes, level)
         fmt = FORMATS[r.response_format]
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": str(job.id)}
+        if r.response_format == "pcm":  # what sglang-omni's raw PCM stream says of itself
+            headers.update({"X-Sample-Rate": str(sample_rate), "X-Channels": "1", "X-Bit-Depth": "16"})
         if level is not None and level.reached is not None:
             headers["X-Loudness"] = f"{level.reached:.1f}"
         if takes:
@@ -715,9 +745,47 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
     @v1.get("/audio/voices")
     async def audio_voices():
         names = [DEFAULT, *store.names()]
+        data = []  # Boson's list shape: {"voice": id, "created_at"}
+        for n in names[1:]:
+            try:
+                data.append({"voice": n, "id": n, "created_at": store.describe(n)["created"]})
+            except FileNotFoundError:  # deleted meanwhile
+                continue
         return {"object": "list", "voices": [{"id": n, "name": n + (" (server default)" if n == default_voice else "")}
-                                             for n in names],
+                                             for n in names], "data": data,
                 "default": default_voice, "aliases": {v: default_voice for v in OPENAI_VOICES if store.find(v) is None}}
+
+    @v1.post("/audio/voices")
+    async def create_audio_voice(request: Request):
+        """Boson's voice creation: JSON {ref_audio (base64 or data: URI), ref_text, description?} -> a saved voice
+        whose id is derived from the clip ("voice_" + its sha256's first 32 hex digits): the same clip gives the same
+        id (201 when new, 200 when it exists)."""
+        import hashlib
+
+        from .shapes import ShapeError, decode_audio_field
+
+        body = await read_json(request)
+        ref_text, description = body.get("ref_text"), body.get("description")
+        try:
+            audio = decode_audio_field(body.get("ref_audio"), "ref_audio")
+        except ShapeError as e:
+            raise ApiError(400, str(e), e.param, e.code) from None
+        if not isinstance(ref_text, str) or not ref_text.strip():
+            raise ApiError(400, "ref_text (what the reference says) is required", "ref_text", "missing_field")
+        if description is not None and not isinstance(description, str):
+            raise ApiError(400, "description must be text", "description", "invalid_value")
+        vid = "voice_" + hashlib.sha256(audio).hexdigest()[:32]
+        if store.find(vid) is not None:
+            entry = store.describe(vid)
+            return JSONResponse({"voice": vid, "ref_text": ref_text, "description": description,
+                                 "created_at": entry["created"]}, 200)
+        voice = await inline_voice(InlineRef(audio, ref_text.strip(), "ref_audio"))
+        try:
+            entry = await asyncio.to_thread(store.add, vid, voice)
+        except VoiceExists:  # made meanwhile by the same clip
+            entry = store.describe(vid)
+        return JSONResponse({"voice": vid, "ref_text": ref_text, "description": description,
+                             "created_at": entry["created"]}, 201)
 
     # -- voices ------------------------------------------------------------------------------------------------
     @v1.get("/voices")
