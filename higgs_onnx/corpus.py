@@ -238,6 +238,8 @@ class Worker:
     is taken by a waiting one at the next step: no unit boundaries. A row's codec decode runs on the scheduler's
     codec thread (`audio="speech"`), its file is written by the call's thread; neither holds up the decoder loop."""
 
+    loudness: float | None = None  # LUFS every file is brought to (None: as generated)
+
     def __init__(self, model_path: str, out: str, batch: int, threads: int, voices: str | None, fmt: str,
                  retries: int = 2, loudness: float | None = None):
         import socket
@@ -248,7 +250,7 @@ class Worker:
         self.tts = HiggsTTS(model_path, threads=threads, verify=False)
         self.out, self.batch, self.voices, self.fmt = Path(out), batch, voices, fmt
         self.retry = retry_policy(retries)  # the guard's retries of a degenerate take (guard.RetryPolicy)
-        self.loudness = loudness  # LUFS every file is brought to (None: as generated)
+        self.loudness = loudness
         self.name = f"{socket.gethostname()}:{os.getpid()}"
         self._voice_cache: dict[str, object] = {}
         self._lock = threading.Lock()

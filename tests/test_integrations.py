@@ -186,3 +186,41 @@ def test_boson_and_sglang_request_shapes(webui):
     assert vid in [v["voice"] for v in listed["data"]] and vid in [v["id"] for v in listed["voices"]]
     assert_error(post("/v1/audio/voices", ref_audio=b64), 400, "ref_text")
     assert webui.http.delete(f"/v1/voices/{vid}", headers=auth).status_code == 200
+
+
+def test_boson_form_upload_sglang_sse_and_json_voices(webui):
+    """Boson's speech request as a multipart form (the reference as a file), sglang-omni's SSE chunks
+    (`stream: true` with `stream_format: "sse"`), and Boson's JSON voice creation on POST /v1/voices."""
+    import base64
+
+    auth = {"Authorization": f"Bearer {KEY}"}
+    clip = (DATA / "ref_en_24k.wav").read_bytes()
+    said = (DATA / "ref_en_24k.txt").read_text().strip()
+    fields = {"model": "higgs-tts-3", "input": TEXT, "response_format": "pcm", "seed": "5", "max_rows": "120",
+              "ref_text": said, "stream": "true"}
+    form = webui.http.post("/v1/audio/speech", data=fields, files={"ref_audio": ("ref.wav", clip, "audio/wav")},
+                           headers=auth)
+    assert form.status_code == 200, form.text
+    as_json = webui.http.post("/v1/audio/speech", headers=auth, json={
+        **{k: v for k, v in fields.items() if k not in ("seed", "max_rows", "stream")}, "seed": 5, "max_rows": 120,
+        "stream": True, "ref_audio": base64.b64encode(clip).decode()})
+    assert form.content == as_json.content
+    assert_error(webui.http.post("/v1/audio/speech", data={**fields, "seed": "five"},
+                                 files={"ref_audio": ("ref.wav", clip, "audio/wav")}, headers=auth), 400, "seed")
+    assert_error(webui.http.post("/v1/audio/speech", data=fields, files={"other": ("x.wav", clip, "audio/wav")},
+                                 headers=auth), 400, "other")
+    sse = webui.http.post("/v1/audio/speech", headers=auth, json={"model": "higgs-tts-3", "input": TEXT, "seed": 5,
+                          "max_rows": 120, "response_format": "pcm", "stream": True, "stream_format": "sse"})
+    lines = [x[6:] for x in sse.text.splitlines() if x.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    chunks = [json.loads(x) for x in lines[:-1]]
+    assert all(c["object"] == "audio.speech.chunk" for c in chunks) and [c["index"] for c in chunks] == list(
+        range(len(chunks)))
+    assert all(c["audio"]["sample_rate"] == RATE and c["finish_reason"] is None for c in chunks[:-1])
+    last = chunks[-1]
+    assert last["audio"] is None and last["finish_reason"] in ("stop", "length")
+    assert last["usage"]["total_tokens"] == last["usage"]["prompt_tokens"] + last["usage"]["completion_tokens"]
+    made = webui.http.post("/v1/voices", headers=auth, json={"ref_audio": base64.b64encode(clip).decode(),
+                                                              "ref_text": said})
+    assert made.status_code in (200, 201) and made.json()["voice"].startswith("voice_"), made.text
+    assert webui.http.delete(f"/v1/voices/{made.json()['voice']}", headers=auth).status_code == 200

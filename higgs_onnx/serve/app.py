@@ -22,6 +22,7 @@ import asyncio
 import base64
 import hmac
 import io
+import itertools
 import json
 import logging
 import time
@@ -233,6 +234,25 @@ def read_upload_audio(data: bytes) -> tuple[Any, int]:
     except AudioError as e:
         raise _bad_audio(str(e)) from None
     return wav, rate
+
+
+FORM_NUMBERS = {"temperature": float, "top_p": float, "speed": float, "loudness": float, "repetition_penalty": float,
+                "top_k": int, "seed": int, "max_rows": int, "max_new_tokens": int, "retries": int, "takes": int}
+FORM_FLAGS = ("stream", "deterministic")
+
+
+def form_value(key: str, value: str):
+    """A multipart text field as the JSON value it stands for (forms carry only text)."""
+    if key in FORM_NUMBERS:
+        try:
+            return FORM_NUMBERS[key](value)
+        except ValueError:
+            raise ApiError(400, f"{key} must be a number, got {value!r}", key, "invalid_value") from None
+    if key in FORM_FLAGS:
+        if value.lower() not in ("true", "false"):
+            raise ApiError(400, f"{key} must be true or false, got {value!r}", key, "invalid_value")
+        return value.lower() == "true"
+    return value
 
 
 def client_of(request: Request) -> str:
@@ -474,11 +494,36 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
         param = (params or {}).get(e.param, e.param)
         return ApiError(e.status, str(e), param, e.code)
 
+    async def read_form(request: Request) -> dict:
+        """A multipart speech request (Boson's form: the reference as a file) as the JSON body it stands for: text
+        fields typed (numbers, booleans), the file `ref_audio` as base64."""
+        stream = limited(request.stream(), MAX_UPLOAD_BYTES, "the upload")
+        try:
+            form = await MultiPartParser(request.headers, stream, max_files=1, max_fields=32).parse()
+        except MultiPartException as e:
+            raise ApiError(400, f"malformed multipart body: {e.message}", code="invalid_multipart") from None
+        body: dict = {}
+        try:
+            for key, value in form.multi_items():
+                if isinstance(value, UploadFile):
+                    if key != "ref_audio":
+                        raise ApiError(400, f"the file field {key!r} is not one this request takes; send the "
+                                       "reference as ref_audio", key, "invalid_value")
+                    body[key] = base64.b64encode(await value.read()).decode()
+                else:
+                    body[key] = form_value(key, value)
+        finally:
+            await form.close()
+        return body
+
     @v1.post("/audio/speech")
     async def speech(request: Request):
         from .shapes import ShapeError, normalise
 
-        body = await read_json(request)
+        if media_type(request.headers.get("content-type", ""))[0] == "multipart/form-data":
+            body = await read_form(request)
+        else:
+            body = await read_json(request)
         try:
             inline = normalise(body)  # Boson's and sglang-omni's fields (serve/shapes.py)
         except ShapeError as e:
@@ -502,7 +547,7 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
             check_loudness(r.loudness, "loudness")
         except ValueError as e:
             raise ApiError(400, str(e), "loudness", "invalid_value") from None
-        if r.stream and r.response_format != "pcm":
+        if r.stream and r.stream_format == "audio" and r.response_format != "pcm":
             raise ApiError(400, f"stream: true sends raw PCM: it needs response_format 'pcm', got "
                            f"{r.response_format!r} (every format streams here without it)", "stream", "invalid_value")
         voice = await inline_voice(inline) if inline is not None else await resolve_voice(r.voice)
@@ -542,7 +587,8 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
         if r.loudness is not None and first is not None:
             done, level = leveled([first, *[c async for c in chunks]], r.loudness)
             first, chunks = done[0], _replay(done[1:])
-        body = stream_body(job, first, chunks, r.response_format, sse, len(r.input), tag, takes, level)
+        body = stream_body(job, first, chunks, r.response_format, sse, len(r.input), tag, takes, level,
+                           sglang=sse and r.stream)
         fmt = FORMATS[r.response_format]
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": str(job.id)}
         if r.response_format == "pcm":  # what sglang-omni's raw PCM stream says of itself
@@ -666,13 +712,27 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
                 ], level
 
     async def stream_body(job, first, chunks: AsyncIterator, fmt: str, sse: bool, input_chars: int,
-                          tag: str | None, takes: list | None = None, level=None) -> AsyncIterator[bytes]:
+                          tag: str | None, takes: list | None = None, level=None,
+                          sglang: bool = False) -> AsyncIterator[bytes]:
+        """The response body. `sse`: OpenAI's speech.audio.delta / speech.audio.done events, or (`sglang`: `stream:
+        true` with `stream_format: "sse"`) sglang-omni's audio.speech.chunk objects, the last with finish_reason
+        and usage, then `data: [DONE]`."""
+        index = itertools.count()
+
         def event(obj: dict) -> bytes:
             return f"data: {json.dumps(obj)}\n\n".encode()
+
+        def chunk_event(data: bytes | None, finish: str | None = None, usage: dict | None = None) -> dict:
+            audio = None if data is None else {"data": base64.b64encode(data).decode(), "format": fmt,
+                                                "mime_type": FORMATS[fmt].media_type, "sample_rate": sample_rate}
+            return {"id": f"speech-{job.id}", "object": "audio.speech.chunk", "index": next(index), "audio": audio,
+                    "finish_reason": finish, **({"usage": usage} if usage is not None else {})}
 
         def out(data: bytes) -> bytes:
             if not sse or not data:
                 return data
+            if sglang:
+                return event(chunk_event(data))
             return event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
 
         enc, stats, chunk = encoder(fmt, sample_rate), None, first
@@ -696,7 +756,15 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
         if stats is not None:
             log.info("request %s: %.2f s audio (%s) in %.2f s, first audio after %.2f s, %d rows, stop %s", job.id,
                      stats.audio_s, fmt, stats.wall_s, stats.first_audio_s, stats.rows, stats.stop_reason)
-        if sse:
+        if sse and sglang:
+            s = stats.as_dict() if stats is not None else {}
+            stop = s.get("stop_reason")
+            usage = {"prompt_tokens": s.get("prompt_tokens", 0), "completion_tokens": s.get("rows", 0)}
+            usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+            yield event(chunk_event(None, "stop" if stop == "eoc" else "length" if stop == "max_rows" else stop,
+                                    usage))
+            yield b"data: [DONE]\n\n"
+        elif sse:
             s = stats.as_dict() if stats is not None else {}
             usage = {"input_tokens": s.get("prompt_tokens", 0), "output_tokens": s.get("rows", 0)}
             done = {"type": "speech.audio.done", "usage": {**usage, "total_tokens": sum(usage.values())},
@@ -712,7 +780,7 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
     @app.websocket("/v1/audio/speech/stream")
     async def speech_stream(ws: WebSocket):
         from .textstream import SpeechSession
-        from .wsproto import WsSession
+        from .wsproto import ConfigError, WsSession
 
         origin = ws.headers.get("origin")
         if origin and urlsplit(origin).netloc != ws.headers.get("host"):
@@ -725,14 +793,20 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
                 return
         await ws.accept()
 
-        def configure(cfg: dict):
-            """(voice, options, format, granularity) from a session.config; ApiError for the first bad field."""
-            r = SpeechRequest.model_validate({"model": model_id, **{k: v for k, v in cfg.items() if k not in WS_ONLY},
-                                              "input": "-"})
-            _, options, _ = check_speech(r)
-            return r, options
+        async def configure(cfg: dict):
+            """(request, options, voice) from a session.config; wsproto.ConfigError for the first bad field."""
+            try:
+                r = SpeechRequest.model_validate({"model": model_id, **{k: v for k, v in cfg.items()
+                                                                       if k not in WS_ONLY}, "input": "-"})
+                _, options, _ = check_speech(r)
+                return r, options, await resolve_voice(r.voice)
+            except ValidationError as e:
+                message, param = validation_message(e)
+                raise ConfigError(message, param, "invalid_value") from None
+            except ApiError as e:
+                raise ConfigError(e.message, e.param, e.code) from None
 
-        await WsSession(ws, configure, resolve_voice, lambda voice, options: SpeechSession(scheduler, voice, options),
+        await WsSession(ws, configure, lambda voice, options: SpeechSession(scheduler, voice, options),
                         sample_rate, ws_idle_s).run()
 
     # -- Open WebUI's lists (backend/open_webui/routers/audio.py reads {"models": [{"id"}]} and
@@ -801,9 +875,12 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
     @v1.post("/voices", status_code=201)
     async def create_voice(request: Request):
         ctype = request.headers.get("content-type", "")
+        if is_json_type(ctype):  # Boson's shape: {ref_audio, ref_text, description}
+            return await create_audio_voice(request)
         if media_type(ctype)[0] != "multipart/form-data":
             raise ApiError(400, "upload a voice as multipart/form-data with the fields name, file (reference audio) "
-                           "and transcript (optional)", code="invalid_content_type")
+                           "and transcript (optional), or as JSON {ref_audio, ref_text} (Boson's shape)",
+                           code="invalid_content_type")
         stream = limited(request.stream(), MAX_UPLOAD_BYTES, "the upload")
         try:
             form = await MultiPartParser(request.headers, stream, max_files=1, max_fields=8).parse()

@@ -38,9 +38,18 @@ class Close(Exception):
     """End the session after an error message."""
 
 
+class ConfigError(ValueError):
+    """A session.config that cannot be used: its message, field and code (the app's `configure` raises it)."""
+
+    def __init__(self, message: str, param: str | None, code: str | None):
+        super().__init__(message)
+        self.message, self.param, self.code = message, param, code
+
+
 class WsSession:
-    def __init__(self, ws, configure, resolve_voice, make_session, sample_rate: int, idle_s: float):
-        self.ws, self.configure, self.resolve_voice, self.make_session = ws, configure, resolve_voice, make_session
+    def __init__(self, ws, configure, make_session, sample_rate: int, idle_s: float):
+        """`configure(cfg)` (async): (request, options, voice) for a session.config, or ConfigError."""
+        self.ws, self.configure, self.make_session = ws, configure, make_session
         self.sample_rate, self.idle_s = sample_rate, idle_s
         self.id = f"ws-{next(_ids)}"
         self.send_lock = asyncio.Lock()
@@ -110,8 +119,6 @@ class WsSession:
             pass
 
     async def start(self):
-        from .app import ApiError
-
         try:
             msg = await self.receive(CONFIG_S)
         except TimeoutError:
@@ -127,23 +134,16 @@ class WsSession:
         continuation = cfg.get("continuation", True)
         try:
             if granularity not in GRANULARITIES:
-                raise ApiError(400, f"split_granularity must be one of {', '.join(GRANULARITIES)}, got "
-                               f"{granularity!r}", "split_granularity", "invalid_value")
+                raise ConfigError(f"split_granularity must be one of {', '.join(GRANULARITIES)}, got "
+                                  f"{granularity!r}", "split_granularity", "invalid_value")
             if not isinstance(continuation, bool):
-                raise ApiError(400, "continuation must be true or false", "continuation", "invalid_value")
+                raise ConfigError("continuation must be true or false", "continuation", "invalid_value")
             if cfg.get("stream_audio", True) is not True:
-                raise ApiError(400, "stream_audio: audio is always streamed here (binary frames as it is made)",
-                               "stream_audio", "unsupported_parameter")
-            r, options = self.configure(cfg)
-            voice = await self.resolve_voice(r.voice)
-        except ApiError as e:
+                raise ConfigError("stream_audio: audio is always streamed here (binary frames as it is made)",
+                                  "stream_audio", "unsupported_parameter")
+            r, options, voice = await self.configure(cfg)
+        except ConfigError as e:
             await self.error(e.message, param=e.param, code=e.code)
-            raise Close from None
-        except ValueError as e:  # pydantic's ValidationError
-            from .app import validation_message
-
-            message, param = validation_message(e)
-            await self.error(message, param=param, code="invalid_value")
             raise Close from None
         self.fmt = r.response_format
         session = self.make_session(voice, options)
