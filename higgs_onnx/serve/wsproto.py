@@ -27,6 +27,7 @@ import logging
 from ..generation.contract import ContractError, NoAudioError
 from ..textin import GRANULARITIES, TextSegmenter
 from .formats import encoder
+from .scheduler import QueueFull, ShuttingDown
 
 log = logging.getLogger(__name__)
 CONFIG_S = 10.0
@@ -217,6 +218,10 @@ class WsSession:
             except (ValueError, NoAudioError) as e:
                 failed = True
                 await self.error(str(e), param="input", code="invalid_value")
+            except (QueueFull, ShuttingDown) as e:  # the server is full or stopping: this segment is not spoken
+                failed = True
+                await self.error(f"{e}; try again shortly", "server_error",
+                                 code="rate_limit_exceeded" if isinstance(e, QueueFull) else "shutting_down")
             except Exception as e:  # noqa: BLE001 - the segment fails, the session says so and goes on
                 log.exception("%s: segment %d failed", self.id, index)
                 failed = True
