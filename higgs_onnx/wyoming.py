@@ -275,25 +275,28 @@ async def serve_wyoming(uri: str, service: WyomingService) -> None:
 
 
 async def start(uri: str, service: WyomingService) -> asyncio.AbstractServer:
-    kind, _, where = uri.partition("://")
+    kind, where, port = parse_uri(uri)
     if kind == "tcp":
-        host, _, port = where.rpartition(":")
-        return await asyncio.start_server(service.handle, host or "127.0.0.1", int(port), limit=MAX_HEADER)
-    if kind == "unix":
-        return await asyncio.start_unix_server(service.handle, where, limit=MAX_HEADER)
-    raise ValueError(f"--uri {uri!r}: use tcp://HOST:PORT or unix://PATH")
+        return await asyncio.start_server(service.handle, where or "127.0.0.1", port, limit=MAX_HEADER)
+    return await asyncio.start_unix_server(service.handle, where, limit=MAX_HEADER)
 
 
-def check_uri(uri: str, what: str = "--uri") -> str:
+def parse_uri(uri: str, what: str = "--uri") -> tuple[str, str, int | None]:
+    """("tcp", host, port) or ("unix", path, None); ValueError naming `what` for anything else."""
     kind, _, where = uri.partition("://")
     if kind == "tcp":
         host, _, port = where.rpartition(":")
         if not port.isdigit() or not 0 <= int(port) <= 65535:
             raise ValueError(f"{what} {uri!r}: the port must be a number from 0 to 65535 (tcp://HOST:PORT)")
-        return uri
+        return kind, host, int(port)
     if kind == "unix" and where:
-        return uri
+        return kind, where, None
     raise ValueError(f"{what} {uri!r}: use tcp://HOST:PORT or unix://PATH")
+
+
+def check_uri(uri: str, what: str = "--uri") -> str:
+    parse_uri(uri, what)
+    return uri
 
 
 def build_parser() -> argparse.ArgumentParser:

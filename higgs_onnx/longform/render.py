@@ -73,6 +73,13 @@ NPZ_ERRORS = (OSError, ValueError, EOFError, KeyError, TypeError, zipfile.BadZip
 WRITE_ERRORS = (OSError, RuntimeError, AssertionError)
 
 
+def piece_rows(text: str, max_rows: int | None, rows_per_char: float) -> int:
+    """The row budget of one piece of `text` (long-form's, and each segment's of a text stream): `chars *
+    rows_per_char + 100`, capped by `max_rows` (None: DEFAULT_MAX_ROWS)."""
+    cap = max_rows if max_rows is not None else DEFAULT_MAX_ROWS
+    return min(cap, int(len(text) * rows_per_char) + 100)
+
+
 @dataclass(frozen=True)
 class LongFormOptions:
     target_chars: int = 300  # ~20 s of English speech per piece
@@ -382,8 +389,8 @@ class LongForm:
         """Piece `i`'s row budget with this voice (no history), or a ContractError when it cannot fit at all."""
         f, text = self.tts.facts, self.pieces[i].text
         limits = self.tts.limits(self.slot)
-        cap = self.options.max_rows if self.options.max_rows is not None else DEFAULT_MAX_ROWS
-        want = min(cap, int(len(text) * self.lf.rows_per_char) + 100)
+        cap = self.options.max_rows if self.options.max_rows is not None else DEFAULT_MAX_ROWS  # for the message
+        want = self._want(i)
         prompt = self._prompt_len(text, voice_rows, voice_text)
         room = limits.positions - prompt
         need = max(needed_rows(text, f.frame_rate, f.num_codebooks), min_rows(f.num_codebooks))
@@ -570,8 +577,7 @@ class LongForm:
         return cache[i]
 
     def _want(self, i: int) -> int:
-        cap = self.options.max_rows if self.options.max_rows is not None else DEFAULT_MAX_ROWS
-        return min(cap, int(len(self.pieces[i].text) * self.lf.rows_per_char) + 100)
+        return piece_rows(self.pieces[i].text, self.options.max_rows, self.lf.rows_per_char)
 
     def _context(self, i: int, done: dict[int, dict]) -> tuple[bool, list[int], bool]:
         """Piece `i`'s context: (with the voice, the earlier pieces in its prompt, continues the piece before).

@@ -366,21 +366,29 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
     if allowed_hosts:
         app.add_middleware(HostGuard, names=allowed_hosts)
 
-    async def guard(request: Request) -> None:
-        """The API key, and no cross-site writes: a browser page of another origin sends Origin (and cannot set
-        Authorization without a CORS preflight, which this server never grants)."""
-        origin = request.headers.get("origin")
-        if origin and request.method not in ("GET", "HEAD") and urlsplit(origin).netloc != request.headers.get("host"):
-            raise ApiError(403, f"cross-origin request from {origin} refused (the server allows no CORS)",
-                           code="cross_origin")
+    def refusal(headers, cross_site_write: bool) -> ApiError | None:
+        """Why a request must be refused: a write from a page of another origin (a browser sends Origin, and
+        cannot set Authorization without a CORS preflight, which this server never grants), or a missing or wrong
+        API key; None when it may go on. `cross_site_write`: the request writes (not GET/HEAD; a WebSocket always
+        counts, its upgrade being a GET that a page may send anywhere)."""
+        origin = headers.get("origin")
+        if origin and cross_site_write and urlsplit(origin).netloc != headers.get("host"):
+            return ApiError(403, f"cross-origin request from {origin} refused (the server allows no CORS)",
+                            code="cross_origin")
         if api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+            return None
+        scheme, _, token = headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
-            raise ApiError(401, "this server needs an API key: send the header Authorization: Bearer <key>",
-                           code="missing_api_key", headers={"WWW-Authenticate": "Bearer"})
+            return ApiError(401, "this server needs an API key: send the header Authorization: Bearer <key>",
+                            code="missing_api_key", headers={"WWW-Authenticate": "Bearer"})
         if not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-            raise ApiError(401, "incorrect API key", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            return ApiError(401, "incorrect API key", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        return None
+
+    async def guard(request: Request) -> None:
+        """The API key, and no cross-site writes (`refusal`)."""
+        if (e := refusal(request.headers, request.method not in ("GET", "HEAD"))) is not None:
+            raise e
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(guard)])
 
@@ -782,15 +790,9 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
         from .textstream import SpeechSession
         from .wsproto import ConfigError, WsSession
 
-        origin = ws.headers.get("origin")
-        if origin and urlsplit(origin).netloc != ws.headers.get("host"):
-            await ws.close(1008, "cross-origin WebSocket refused")
+        if (e := refusal(ws.headers, True)) is not None:  # closed before the session starts (code 1008)
+            await ws.close(1008, e.message[:120])
             return
-        if api_key is not None:
-            scheme, _, token = ws.headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-                await ws.close(1008, "this server needs an API key: Authorization: Bearer <key>")
-                return
         await ws.accept()
 
         async def configure(cfg: dict):
@@ -818,13 +820,9 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
 
     @v1.get("/audio/voices")
     async def audio_voices():
-        names = [DEFAULT, *store.names()]
-        data = []  # Boson's list shape: {"voice": id, "created_at"}
-        for n in names[1:]:
-            try:
-                data.append({"voice": n, "id": n, "created_at": store.describe(n)["created"]})
-            except FileNotFoundError:  # deleted meanwhile
-                continue
+        saved = saved_voices()
+        names = [DEFAULT, *(v["id"] for v in saved)]
+        data = [{"voice": v["id"], "id": v["id"], "created_at": v["created"]} for v in saved]  # Boson's list shape
         return {"object": "list", "voices": [{"id": n, "name": n + (" (server default)" if n == default_voice else "")}
                                              for n in names], "data": data,
                 "default": default_voice, "aliases": {v: default_voice for v in OPENAI_VOICES if store.find(v) is None}}
@@ -862,15 +860,20 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
                              "created_at": entry["created"]}, 201)
 
     # -- voices ------------------------------------------------------------------------------------------------
-    @v1.get("/voices")
-    async def list_voices():
-        data = []
+    def saved_voices() -> list[dict]:
+        """The listing entries of the saved voices (`VoiceStore.describe`); one deleted meanwhile is left out."""
+        out = []
         for name in store.names():
             try:
-                data.append(store.describe(name))
-            except FileNotFoundError:  # deleted meanwhile
+                out.append(store.describe(name))
+            except FileNotFoundError:
                 continue
-        return {"object": "list", "data": [{"id": DEFAULT, "object": "voice", "created": int(started)}, *data]}
+        return out
+
+    @v1.get("/voices")
+    async def list_voices():
+        return {"object": "list", "data": [{"id": DEFAULT, "object": "voice", "created": int(started)},
+                                           *saved_voices()]}
 
     @v1.post("/voices", status_code=201)
     async def create_voice(request: Request):

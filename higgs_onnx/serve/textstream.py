@@ -14,9 +14,9 @@ import dataclasses
 from collections.abc import AsyncIterator
 
 from ..generation.contract import ContractError
-from ..generation.options import DEFAULT_MAX_ROWS, GenerationOptions
+from ..generation.options import GenerationOptions
 from ..generation.stream import AudioChunk
-from ..longform.render import LongFormOptions
+from ..longform.render import LongFormOptions, piece_rows
 
 ROWS_PER_CHAR = LongFormOptions().rows_per_char
 
@@ -35,9 +35,8 @@ class SpeechSession:
         self.last_continued = False  # the last segment continued the one before
 
     def _options(self, text: str) -> GenerationOptions:
-        cap = self.options.max_rows or DEFAULT_MAX_ROWS
         return dataclasses.replace(self.options, seed=self.options.seed + self.index,
-                                   max_rows=min(cap, int(len(text) * ROWS_PER_CHAR) + 100))
+                                   max_rows=piece_rows(text, self.options.max_rows, ROWS_PER_CHAR))
 
     def submit(self, text: str):
         """Submit the next segment (the one before must have ended); returns its job. Raises the scheduler's and
