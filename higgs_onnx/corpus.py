@@ -526,8 +526,10 @@ class StopSignal:
     """SIGTERM handled like Ctrl-C (a KeyboardInterrupt), so `ray.shutdown()` runs and stops the local instance.
 
     `install` before and again after `ray.init`, which sets SIGTERM handlers of its own (a SIGTERM while it runs is
-    Ray's SystemExit(15), which the same `finally` handles). `shield` while shutting down: a second signal is noted,
-    not raised, so the shutdown is not cut short. `signum` says which signal stopped the job."""
+    Ray's SystemExit(15), which the same `finally` handles). Ctrl-C is raised by the same handler, so its signal is
+    recorded: one that lands in an at-fork hook while Ray starts its processes is swallowed there ("Exception
+    ignored in _resume_parent_after_fork"), and `check` raises it again afterwards. `shield` while shutting down: a
+    second signal is noted, not raised, so the shutdown is not cut short. `signum` says which signal stopped the job."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -550,6 +552,14 @@ class StopSignal:
         if self._main_thread():
             self._previous.setdefault(signal.SIGTERM, signal.getsignal(signal.SIGTERM))
             signal.signal(signal.SIGTERM, self._raise)
+            self._previous.setdefault(signal.SIGINT, signal.getsignal(signal.SIGINT))
+            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # an ignored Ctrl-C stays ignored
+                signal.signal(signal.SIGINT, self._raise)
+
+    def check(self) -> None:
+        """Raise a signal whose KeyboardInterrupt was swallowed (see the class docstring)."""
+        if self.signum is not None:
+            raise KeyboardInterrupt
 
     def shield(self) -> None:
         if self._main_thread():
@@ -692,6 +702,7 @@ def generate_all(args, todo: list[Row], record, stop: StopSignal | None = None) 
         else:  # "local": a new instance even when RAY_ADDRESS is set
             ray.init(address="local", num_cpus=max(cores, args.workers * threads), include_dashboard=False,
                      log_to_driver=False, _temp_dir=temp)
+        stop.check()  # a Ctrl-C that Ray's process start swallowed
         stop.install()
         depth = IN_FLIGHT * args.batch + IN_FLIGHT_EXTRA  # rows in flight per worker
         actor = ray.remote(num_cpus=threads if not args.address else 1, max_concurrency=depth + 2)(Worker)
@@ -755,6 +766,7 @@ def generate_all(args, todo: list[Row], record, stop: StopSignal | None = None) 
         bar = tqdm(total=len(todo), unit="row", file=sys.stderr, disable=not sys.stderr.isatty())
         feed()
         while pending:
+            stop.check()
             ready, _ = ray.wait(list(pending), num_returns=1)
             ref = ready[0]
             lane = pending.pop(ref)

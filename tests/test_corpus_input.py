@@ -378,3 +378,27 @@ def test_the_corpus_benchmark_makes_mixed_rows_and_reads_the_batch_gain(tmp_path
     assert bench.bench_gain(tmp_path / "b.json", 4) == 2.5 and bench.bench_gain(tmp_path / "b.json", 8) is None
     model, flags = bench.cpu()
     assert isinstance(model, str) and all(f in bench.FLAGS or f.startswith("amx") for f in flags)
+
+
+def test_a_ctrl_c_swallowed_while_ray_starts_is_raised_again():
+    """Ray starts its processes while a Ctrl-C may land in an at-fork hook, where Python swallows the
+    KeyboardInterrupt ("Exception ignored in _resume_parent_after_fork": the job then ran to its end, exit 0).
+    The signal is recorded by the handler, and `check` raises it again."""
+    from higgs_onnx.corpus import StopSignal
+
+    stop = StopSignal()
+    stop.install()
+    try:
+        stop.check()  # nothing yet
+        try:  # what the at-fork hook does with it
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):
+                pass
+        except KeyboardInterrupt:
+            pass
+        with pytest.raises(KeyboardInterrupt):
+            stop.check()
+        assert stop.signum == signal.SIGINT
+    finally:
+        stop.restore()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
