@@ -462,6 +462,7 @@ def run(args: argparse.Namespace) -> int:
             stop = StopSignal()
             try:
                 figures = generate_all(args, todo, record, stop)
+                remove_partials(args.out, {r.id for r in todo}, args.format)  # a stray of a killed earlier run
             except (KeyboardInterrupt, SystemExit) as e:
                 if isinstance(e, SystemExit):  # Ray's own SIGTERM handler, while ray.init runs
                     if e.code != signal.SIGTERM:

@@ -107,9 +107,18 @@ def test_kill_and_rerun_gives_identical_audio(builds, tmp_path):
     while not (log.is_file() and len(log.read_text().splitlines()) >= 2) and proc.poll() is None:
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    sessions = _sessions(_descendants(proc.pid)) if Path("/proc/self/stat").is_file() else set()
+    tree = _descendants(proc.pid) if Path("/proc/self/stat").is_file() else {}
     os.killpg(proc.pid, signal.SIGKILL)  # the driver and the Ray processes it started
+    for pid in tree:  # a Ray worker outside the group would go on writing a row while the rerun makes it
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     proc.wait()
+    while any(_alive(pid, start) for pid, (start, _) in tree.items()):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    sessions = _sessions(tree)
     for folder in sessions:  # only a SIGKILL leaves the instance's private folder behind: tidy up after the test
         shutil.rmtree(folder, ignore_errors=True)
     r = corpus("--model-path", builds["fp32"], "--input", src, "--out", cut, "--workers", 2, "--batch", 1)
