@@ -7,6 +7,9 @@ Usage:
     python inference.py --model-path onnx/cpu_int4 --text "Hello." --stream --out - | aplay -f S16_LE -r 24000 -c 1
     python inference.py --model-path onnx/cpu_int4 --text-file lines.txt --out-dir out/   # one wav per line, batched
     python inference.py --model-path onnx/cpu_int4 --text-file chapter.txt --out chapter.wav [--resume]  # one recording
+    python inference.py --model-path onnx/cpu_int4 --script show.txt --voices-map alice=a.npz,bob=default \
+                        --out show.wav --captions show.srt                           # a dialogue, with captions
+    python inference.py --model-path onnx/cpu_int4 --voice a.npz:0.7,b.npz:0.3 --text "Hi." --out blend.wav  # 2 voices
     python inference.py --model-path onnx/cpu_int4 --codes rows.npy --out decoded.wav     # decode given codes
     python inference.py --model-path onnx/cpu_int4 --selftest                              # codec-only smoke test
 """
@@ -21,6 +24,7 @@ import time
 from pathlib import Path
 
 from higgs_onnx.cli import add_log_level, run_main
+from higgs_onnx.generation.blend import MODES
 from higgs_onnx.generation.options import DEFAULT_MAX_ROWS, GenerationOptions
 from higgs_onnx.generation.prompt import check_text
 from higgs_onnx.loudness import check_target as check_loudness
@@ -39,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--text", help="text to speak; control tags like <|emotion:elation|> are allowed")
     what.add_argument("--text-file", type=Path, help="a text file: with --out, the whole text as one recording "
                       "(long-form: split into ~20 s pieces in one voice, resumable); with --out-dir, one file per line")
+    what.add_argument("--script", type=Path, help="a dialogue script (`Name: line` per turn, or JSONL {speaker, "
+                      "text}) spoken by the voices of --voices-map into one recording --out (docs/dialogue.md)")
     what.add_argument("--codes", type=Path, help="decode these code rows (.npy, delayed or raw) without generation")
     what.add_argument("--selftest", action="store_true", help="codec-only smoke test (encode + decode a tone)")
     ap.add_argument("--out", type=Path, help="output audio file; format from the extension (.wav, .flac, .ogg); "
@@ -47,7 +53,21 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ref-audio", type=Path, help="reference recording of the voice to clone (any rate/channels)")
     ap.add_argument("--ref-text", help="transcript of --ref-audio (optional, improves cloning)")
     ap.add_argument("--save-voice", type=Path, help="save the encoded reference + its prefill state (.npz) to reuse")
-    ap.add_argument("--voice", type=Path, help="a voice saved with --save-voice (instead of --ref-audio)")
+    ap.add_argument("--voice", help="a voice saved with --save-voice (instead of --ref-audio), or a blend of saved "
+                    "voices NAME:WEIGHT,NAME:WEIGHT (e.g. a.npz:0.7,b.npz:0.3; no weights = equal), each a file or a "
+                    "name in --voices (docs/voices.md)")
+    ap.add_argument("--voices", type=Path, metavar="DIR", help="a folder of saved voices (<name>.npz): --voice "
+                    "may name them (--voice alice:0.7,bob:0.3)")
+    ap.add_argument("--blend-mode", choices=MODES, help="how a blend mixes its voices' distributions: 'mixture' "
+                    "(default: log of the weighted sum of probabilities) or 'product' (weighted sum of logits)")
+    ap.add_argument("--voices-map", metavar="NAME=VOICE,...", help="--script: each speaker's voice, e.g. "
+                    "alice=voices/alice.npz,bob=default (a saved voice's file, a name in --voices DIR, or default: "
+                    "the model's own voice, chosen by the speaker's first turn)")
+    ap.add_argument("--captions", type=Path, help="--text-file with --out, or --script: also write captions "
+                    "(.srt or .vtt), one cue per piece timed by the samples written; pieces are then cut near "
+                    "--caption-chars (docs/captions.md)")
+    ap.add_argument("--caption-chars", type=int, default=None, help="with --captions: the length pieces (cues) aim "
+                    "at, in characters (default 150, about 10 s; whole sentences, so some are longer)")
     ap.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy (default %(default)s)")
     ap.add_argument("--top-k", type=int, default=d.top_k, help="0 = off (default %(default)s)")
     ap.add_argument("--top-p", type=float, default=d.top_p, help="1 = off (default %(default)s)")
@@ -99,6 +119,102 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def voice_files(args: argparse.Namespace) -> list[tuple[Path, float | None]] | None:
+    """`--voice` as [(file, weight or None)]: one voice, or a blend (`a.npz:0.7,b.npz:0.3`, names looked up in
+    `--voices`), checked before the model loads; what a blend cannot do is refused here."""
+    from higgs_onnx.generation.blend import normalise_weights, parse_spec
+
+    if args.voices is not None and not args.voices.is_dir():
+        raise NotADirectoryError(f"--voices {args.voices} is not a folder of saved voices")
+    if args.voice is None:
+        if args.voices is not None or args.blend_mode is not None:
+            raise ValueError(f"{'--voices' if args.voices is not None else '--blend-mode'} is for --voice")
+        return None
+    spec = args.voice
+    pairs = [(spec, None)] if Path(spec).exists() else parse_spec(spec, "--voice")  # a file named a:b,c stays one
+
+    def find(name: str) -> Path:
+        path = Path(name)
+        if args.voices is not None and not path.suffix and len(path.parts) == 1:
+            path = args.voices / f"{name}.npz"
+        if not path.exists():
+            hint = "" if args.voices is not None or path.suffix else \
+                " (a saved voice's file, or a name in --voices DIR)"
+            raise FileNotFoundError(f"voice file {path} does not exist{hint}")
+        return path
+
+    files = [(find(name), w) for name, w in pairs]
+    normalise_weights([w for _, w in files], "--voice")  # negative, all-zero, some-but-not-all weights
+    if len(files) == 1:
+        if args.blend_mode is not None:
+            raise ValueError("--blend-mode is for a blend of voices (--voice a.npz:0.7,b.npz:0.3)")
+        return files
+    what = f"--voice {spec}: a blend of voices"
+    if args.text_file is not None and args.out is not None:
+        raise ValueError(f"{what} is not supported for long-form (--text-file with --out: each piece continues the "
+                         f"KV cache of the pieces before it); use one voice, or --out-dir for one file per line")
+    if args.takes > 1:
+        raise ValueError(f"{what} is not supported with --takes (each take would need a batch row per voice); use "
+                         f"--retries")
+    return files
+
+
+CAPTION_CHARS = 150  # the pieces (cues) of a job with --captions: ~10 s, whole sentences
+
+
+def check_dialogue_args(args: argparse.Namespace) -> None:
+    """--script, --voices-map and --captions: the flags that go together, the script read and its cast checked
+    (every speaker has a voice that exists), before the model loads."""
+    if args.voices_map is not None and args.script is None:
+        raise ValueError("--voices-map is for --script (each speaker's voice)")
+    long_out = args.out is not None and (args.text_file is not None or args.script is not None)
+    if args.captions is not None:
+        if not long_out:
+            raise ValueError("--captions is for one recording of many pieces: --text-file with --out, or --script")
+        from higgs_onnx.longform.captions import check_path
+
+        check_path(args.captions)
+        if str(args.out) != "-" and args.captions.resolve() == args.out.resolve():
+            raise ValueError(f"--captions {args.captions} is the --out file")
+    if args.caption_chars is not None:
+        if args.captions is None:
+            raise ValueError("--caption-chars is for --captions")
+        if not 20 <= args.caption_chars <= 600:
+            raise ValueError(f"--caption-chars must be from 20 to 600, got {args.caption_chars}")
+    if args.script is None:
+        return
+    if args.out is None or args.out_dir is not None:
+        raise ValueError("--script needs --out FILE (the whole dialogue as one recording; - streams raw PCM)")
+    if args.voices_map is None:
+        raise ValueError("--script needs --voices-map NAME=VOICE,... (e.g. alice=voices/alice.npz,bob=default)")
+    for flag, value in (("--voice", args.voice), ("--ref-audio", args.ref_audio), ("--lanes", args.lanes)):
+        if value is not None:
+            why = "the speakers are the lanes" if flag == "--lanes" else "each speaker's voice is in --voices-map"
+            raise ValueError(f"{flag} is not for --script: {why}")
+    from higgs_onnx.longform.render import read_text_file
+    from higgs_onnx.longform.script import check_cast, parse_script, parse_voice_map
+
+    turns = parse_script(read_text_file(args.script, "--script"), str(args.script))
+    cast = {}
+    for name, spec in parse_voice_map(args.voices_map).items():
+        cast[name] = None if spec.lower() == "default" else _voice_path(spec, name, args.voices)
+    check_cast(turns, cast, str(args.script))
+    args.turns, args.cast = turns, cast
+
+
+def _voice_path(spec: str, name: str, folder: Path | None) -> Path:
+    path = Path(spec)
+    if folder is not None and not path.suffix and len(path.parts) == 1:
+        path = folder / f"{spec}.npz"
+    if ":" in spec and not path.exists():
+        raise ValueError(f"--voices-map: {name}={spec}: a blend of voices is not for a dialogue (each turn continues "
+                         f"its speaker's KV cache); give one saved voice per speaker")
+    if not path.is_file():
+        hint = "" if folder is not None else " (a saved voice's .npz file, a name in --voices DIR, or default)"
+        raise FileNotFoundError(f"--voices-map: {name}={spec}: voice file {path} does not exist{hint}")
+    return path
+
+
 def check_args(args: argparse.Namespace) -> tuple[GenerationOptions, StreamOptions]:
     # both raise ValueError on bad values
     options = GenerationOptions(args.temperature, args.top_k, args.top_p, args.seed, args.max_rows)
@@ -114,11 +230,13 @@ def check_args(args: argparse.Namespace) -> tuple[GenerationOptions, StreamOptio
         raise ValueError("use either --voice or --ref-audio, not both")
     if args.save_voice is not None and args.ref_audio is None:
         raise ValueError("--save-voice needs --ref-audio (the voice to save)")
+    args.voice_files = voice_files(args)
+    check_dialogue_args(args)
     if args.text_file is not None and (args.out_dir is None) == (args.out is None):
         raise ValueError("--text-file needs one of --out FILE (the whole text as one recording) or --out-dir DIR "
                          "(one file per line)" + (", not both" if args.out is not None else ""))
-    if args.resume and (args.text_file is None or args.out is None or str(args.out) == "-"):
-        raise ValueError("--resume continues a long-form job: --text-file with --out FILE")
+    if args.resume and (args.text_file is None and args.script is None or args.out is None or str(args.out) == "-"):
+        raise ValueError("--resume continues a long-form or dialogue job: --text-file or --script with --out FILE")
     if args.lanes is not None and (args.lanes < 1 or args.text_file is None):
         raise ValueError("--lanes is for --text-file and must be >= 1" if args.lanes is not None and args.lanes < 1
                          else "--lanes is for --text-file (with --out or --out-dir)")
@@ -144,7 +262,7 @@ def check_args(args: argparse.Namespace) -> tuple[GenerationOptions, StreamOptio
         raise ValueError("--asr-model needs --takes N (N >= 2): it ranks the takes by what is heard")
     if args.text_file is not None and args.out_dir is not None and args.save_codes is not None:
         raise ValueError("--save-codes is for single utterances")
-    if args.text_file is not None and args.out is not None and args.save_codes is not None:
+    if (args.text_file is not None or args.script is not None) and args.out is not None and args.save_codes is not None:
         raise ValueError("--save-codes is for single utterances (long-form keeps each piece's codes in OUT.work/)")
     if (args.text is not None or args.codes is not None) and args.out is None:
         raise ValueError("--out is required (e.g. --out hello.wav)")
@@ -157,11 +275,11 @@ def check_args(args: argparse.Namespace) -> tuple[GenerationOptions, StreamOptio
                                     f"{args.out / 'hello.wav'}), or use --text-file with --out-dir for one file per "
                                     f"line")
         check_output_file(args.out, "--out", WRITE_FORMATS, "hello.wav")
-        if args.text_file is None:  # a one-shot file that a running long-form job would replace at its end
+        if args.text_file is None and args.script is None:  # a one-shot file a running long-form job would replace
             from higgs_onnx.longform.render import check_not_locked
 
             check_not_locked(args.out)
-    if args.text_file is not None and args.out is not None and str(args.out) != "-":
+    if (args.text_file is not None or args.script is not None) and args.out is not None and str(args.out) != "-":
         from higgs_onnx.longform.render import check_outputs
 
         check_outputs(args.out)  # OUT and its work folder OUT.work, before the model loads (creates nothing)
@@ -335,10 +453,17 @@ def run(args: argparse.Namespace) -> int:
         encode_user_text(tts.tokenizer, tts.tokens, args.ref_text, "--ref-text")
     voice = None
     t0 = time.perf_counter()
-    if args.voice is not None:
+    if args.voice_files is not None:
+        from higgs_onnx.generation.blend import Blend
         from higgs_onnx.runtime.model import Voice
 
-        voice = Voice.load(args.voice, tts.model_id)
+        voices = [Voice.load(path, tts.model_id) for path, _ in args.voice_files]
+        voice = voices[0]
+        if len(voices) > 1:
+            voice = Blend.make(voices, None if args.voice_files[0][1] is None else [w for _, w in args.voice_files],
+                               args.blend_mode or "mixture", [path.stem for path, _ in args.voice_files])
+            say = print if not args.stream else lambda *a: print(*a, file=sys.stderr)
+            say(f"voice: a blend of {voice.describe()} ({voice.mode}; one batch row per voice)")
     elif args.ref_audio is not None:  # encoded and prefilled once, reused for every line
         voice = tts.make_voice(args.ref_audio, args.ref_text)
         say = print if not args.stream else lambda *a: print(*a, file=sys.stderr)
@@ -348,6 +473,8 @@ def run(args: argparse.Namespace) -> int:
     if args.text is not None:
         speak(tts, args.text, args.out, args, voice)
         return 0
+    if args.script is not None:
+        return speak_dialogue(tts, args)
     from higgs_onnx.longform.render import read_text_file
 
     text = read_text_file(args.text_file)  # empty, binary and non-UTF-8 files are refused here
@@ -380,10 +507,11 @@ def speak_lines(tts, lines: list[str], args, voice) -> int:
     if lanes is None:
         lanes = choose_batch(measure_batch_gain(tts.backend, tuple(b for b in (1, 2, 4) if b <= len(lines))))
     lanes = min(lanes, len(lines))
+    width = getattr(voice, "width", 1)  # a voice blend takes a batch row per voice
     args.out_dir.mkdir(parents=True, exist_ok=True)
     say = sys.stderr if args.stream else sys.stdout
     t0, audio, made = time.perf_counter(), 0.0, 0
-    with tts.scheduler(lanes, slot) as sched:
+    with tts.scheduler(lanes * width, slot) as sched:
         mode = "stream" if args.stream else "speech"
         handles = [sched.submit(r, mode, args.stream_options) for r in requests]
         sinks = {h.id: None for h in handles}
@@ -433,40 +561,82 @@ def speak_lines(tts, lines: list[str], args, voice) -> int:
     return 0
 
 
+def long_options(args):
+    """LongFormOptions from the flags: --history, and with --captions pieces cut near --caption-chars."""
+    from higgs_onnx.longform.render import LongFormOptions
+
+    if args.captions is None:
+        return LongFormOptions(history=args.history)
+    return LongFormOptions(history=args.history, target_chars=args.caption_chars or CAPTION_CHARS)
+
+
 def speak_long(tts, text: str, args, voice) -> int:
     """The whole text as one recording: pieces in one voice, each saved to OUT.work/ as it finishes."""
+    from higgs_onnx.longform.render import LongForm
+
+    def job(out: Path):
+        return LongForm(tts, text, out, voice, args.options, long_options(args), resume=args.resume,
+                        stream_options=args.stream_options, lanes=args.lanes)
+
+    return run_job(job, args, str(args.text_file))
+
+
+def speak_dialogue(tts, args) -> int:
+    """A dialogue script as one recording: each speaker a lane continuing its own context, turns in script order."""
+    from higgs_onnx.longform.dialogue import Dialogue
+    from higgs_onnx.runtime.model import Voice
+
+    loaded: dict[Path, object] = {}
+    voices = {}
+    for name, path in args.cast.items():
+        if path is not None and path not in loaded:
+            loaded[path] = Voice.load(path, tts.model_id)
+        voices[name] = None if path is None else loaded[path]
+
+    def job(out: Path):
+        return Dialogue(tts, args.turns, out, voices, args.options, long_options(args), resume=args.resume,
+                        stream_options=args.stream_options, where=str(args.script))
+
+    return run_job(job, args, str(args.script))
+
+
+def run_job(make, args, label: str) -> int:
+    """Drive a long-form or dialogue job (`make(out)` builds it): progress per piece, the file (or raw PCM on
+    stdout), loudness, captions, and a summary."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:  # stdout: nothing to resume, the work goes here (removed however)
-        return _speak_long(tts, text, args, voice, Path(tmp))
+        return _run_job(make, args, label, Path(tmp))
 
 
-def _speak_long(tts, text: str, args, voice, tmp: Path) -> int:
+def _run_job(make, args, label: str, tmp: Path) -> int:
     from higgs_onnx.audio import pcm16
     from higgs_onnx.generation.contract import ContractError
-    from higgs_onnx.longform.render import LongForm, LongFormOptions
+    from higgs_onnx.longform import captions
     from higgs_onnx.outputs import OutputError
 
     to_stdout = str(args.out) == "-"
-    out = tmp / "stdout.wav" if to_stdout else args.out
-    job = LongForm(tts, text, out, voice, args.options, LongFormOptions(history=args.history), resume=args.resume,
-                   stream_options=args.stream_options, lanes=args.lanes)
+    job = make(tmp / "stdout.wav" if to_stdout else args.out)
     n = len(job.pieces)
     lanes = len(job.lanes)
     chosen = "" if args.lanes is not None or job.gains is None else \
         f", chosen from the measured batch gain {', '.join(f'G({b})={g:.2f}' for b, g in sorted(job.gains.items()))}"
-    print(f"{args.text_file}: {n} pieces of {sum(len(p.text) for p in job.pieces) / n:.0f} characters on average"
-          f" in {lanes} lane{'s' if lanes > 1 else ''}{chosen}{' (resuming)' if args.resume else ''}",
+    cast = getattr(job, "cast", None)
+    who = f" for {len(cast)} speakers ({', '.join(cast)})" if cast else ""
+    print(f"{label}: {n} pieces of {sum(len(p.text) for p in job.pieces) / n:.0f} characters on average"
+          f" in {lanes} lane{'s' if lanes > 1 else ''}{who}{chosen}{' (resuming)' if args.resume else ''}",
           file=sys.stderr)
-    seconds, t0 = 0.0, time.perf_counter()
+    seconds, t0, cues = 0.0, time.perf_counter(), []
 
     def progress(p) -> None:
         nonlocal seconds
         seconds = p.seconds_so_far
+        cues.append(captions.cue_of(p))
         eta = f", ETA {p.eta_s:.0f} s" if p.eta_s is not None else ""
         note = " (from the work folder)" if p.resumed else f", stop: {p.stop_reason}" + (
             " after a retry" if p.retried else "")
-        print(f"piece {p.index + 1}/{n}: {p.seconds_so_far:.1f} s of audio so far{eta}{note}", file=sys.stderr)
+        who = f" ({p.speaker})" if p.speaker else ""
+        print(f"piece {p.index + 1}/{n}{who}: {p.seconds_so_far:.1f} s of audio so far{eta}{note}", file=sys.stderr)
         if p.stop_reason != "eoc" and not p.resumed:
             log.warning("piece %d did not end on its own within its row budget (kept, cut at the limit)", p.index + 1)
 
@@ -492,6 +662,13 @@ def _speak_long(tts, text: str, args, voice, tmp: Path) -> int:
             print(f"the finished pieces are kept in {job.work}: run again with --resume to continue",
                   file=sys.stderr)
             raise
+    if args.captions is not None:
+        try:
+            captions.write(args.captions, cues, job.tts.facts.sample_rate)
+        except OSError as e:
+            raise OutputError(f"the audio is written, but the captions cannot be: {args.captions} "
+                              f"({e.strerror or type(e).__name__})") from None
+        print(f"{args.captions}: {len(cues)} cues", file=sys.stderr)
     wall = time.perf_counter() - t0
     st = job.stats
     print(f"{args.out}: {seconds:.1f} s audio from {n} pieces in {wall:.1f} s (RTF {wall / max(seconds, 1e-9):.2f}); "

@@ -113,14 +113,15 @@ def test_cli_kill_and_resume_gives_the_same_file(builds, tmp_path):
     text.write_text((CHAPTER + "\n\n") * 3)
     whole = tmp_path / "whole.wav"
     # int4 (the default build): a resumed piece replays the prefill calls that built the cache it continues, as
-    # int4 rounds a long prefill differently from rows fed one by one (docs/longform.md); the lanes are given: a
-    # count measured in each process could differ between the two runs
-    r = cli("--model-path", builds["int4"], "--text-file", text, "--out", whole, "--seed", "3", "--lanes", "2")
+    # int4 rounds a long prefill differently from rows fed one by one (docs/longform.md); one lane, given: with
+    # several, a step's batch-mates (their lengths) change the batched attention's rounding, and a resumed job's
+    # lanes meet other batch-mates than the uninterrupted one's (test_longform_lanes checks what lanes keep)
+    r = cli("--model-path", builds["int4"], "--text-file", text, "--out", whole, "--seed", "3", "--lanes", "1")
     assert r.returncode == 0, r.stderr
     assert "piece 1/" in r.stderr and "ETA" in r.stderr
     cut = tmp_path / "cut.wav"
     proc = subprocess.Popen([sys.executable, str(ROOT / "inference.py"), "--model-path", str(builds["int4"]),
-                             "--text-file", str(text), "--out", str(cut), "--seed", "3", "--lanes", "2"], cwd=ROOT,
+                             "--text-file", str(text), "--out", str(cut), "--seed", "3", "--lanes", "1"], cwd=ROOT,
                             env={**os.environ, "CI": "1"}, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
     work = cut.with_name("cut.wav.work")
     deadline = time.monotonic() + 300
@@ -134,7 +135,7 @@ def test_cli_kill_and_resume_gives_the_same_file(builds, tmp_path):
     assert r.returncode == 2 and "--resume" in r.stderr  # never overwrites an unfinished job silently
     r = cli("--model-path", builds["int4"], "--text-file", text, "--out", cut, "--seed", "3", "--resume")
     assert r.returncode == 0, r.stderr
-    assert "from the work folder" in r.stderr and "in 2 lanes" in r.stderr  # the planned lane count
+    assert "from the work folder" in r.stderr and "in 1 lane " in r.stderr  # the planned lane count
     assert digest(cut) == digest(whole) and not work.exists()
 
 

@@ -87,13 +87,14 @@ class LongFormOptions:
     history: int = 1  # earlier pieces kept in the prompt as turns (within the context budget)
     pause_s: float = 0.3  # silence between pieces inside a paragraph
     paragraph_pause_s: float = 0.7  # silence after a paragraph
+    turn_pause_s: float = 0.4  # a dialogue's silence between two speakers' turns
     fade_ms: float = 8.0  # fade-out / fade-in at each join (no clicks)
     rows_per_char: float = 4.0  # row budget of a piece: chars * this + 100, capped by max_rows and the context
 
     def __post_init__(self) -> None:
         if not 1 <= self.target_chars <= self.max_chars:
             raise ValueError(f"need 1 <= target_chars <= max_chars, got {self.target_chars}, {self.max_chars}")
-        if self.history < 0 or min(self.pause_s, self.paragraph_pause_s, self.fade_ms) < 0:
+        if self.history < 0 or min(self.pause_s, self.paragraph_pause_s, self.turn_pause_s, self.fade_ms) < 0:
             raise ValueError("history, pauses and fade must be >= 0")
         if self.rows_per_char <= 0:
             raise ValueError(f"rows_per_char must be > 0, got {self.rows_per_char}")
@@ -113,6 +114,9 @@ class PieceResult:
     elapsed_s: float
     eta_s: float | None
     seconds: float = 0.0  # this piece's audio, pause included
+    start_sample: int = 0  # where its first sample sits in the recording (the pauses before it included)
+    speech_samples: int = 0  # its samples before its pause (the cue of a caption: start .. start + these)
+    speaker: str | None = None  # a dialogue's speaker
 
 
 class JobLockedError(FileExistsError):
@@ -140,24 +144,24 @@ def _utf16_without_bom(data: bytes) -> str | None:
 MAX_TEXT_BYTES = 64 << 20  # a long novel is ~1-2 MB of text
 
 
-def read_text_file(path: str | os.PathLike) -> str:
+def read_text_file(path: str | os.PathLike, flag: str = "--text-file") -> str:
     """A text file for long-form: UTF-8 (with or without a byte-order mark), or UTF-16 / UTF-32 with one. Refused
     with one clear line when it is empty, binary, or in another encoding (naming the likely one and the command that
     converts it)."""
     path = Path(path)
     if path.is_dir():
-        raise IsADirectoryError(f"--text-file {path} is a folder")
+        raise IsADirectoryError(f"{flag} {path} is a folder")
     if not path.exists():
-        raise FileNotFoundError(f"--text-file {path} does not exist")
+        raise FileNotFoundError(f"{flag} {path} does not exist")
     try:  # a regular file, or a pipe / process substitution / /dev/stdin: read up to a bound, never forever
         with open(path, "rb") as f:
             data = f.read(MAX_TEXT_BYTES + 1)
         if len(data) > MAX_TEXT_BYTES:
             what = "a binary file, not text" if b"\x00\x00\x00\x00" in data else \
                 f"larger than {MAX_TEXT_BYTES >> 20} MB; split it into chapters"
-            raise ValueError(f"--text-file {path} is {what}")
+            raise ValueError(f"{flag} {path} is {what}")
     except OSError as e:
-        raise PermissionError(f"--text-file {path} cannot be read ({e.strerror or type(e).__name__})") from None
+        raise PermissionError(f"{flag} {path} cannot be read ({e.strerror or type(e).__name__})") from None
     bom = next(((enc, label) for mark, enc, label in _BOMS if data.startswith(mark)), None)
     if bom is not None:
         enc, label = bom
@@ -285,8 +289,9 @@ def _fade(wav: np.ndarray, fade: int) -> np.ndarray:
 
 @dataclass
 class _Lane:
-    next: int  # the next piece to make
-    end: int
+    next: int  # the next piece to make (its position in `pieces`)
+    end: int  # len(pieces)
+    pieces: list[int]  # the lane's pieces, in order
     busy: _Making | None = None  # the piece being made
     kept: object = None  # the handle whose cache the next piece continues
     prev: object = None  # and its request
@@ -349,31 +354,50 @@ class LongForm:
         self.options, self.lf = options or GenerationOptions(), lf or LongFormOptions()
         self.codec_options = stream_options or StreamOptions()
         self._lock = None
-        self.pieces = split_text(text, self.lf.target_chars, self.lf.max_chars)
+        self.work = work_folder(self.out)
+        self.gains: dict[int, float] | None = None
+        self.pieces = self._split(text)
         if not self.pieces:
             raise ValueError("the text is empty")
         for i, p in enumerate(self.pieces, 1):
-            check_text(p.text, f"piece {i} of the text ({p.text[:40]!r})")
-        self.work = work_folder(self.out)
-        self.gains: dict[int, float] | None = None
-        if lanes is None:  # a job being resumed keeps its lanes; a new one asks the machine
-            lanes = self._planned_lanes() if resume else None
-        if lanes is None:
-            lanes = self._auto_lanes()
-        self.lanes = split_lanes(self.pieces, lanes)
+            check_text(p.text, f"{self._name(i - 1)} ({p.text[:40]!r})")
+        # voice groups (long-form: one; a dialogue: one per speaker), each piece's group, and the lanes (lists of
+        # piece indices in order: long-form's runs of whole paragraphs, a dialogue's turns of one speaker)
+        self.voices, self.group, self.lanes = self._layout(voice, lanes, resume)
+        self.lane_of = {i: k for k, lane in enumerate(self.lanes) for i in lane}
+        self.pos = {i: q for lane in self.lanes for q, i in enumerate(lane)}
+        # a zero-shot group's voice is its first piece's own text and codes
+        self.anchor = [min(i for i, g in enumerate(self.group) if g == k) for k in range(len(self.voices))]
         self.stats: dict = {}  # the figures of the last run (scheduler stats, positions prefilled vs generated)
         self.plan = {"version": PLAN_VERSION, "text_sha256": hashlib.sha256(text.encode()).hexdigest(),
                      "model_id": tts.model_id, "voice": None if voice is None else _voice_id(voice),
                      "options": dataclasses.asdict(self.options), "longform": dataclasses.asdict(self.lf),
                      "pieces": [dataclasses.asdict(p) for p in self.pieces],
-                     "lanes": [[a, b] for a, b in self.lanes]}
+                     "lanes": [[lane[0], lane[-1] + 1] for lane in self.lanes], **self._plan_extra()}
         self.plan_id = hashlib.sha256(json.dumps(self.plan, sort_keys=True).encode()).hexdigest()
         # False unless an intact plan.json of this job was found: then pieces from before the stamp existed count too
         self._plan_intact = True
         check_outputs(self.out)
         check_max_rows(self.options.max_rows, tts.facts.num_codebooks, tts.limits(self.slot))
-        self._check_fit(voice, range(len(self.pieces)) if voice is not None else range(1))
+        self._check_fit(range(len(self.pieces)), {})  # zero-shot groups: their first pieces now, the rest later
         self._prepare(resume)
+
+    # -- what the job is: overridden by a dialogue -----------------------------------------------------------------
+    def _split(self, text: str) -> list[Piece]:
+        return split_text(text, self.lf.target_chars, self.lf.max_chars)
+
+    def _name(self, i: int) -> str:
+        return f"piece {i + 1} of the text"
+
+    def _layout(self, voice, lanes: int | None, resume: bool) -> tuple[list, list[int], list[list[int]]]:
+        if lanes is None:  # a job being resumed keeps its lanes; a new one asks the machine
+            lanes = self._planned_lanes() if resume else None
+        if lanes is None:
+            lanes = self._auto_lanes()
+        return [voice], [0] * len(self.pieces), [list(range(a, b)) for a, b in split_lanes(self.pieces, lanes)]
+
+    def _plan_extra(self) -> dict:
+        return {}
 
     # -- planning: does every piece fit? ------------------------------------------------------------------------
     def _prompt_len(self, text: str, voice_rows: int, voice_text: str | None,
@@ -394,7 +418,7 @@ class LongForm:
         prompt = self._prompt_len(text, voice_rows, voice_text)
         room = limits.positions - prompt
         need = max(needed_rows(text, f.frame_rate, f.num_codebooks), min_rows(f.num_codebooks))
-        where = f"piece {i + 1} of {len(self.pieces)} ({len(text)} characters: {text[:40]!r}...)"
+        where = f"{self._name(i)}, of {len(self.pieces)} pieces ({len(text)} characters: {text[:40]!r}...)"
         if want < need:
             raise ContractError(f"{where} needs at least {need} rows, but max_rows is {cap}: raise --max-rows or "
                                 f"make the pieces shorter (LongFormOptions.target_chars/max_chars)", "max_rows")
@@ -406,13 +430,15 @@ class LongForm:
                                 "context_length_exceeded", 413)
         return min(want, room)
 
-    def _check_fit(self, voice, pieces) -> None:
-        """Every piece of `pieces` fits with `voice` (a Voice, or None: piece 1 zero-shot has no voice)."""
+    def _check_fit(self, pieces, done: dict) -> None:
+        """Every piece of `pieces` whose voice is known fits with it: a given voice, or a zero-shot group's first
+        piece (no voice) and, once that piece exists, the group's other pieces (its own audio is their voice)."""
         for i in pieces:
-            if voice is None and i == 0:
-                self._budget(0, 0, None)
-            else:
+            voice = self._voice_for(self.group[i], done)
+            if voice is not None:
                 self._budget(i, len(voice.rows), voice.ref_text)
+            elif i == self.anchor[self.group[i]]:
+                self._budget(i, 0, None)
 
     # -- the work folder ------------------------------------------------------------------------------------------
     def _prepare(self, resume: bool) -> None:
@@ -561,12 +587,13 @@ class LongForm:
         self.gains = measure_batch_gain(self.tts.backend, sizes)
         return choose_batch(self.gains)
 
-    def _voice_for(self, done: dict[int, dict]):
-        """The voice of every lane's first piece and of every restart: the given one, or (zero-shot) the first
-        piece's own text and codes."""
-        if self.voice is not None or 0 not in done:
-            return self.voice
-        return self.tts.voice_from_codes(done[0]["codes"], self.pieces[0].text)
+    def _voice_for(self, g: int, done: dict[int, dict]):
+        """Group `g`'s voice, for every lane's first piece and every restart: the given one, or (zero-shot) the
+        group's first piece's own text and codes (None until that piece exists)."""
+        a = self.anchor[g]
+        if self.voices[g] is not None or a not in done:
+            return self.voices[g]
+        return self.tts.voice_from_codes(done[a]["codes"], self.pieces[a].text)
 
     def _suffix_len(self, i: int) -> int:
         from ..generation.prompt import build_suffix
@@ -588,19 +615,21 @@ class LongForm:
         prompt, its rows, and the new text) while the lane's prompt plus the piece's whole row budget fits the
         slot; when it would not, the lane starts again from the voice and the last `history` pieces (fewer while
         they do not fit). `history=0`: every piece hears the voice only."""
-        start = next(a for a, b in self.lanes if a <= i < b)
-        zero_shot = self.voice is None
-        with_voice, history = not (zero_shot and start == 0), []
-        for j in range(start + 1, i + 1):
+        lane, g = self.lanes[self.lane_of[i]], self.group[i]
+        start, anchor = lane[0], self.anchor[g]
+        zero_shot = self.voices[g] is None
+        with_voice, history = not (zero_shot and start == anchor), []
+        for q in range(1, self.pos[i] + 1):
+            j = lane[q]
             if self.lf.history == 0:
                 with_voice, history, cont = True, [], False
                 continue
-            grown = history + [j - 1]
+            grown = history + [lane[q - 1]]
             if self._fits(j, with_voice, grown, done):
                 history, cont = grown, True
                 continue
             with_voice, cont = True, False  # start again from the voice and the last pieces
-            keep = [k for k in range(max(start, j - self.lf.history), j) if not (zero_shot and k == 0)]
+            keep = [lane[r] for r in range(max(0, q - self.lf.history), q) if not (zero_shot and lane[r] == anchor)]
             while keep and not self._fits(j, True, keep, done):
                 keep = keep[1:]
             history = keep
@@ -615,8 +644,10 @@ class LongForm:
         """The prompt length of piece `j` with (or without) the voice and the earlier pieces `history`."""
         from ..generation.prompt import build_prefix
 
-        rows, text = (0, None) if not with_voice else (len(self.voice.rows), self.voice.ref_text) \
-            if self.voice is not None else (len(done[0]["gen"]), self.pieces[0].text)
+        g = self.group[j]
+        voice, a = self.voices[g], self.anchor[g]
+        rows, text = (0, None) if not with_voice else (len(voice.rows), voice.ref_text) \
+            if voice is not None else (len(done[a]["gen"]), self.pieces[a].text)
         prefixes = self.__dict__.setdefault("_prefixes", {})
         if (rows, text) not in prefixes:
             prefixes[rows, text] = len(build_prefix(self.tts.tokenizer, self.tts.tokens, rows, text))
@@ -627,7 +658,7 @@ class LongForm:
         """Piece `i`'s request in its lane's context (`_context`), and whether it continues `prev` (the request of
         the piece before, when its cache is still in the scheduler: then only the new text is prefilled)."""
         with_voice, history, cont = self._context(i, done)
-        voice = self._voice_for(done) if with_voice else None
+        voice = self._voice_for(self.group[i], done) if with_voice else None
         budget = self._budget(i, 0, None) if voice is None else self._budget(i, len(voice.rows), voice.ref_text)
         if cont:
             budget = self._want(i)  # `_context` made sure the lane's prompt and all of it fit
@@ -649,16 +680,19 @@ class LongForm:
         new positions in `PREFILL_CHUNK`s from where that piece started, each row it fed a call of its own). The
         same calls round the same way (int4 rounds a long prefill differently from rows fed one by one), so a
         resumed job writes the bytes of an uninterrupted one."""
-        first = i
-        while self._context(first, done)[2]:
-            first -= 1  # back to the piece of the lane that started from the voice
+        lane = self.lanes[self.lane_of[i]]
+        q = self.pos[i]
+        while self._context(lane[q], done)[2]:
+            q -= 1  # back to the piece of the lane that started from the voice
+        first = lane[q]
         with_voice, history, _ = self._context(first, done)
         end = self._prompt_positions(first, with_voice, history, done)
         breaks = []
-        for k in range(first, i):
+        for r in range(q, self.pos[i]):
+            k = lane[r]
             fed = max(done[k]["rows"] - 1, 0)  # the last row is sampled, never fed
             breaks += range(end, end + fed + 1)  # the prompt's end, then each fed row
-            end += done[k]["rows"] + self._suffix_len(k + 1)
+            end += done[k]["rows"] + self._suffix_len(lane[r + 1])
         if end != len(req.prompt):  # the lane's prompt is not the concatenation of its pieces: no replay
             raise AssertionError(f"piece {i + 1}: its lane's prompt is {len(req.prompt)} positions, its pieces add "
                                  f"up to {end}")
@@ -682,15 +716,17 @@ class LongForm:
                 done[i] = piece
                 resumed.add(i)
         sched = self.tts.scheduler(len(self.lanes), self.slot, PrefillPolicy(chunk=PREFILL_CHUNK))
-        lanes = [_Lane(next((i for i in range(a, b) if i not in done), b), b) for a, b in self.lanes]
+        lanes = [_Lane(next((q for q, i in enumerate(lane) if i not in done), len(lane)), len(lane), lane)
+                 for lane in self.lanes]
         ready: dict[int, np.ndarray] = {}  # finished pieces' audio not handed out yet
         sent: dict[int, list] = {}  # audio of the piece on air handed out so far (streaming)
         made: dict[int, _Making] = {}
-        out_next, seconds, made_chars = 0, 0.0, 0
-        zero_shot_checked = not (self.voice is None and n > 1)
-        if not zero_shot_checked and 0 in done:
-            self._check_fit(self._voice_for(done), range(1, n))
-            zero_shot_checked = True
+        out_next, seconds, made_chars, at = 0, 0.0, 0, 0
+        unchecked = {g for g, v in enumerate(self.voices) if v is None}  # zero-shot groups whose voice is unknown
+        for g in sorted(unchecked):
+            if self.anchor[g] in done:
+                self._check_fit([i for i in range(n) if self.group[i] == g], done)
+                unchecked.discard(g)
         try:
             while out_next < n:
                 i = out_next
@@ -703,12 +739,14 @@ class LongForm:
                         yield "audio", wav
                     full = np.concatenate([*head, wav]) if head else wav
                     seconds += full.size / sr
+                    start, at = at, at + full.size
                     left = sum(len(self.pieces[k].text) for k in range(n) if k not in done)
                     elapsed = time.perf_counter() - t0
                     eta = elapsed / made_chars * left if made_chars else None
                     p = done[i]
                     yield "piece", PieceResult(i, n, self.pieces[i].text, full, p["rows"], p["stop"], p["retried"],
-                                               i in resumed, seconds, elapsed, eta, full.size / sr)
+                                               i in resumed, seconds, elapsed, eta, full.size / sr, start,
+                                               full.size - self._pause(i).size, self._speaker(i))
                     out_next += 1
                     continue
                 if streaming and i in made and made[i].audio:  # on air: what is final goes out now
@@ -716,10 +754,12 @@ class LongForm:
                     made[i].audio.clear()
                     sent.setdefault(i, []).append(chunk)
                     yield "audio", chunk
-                for lane in lanes:  # every idle lane starts its next piece (zero-shot: once piece 1's voice is known)
-                    if lane.busy is None and lane.next < lane.end and (self.voice is not None or lane.next == 0
-                                                                       or 0 in done):
-                        self._submit(sched, lane, lane.next, done, 0, streaming, made)
+                for lane in lanes:  # every idle lane starts its next piece (zero-shot: once its voice is known)
+                    if lane.busy is None and lane.next < lane.end:
+                        i = lane.pieces[lane.next]
+                        g = self.group[i]
+                        if self.voices[g] is not None or i == self.anchor[g] or self.anchor[g] in done:
+                            self._submit(sched, lane, i, done, 0, streaming, made)
                 progressed = sched.step()
                 for lane in lanes:
                     m = lane.busy
@@ -742,14 +782,15 @@ class LongForm:
                     done[m.index] = piece
                     made_chars += len(self.pieces[m.index].text)
                     ready[m.index] = np.concatenate([*made.pop(m.index).finish(), self._pause(m.index)])
-                    lane.busy, lane.next = None, m.index + 1
+                    lane.busy, lane.next = None, self.pos[m.index] + 1
                     if lane.next < lane.end and self.lf.history > 0:
                         lane.kept, lane.prev = m.handle, m.handle.request  # the next piece continues its cache
                     else:
                         m.handle.release()
-                    if m.index == 0 and not zero_shot_checked:  # zero-shot: the voice of every later piece is known
-                        self._check_fit(self._voice_for(done), range(1, n))
-                        zero_shot_checked = True
+                    g = self.group[m.index]
+                    if g in unchecked and m.index == self.anchor[g]:  # zero-shot: the group's voice is known now
+                        self._check_fit([k for k in range(n) if self.group[k] == g], done)
+                        unchecked.discard(g)
                 if not progressed:
                     sched.wait_for_codec()
         finally:
@@ -768,7 +809,7 @@ class LongForm:
             lane.kept.release()  # the lane starts again from the voice: its old cache goes
         lane.kept = lane.prev = None
         # kept when done: for the next piece to continue, or (writing a file) for a retry to cut back
-        keep = self.lf.history > 0 and (i + 1 < lane.end or not streaming)
+        keep = self.lf.history > 0 and (self.pos[i] + 1 < lane.end or not streaming)
         handle = sched.submit(req, "stream", self.codec_options, keep=keep, after=after)
         made[i] = lane.busy = _Making(i, handle, attempt, prev, _Edges(self._fade_samples()))
 
@@ -811,14 +852,19 @@ class LongForm:
                 shutil.rmtree(self.work, ignore_errors=True)
             self.close()
 
+    def _speaker(self, i: int) -> str | None:
+        return None
+
     def _fade_samples(self) -> int:
         return int(self.lf.fade_ms * self.tts.facts.sample_rate / 1000)
 
     def _pause(self, i: int) -> np.ndarray:
-        lf = self.lf
         last = i == len(self.pieces) - 1
-        pause = 0.0 if last else (lf.paragraph_pause_s if self.pieces[i].paragraph_end else lf.pause_s)
-        return np.zeros(int(pause * self.tts.facts.sample_rate), np.float32)
+        return np.zeros(0 if last else int(self._pause_s(i) * self.tts.facts.sample_rate), np.float32)
+
+    def _pause_s(self, i: int) -> float:
+        """The silence after piece `i` (not the last)."""
+        return self.lf.paragraph_pause_s if self.pieces[i].paragraph_end else self.lf.pause_s
 
     def _audio(self, i: int, codes: np.ndarray) -> np.ndarray:
         """A piece's waveform with fades at both ends, followed by its pause."""
