@@ -162,14 +162,17 @@ def parse_voice_map(spec: str, flag: str = "--voices-map") -> dict[str, str]:
 
 
 def check_cast(turns: list[Turn], voices: dict[str, object], where: str = "the script",
-               flag: str = "--voices-map") -> None:
-    """Every speaker of the script has a voice, and there are at least two speakers."""
+               flag: str = "--voices-map", single: str = "--text-file with --out (long-form)") -> None:
+    """Every speaker of the script has a voice, and there are at least two speakers. `flag` "voices": the server's
+    request (turns are numbered from 0 there, `turns[i]`)."""
     cast = speakers(turns)
     for t in turns:
         if t.speaker not in voices:
             known = ", ".join(voices) or "none"
-            raise ScriptError(f"{where}, line {t.line}: speaker {t.speaker!r} has no voice in {flag} (it has "
-                              f"{known}); add {t.speaker}=VOICE (a saved voice, or default for the model's own)")
+            at, add = (f"{where}[{t.line}]", f'"{t.speaker}": VOICE to voices') if flag == "voices" else \
+                (f"{where}, line {t.line}", f"{t.speaker}=VOICE")
+            raise ScriptError(f"{at}: speaker {t.speaker!r} has no voice in {flag} (it has {known}); add {add} (a "
+                              f"saved voice, or default for the model's own)")
     if len(cast) < 2:
         raise ScriptError(f"{where} has one speaker ({cast[0]}): a dialogue needs two or more; for one voice use "
-                          f"--text-file with --out (long-form)")
+                          f"{single}")

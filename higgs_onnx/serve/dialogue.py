@@ -1,0 +1,175 @@
+"""`POST /v1/audio/dialogue`: a script of turns spoken by several voices, as one response.
+
+    {"model": "higgs-tts-3-4b", "turns": [{"speaker": "Alice", "text": "Hi!"}, {"speaker": "Bob", "text": "Hey."}],
+     "voices": {"Alice": "alice", "Bob": "default"}, "response_format": "wav"}
+
+Each speaker is one `SpeechSession` (`textstream.py`) on the server's scheduler, so a speaker's turns continue its
+own KV context (voice, then its earlier turns, until the slot is full; then it starts again from the voice) and
+the speakers' sessions run at once, batched with every other request. A long turn is split at sentence ends like
+a long input (`longform.split`). The response is the turns in script order: each piece faded at its edges (8 ms),
+0.3 s of silence between the pieces of a turn, `turn_pause_s` (0.4 s) between turns. A piece is handed out whole
+once it is made (a later speaker's piece may be made first and waits its turn). The SSE stream carries a cue per
+piece, as a long input's does (`pieces.Cue`), with its speaker. A zero-shot speaker ("default") keeps the voice its
+first piece chose: a restart of its context is cloned from that piece.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import numpy as np
+
+from ..generation.contract import LONG_FORM_HINT, ContractError, NoAudioError
+from ..generation.stream import AudioChunk
+from ..longform.render import _fade
+from ..longform.script import Turn
+from ..longform.split import split_text
+from .pieces import JOIN, Cue, _total, piece_options
+from .scheduler import QueueFull
+
+SPEAKER_SEED_STEP = 7919  # speaker k's pieces are seeded seed + k * this + their index in its session
+QUEUE_WAIT_S, QUEUE_POLL_S = 30.0, 0.1
+
+
+@dataclasses.dataclass(frozen=True)
+class Line:
+    """One piece of the dialogue: its speaker, its text, whether the turn ends with it."""
+
+    speaker: str
+    text: str
+    turn_end: bool
+    paragraph_end: bool
+
+
+def plan_lines(turns: list[Turn]) -> list[Line]:
+    lines = []
+    for t in turns:
+        parts = split_text(t.text, JOIN.target_chars, JOIN.max_chars)
+        for k, p in enumerate(parts):
+            lines.append(Line(t.speaker, p.text, k == len(parts) - 1, p.paragraph_end))
+    return lines
+
+
+def check_lines(tts, slot: int, lines: list[Line], voices: dict, options, where: str = "turns") -> None:
+    """Every piece can be a request of its own with its speaker's voice (before any work); ContractError names it."""
+    for i, line in enumerate(lines):
+        try:
+            tts.request(line.text, voice=voices[line.speaker], options=piece_options(options, line.text), slot=slot)
+        except ContractError as e:
+            reason = str(e).replace(f"; {LONG_FORM_HINT}", "")
+            raise ContractError(f"{where}: piece {i + 1} ({line.speaker}: {line.text[:40]!r}...) cannot be a request "
+                                f"of its own: {reason}", where, e.code, e.status) from None
+
+
+class DialogueReader:
+    """The dialogue as one job: iterate it (async) for `AudioChunk`s in script order (the last one carries the
+    figures of every piece) and a `Cue` as each piece starts and ends; `cancel()` stops every speaker."""
+
+    def __init__(self, sessions: dict, lines: list[Line], sample_rate: int,
+                 clone: Callable[[np.ndarray, str], Awaitable] | None = None):
+        self.sessions, self.lines, self.sample_rate, self.clone = sessions, lines, sample_rate, clone
+        self.cancelled = False
+        self.first_job = None
+        self._tasks: list[asyncio.Task] = []
+
+    @property
+    def id(self):
+        return self.first_job.id if self.first_job is not None else "-"
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        for t in self._tasks:
+            t.cancel()
+        for s in self.sessions.values():
+            s.close()
+
+    async def _speaker(self, name: str, futures: dict[int, asyncio.Future]) -> None:
+        """Speak `name`'s pieces in order, each piece's audio and last chunk into its future."""
+        session, first = self.sessions[name], None
+        mine = [i for i, line in enumerate(self.lines) if line.speaker == name]
+        try:
+            for n, i in enumerate(mine):
+                text = self.lines[i].text
+                if n and first is not None and self.clone is not None and session.voice is None \
+                        and not session.would_continue(text):
+                    session.release()  # the slot is full: start again from the speaker's first piece's voice
+                    session.voice = await self.clone(first.codes, self.lines[mine[0]].text)
+                audio, last = [], None
+                async for c in self._speak(session, text):
+                    audio.append(c.samples)
+                    last = c
+                if last is None or not last.is_last:
+                    raise NoAudioError(f"piece {i + 1} of {len(self.lines)} ({name}) ended without audio")
+                first = first or last
+                futures[i].set_result((np.concatenate(audio) if audio else np.zeros(0, np.float32), last))
+        except BaseException as e:
+            for i in mine:
+                if not futures[i].done():
+                    futures[i].set_exception(e if isinstance(e, Exception) else asyncio.CancelledError())
+            if not isinstance(e, Exception):
+                raise
+        finally:
+            session.close()
+
+    async def _speak(self, session, text: str) -> AsyncIterator[AudioChunk]:
+        deadline = time.monotonic() + QUEUE_WAIT_S
+        while True:
+            chunks = aiter(session.speak(text))
+            try:
+                c = await anext(chunks, None)
+            except QueueFull:  # another speaker's slot, or other clients: wait for room, within a bound
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(QUEUE_POLL_S)
+                continue
+            break
+        if self.first_job is None:
+            self.first_job = session.job
+        while c is not None:
+            yield c
+            c = await anext(chunks, None)
+
+    async def __aiter__(self) -> AsyncIterator[AudioChunk | Cue]:
+        sr, n = self.sample_rate, len(self.lines)
+        fade = int(JOIN.fade_ms * sr / 1000)
+        loop = asyncio.get_running_loop()
+        futures = {i: loop.create_future() for i in range(n)}
+        self._tasks = [asyncio.ensure_future(self._speaker(name, futures)) for name in self.sessions]
+        pos, count, stats, t0 = 0, 0, [], time.perf_counter()
+        try:
+            for i, line in enumerate(self.lines):
+                audio, last = await futures[i]
+                stats.append(last.stats)
+                wav = _fade(np.array(audio, np.float32), fade)
+                start = pos
+                yield Cue(i, line.text, start, None, sr, line.speaker)
+                pos += wav.size
+                final = i == n - 1
+                yield AudioChunk(wav, sr, count, final, start / sr, last.elapsed_s, last.rows_done,
+                                 stats=_total(stats, pos / sr, time.perf_counter() - t0) if final else None)
+                count += 1
+                yield Cue(i, line.text, start, pos, sr, line.speaker)
+                if not final:
+                    pause = JOIN.turn_pause_s if line.turn_end else \
+                        JOIN.paragraph_pause_s if line.paragraph_end else JOIN.pause_s
+                    silence = np.zeros(int(pause * sr), np.float32)
+                    yield AudioChunk(silence, sr, count, False, pos / sr, last.elapsed_s, last.rows_done)
+                    pos, count = pos + silence.size, count + 1
+        finally:
+            for t in self._tasks:
+                t.cancel()
+            for s in self.sessions.values():
+                s.close()
+            for f in futures.values():  # a speaker that failed after the stream stopped: nobody reads its error
+                if f.done() and not f.cancelled():
+                    f.exception()
+
+
+def speaker_options(options, k: int):
+    return dataclasses.replace(options, seed=options.seed + k * SPEAKER_SEED_STEP)
+
+
+__all__ = ["DialogueReader", "Line", "check_lines", "plan_lines", "speaker_options"]
