@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "voices NAME:WEIGHT,NAME:WEIGHT (e.g. a.npz:0.7,b.npz:0.3; no weights = equal), each a file or a "
                     "name in --voices (docs/voices.md)")
     ap.add_argument("--voices", type=Path, metavar="DIR", help="a folder of saved voices (<name>.npz): --voice "
-                    "may name them (--voice alice:0.7,bob:0.3)")
+                    "and --voices-map may name them (--voice alice:0.7,bob:0.3)")
     ap.add_argument("--blend-mode", choices=MODES, help="how a blend mixes its voices' distributions: 'mixture' "
                     "(default: log of the weighted sum of probabilities) or 'product' (weighted sum of logits)")
     ap.add_argument("--voices-map", metavar="NAME=VOICE,...", help="--script: each speaker's voice, e.g. "
@@ -127,8 +127,10 @@ def voice_files(args: argparse.Namespace) -> list[tuple[Path, float | None]] | N
     if args.voices is not None and not args.voices.is_dir():
         raise NotADirectoryError(f"--voices {args.voices} is not a folder of saved voices")
     if args.voice is None:
-        if args.voices is not None or args.blend_mode is not None:
-            raise ValueError(f"{'--voices' if args.voices is not None else '--blend-mode'} is for --voice")
+        if args.blend_mode is not None:
+            raise ValueError("--blend-mode is for a blend of voices (--voice a.npz:0.7,b.npz:0.3)")
+        if args.voices is not None and args.script is None:
+            raise ValueError("--voices is for --voice (or --voices-map with --script): the names it looks up")
         return None
     spec = args.voice
     pairs = [(spec, None)] if Path(spec).exists() else parse_spec(spec, "--voice")  # a file named a:b,c stays one

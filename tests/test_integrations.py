@@ -167,7 +167,7 @@ def test_boson_and_sglang_request_shapes(webui):
                          "mp3"}, "stream"), ({"ref_audio": "https://example.com/a.wav"}, "ref_audio"),
                          ({"ref_audio": "not base64!"}, "ref_audio"), ({"ref_text": "hello"}, "ref_text"),
                          ({"references": [{"audio_path": "/etc/passwd", "text": "x"}]}, "references"),
-                         ({"references": [{"data": b64}, {"data": b64}]}, "references"),
+                         ({"references": [{"data": b64, "weight": -1}, {"data": b64}]}, "references"),
                          ({"references": [{"vq_codes": [[1, 2]]}]}, "references"),
                          ({"x_vector_only_mode": True}, "x_vector_only_mode"),
                          ({"repetition_penalty": 1.1}, "repetition_penalty"),

@@ -3,7 +3,8 @@ export). Types text, clicks a tag and Speak, waits until streamed audio arrived 
 whole utterance, creates a voice through the upload form; no page errors. A screenshot lands in the test's tmp dir
 and in tests/output/web_page.png. Also: the built-in default voice cannot be deleted (the button says so), a wrong
 API key is named as such (a second server, with a key), and a 64-character voice name does not push a 360-pixel
-wide (phone) page sideways.
+wide (phone) page sideways. Read-along: a long text read in pieces lists them with the server's cue times, and the
+piece highlighted is the one whose [start_s, end_s) holds the <audio> element's time, seeked and while it plays.
 """
 
 from __future__ import annotations
@@ -228,4 +229,80 @@ def test_long_voice_name_on_a_phone(url, browser):
     wait_until(page, "/deleted/.test(document.getElementById('status').textContent)")
     assert name in page.locator("#status").text_content() and overflow(page) == [], overflow(page)
     assert page.input_value("#voice") == "default" and page.locator("#voice-delete").is_disabled()
+    page.close()
+
+
+def server_cues(url: str, body: dict) -> list[dict]:
+    """The `audio.speech.piece` events of the same request, read here (the page's audio is the same: seeded, alone)."""
+    import json
+
+    import httpx2 as httpx
+
+    r = httpx.post(f"{url}/v1/audio/speech", json=body, timeout=120)
+    assert r.status_code == 200, r.text[:300]
+    events = [json.loads(line[5:]) for line in r.text.splitlines() if line.startswith("data:")]
+    return [e for e in events if e["type"] == "audio.speech.piece"]
+
+
+def test_read_along_highlights_the_piece_being_played(url, browser):
+    from test_server_pieces import sentences
+
+    text = sentences(90)  # ~4,900 characters: read in pieces
+    page = browser.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(f"page error: {e}"))
+    page.goto(url)
+    page.wait_for_selector("button.tag")
+    assert page.locator("#read-along").is_hidden()
+    page.fill("#text", text)
+    page.locator("summary", has_text="Sampling").click()
+    page.fill("#max_rows", "24")
+    page.fill("#seed", "3")
+    page.click("#speak")
+    wait_until(page, "(() => { const s = document.getElementById('status').dataset.state;"
+               " return s === 'error' || s === 'done'; })()", timeout=180)
+    assert page.locator("#status").get_attribute("data-state") == "done", page.locator("#status").text_content()
+    model = page.evaluate("fetch('/health').then(r => r.json()).then(h => h.model)")
+    cues = server_cues(url, {"model": model, "input": text, "voice": "default", "response_format": "pcm",
+                             "stream_format": "sse", "max_rows": 24, "seed": 3})
+    shown = page.evaluate("[...document.querySelectorAll('#pieces li')].map(li => [li.textContent, "
+                          "Number(li.dataset.start), Number(li.dataset.end)])")
+    assert len(shown) >= 2 and shown == [[c["text"], c["start_s"], c["end_s"]] for c in cues]
+    assert page.locator("#read-along").is_visible()
+
+    current = "document.getElementById('pieces').dataset.current"
+
+    def at(t: float, index: int) -> None:  # seek the <audio> element to t: the piece `index` (-1: none) is lit
+        page.evaluate(f"document.getElementById('player').currentTime = {t}")
+        wait_until(page, f"{current} === '{index}'", timeout=5)
+        lit = page.evaluate("[...document.querySelectorAll('#pieces li.reading')].map(li => Number(li.dataset.index))")
+        assert lit == ([] if index < 0 else [index]), (t, index, lit)
+
+    for i, c in enumerate(cues[:4]):
+        at(c["start_s"] + 0.005, i)
+        at(c["end_s"] - 0.005, i)
+        at(c["end_s"] + 0.005, -1)  # the pause after it belongs to no piece
+    at(cues[-1]["start_s"] + 0.005, len(cues) - 1)
+
+    # playing across the boundaries between piece 1, its pause and piece 2: each change of the highlight, with the
+    # time the element was at, as the page made it
+    page.evaluate(f"""(() => {{
+      const a = document.getElementById('player'), p = document.getElementById('pieces');
+      window.highlights = [];
+      new MutationObserver(() => window.highlights.push([p.dataset.current, a.currentTime]))
+        .observe(p, {{ attributes: true, attributeFilter: ['data-current'] }});
+      a.currentTime = {cues[1]["end_s"] - 0.25};
+    }})()""")
+    wait_until(page, f"{current} === '1'", timeout=5)
+    page.evaluate("document.getElementById('player').play()")
+    changes = wait_until(page, "window.highlights.some(h => h[0] === '2') && window.highlights", timeout=30)
+    page.evaluate("document.getElementById('player').pause()")
+    seen = [(int(i), t) for i, t in changes if int(i) != 1 or t < cues[1]["end_s"]]  # from the seek on
+    gap, second = next(h for h in seen if h[0] == -1), next(h for h in seen if h[0] == 2)
+    assert cues[1]["end_s"] <= gap[1] < cues[1]["end_s"] + 0.25, (seen, cues[1])
+    assert cues[2]["start_s"] <= second[1] < cues[2]["start_s"] + 0.25, (seen, cues[2])
+    OUTPUT.mkdir(exist_ok=True)
+    page.screenshot(path=str(OUTPUT / "web_page_read_along.png"), full_page=True)
+    print(f"\nread-along: {len(cues)} pieces; highlight changes while playing {seen}")
+    assert not errors, errors
     page.close()

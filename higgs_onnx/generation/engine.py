@@ -206,6 +206,22 @@ class Request:
         return self.hidden is not None and not self.done
 
     @property
+    def members(self) -> tuple[Request, ...]:
+        """The batch rows this request occupies, each with its own cache: itself (a voice blend, `BlendRequest`:
+        one per voice, all fed the same codes)."""
+        return (self,)
+
+    @property
+    def width(self) -> int:
+        """Batch rows (pool slots) this request needs."""
+        return len(self.members)
+
+    @property
+    def prefilling(self) -> bool:
+        """Admitted with prompt positions still to prefill."""
+        return self.embeds is not None
+
+    @property
     def positions(self) -> int:
         """Positions this request's cache holds when it is done: its prompt and every row but the last (the last
         row is sampled, never fed). A request that continues it starts from exactly these."""
@@ -230,7 +246,7 @@ class Request:
         if self.keep_logits:
             self.logits.append(logits)
         step = self.n
-        codes = sample_codes(logits, self.rng, self.options.sampling)
+        codes = self.sample(logits)
         self.countdown, finished = next_state(codes, step, self.countdown, self.rules, self.options.ignore_eoc)
         stop = "eoc"
         if self.teacher_rows is not None:  # feed the given rows; stop where they end
@@ -244,6 +260,10 @@ class Request:
         elif self.watch is not None:
             self.stop_reason = self.watch.see(self.rows, self.n)  # "loop", "overlong" or None
         return codes
+
+    def sample(self, logits: np.ndarray) -> np.ndarray:
+        """(N, V) logits -> this step's (N,) codes, drawn with the request's own RNG."""
+        return sample_codes(logits, self.rng, self.options.sampling)
 
     def new_frames(self) -> np.ndarray:
         """(k, N) raw frames completed since the last call. Frame t needs rows t..t+N-1 (codebook c sits c rows
@@ -316,10 +336,17 @@ class Engine:
         self.backend, self.pool = backend, pool
 
     def admit(self, req: Request, cache: Any = None) -> None:
-        """Give `req` its cache and the embeddings of the prompt positions still to prefill (`req.embeds`).
+        """Give `req` its cache and the embeddings of the prompt positions still to prefill (`req.embeds`); a voice
+        blend, each of its members (a slot each). On failure the caller releases the request (all its members).
 
         `cache`: the cache a finished request left (KV continuation); it must hold exactly `req.cached` positions.
         Otherwise a slot of the pool (or a cache of its own), empty or holding the voice's saved prefix."""
+        if cache is not None and req.width > 1:
+            raise ValueError("a voice blend cannot continue a KV cache")
+        for row in req.members:
+            self._admit_row(row, cache)
+
+    def _admit_row(self, req: Request, cache: Any) -> None:
         if cache is None and self.pool is not None and len(req.prompt) + req.max_rows > self.pool.capacity:
             # never cut to fit: the request should have been made for this slot (`HiggsTTS.request(slot=...)`)
             raise ContractError(f"the prompt is {len(req.prompt)} positions and the request asks for {req.max_rows} "
@@ -353,27 +380,29 @@ class Engine:
         """Prefill the next `limit` (None: all) of the request's remaining prompt positions; returns how many.
         After the last chunk the request is `decoding`. A failed prefill gives the cache back and raises."""
         t0 = time.perf_counter()
-        left = len(req.embeds) - req.prefilled
+        row = next(m for m in req.members if m.embeds is not None)  # a blend prefills its voices one by one
+        left = len(row.embeds) - row.prefilled
         n = left if limit is None else max(1, min(limit, left))
-        if req.breaks:
-            i = bisect.bisect_right(req.breaks, req.prefilled)
-            if i < len(req.breaks):
-                n = min(n, req.breaks[i] - req.prefilled)
+        if row.breaks:
+            i = bisect.bisect_right(row.breaks, row.prefilled)
+            if i < len(row.breaks):
+                n = min(n, row.breaks[i] - row.prefilled)
         try:
-            hidden = self.backend.prefill(req.cache, req.embeds[req.prefilled:req.prefilled + n])
+            hidden = self.backend.prefill(row.cache, row.embeds[row.prefilled:row.prefilled + n])
         except BaseException:
             req.release()
             raise
-        req.prefilled += n
-        if req.prefilled == len(req.embeds):
-            req.hidden, req.embeds = hidden, None
+        row.prefilled += n
+        if row.prefilled == len(row.embeds):
+            row.hidden, row.embeds = hidden, None
         req.prefill_s += time.perf_counter() - t0
         return n
 
     def start(self, req: Request) -> None:
-        """Admit the request and prefill its whole prompt; afterwards its next row can be sampled."""
+        """Admit the request and prefill its whole prompt (a blend: every voice's); then its next row can be sampled."""
         self.admit(req)
-        self.prefill(req)
+        while req.prefilling:
+            self.prefill(req)
 
     def step(self, requests: list[Request], keep: frozenset = frozenset()) -> None:
         """Advance each decoding request by one row: heads -> sampler -> state machine -> embed -> decoder.
@@ -382,25 +411,30 @@ class Engine:
         request samples with its own RNG; with a pool, the decoder runs once for all of them too. With the step
         graph (`backend.fused`) embed -> decoder -> heads is one call that also gives the next step's logits, so a
         step is one runtime call (the heads run apart only after a prefill). A request that finishes releases its
-        cache unless its id is in `keep` (it will be continued)."""
+        cache unless its id is in `keep` (it will be continued).
+
+        A voice blend (`BlendRequest`) is a row per voice: their logits come from the same heads call, it mixes
+        them and draws once, and every row is fed the codes drawn, in the same decoder call as the rest."""
         live = [r for r in requests if r.decoding]
         if not live:
             return
         be, t0 = self.backend, time.perf_counter()
-        need = [r for r in live if r.next_logits is None]
+        need = [m for r in live for m in r.members if m.next_logits is None]
         if need:
-            for req, lg in zip(need, be.audio_logits(np.stack([r.hidden for r in need])), strict=True):  # (B, N, V)
-                req.next_logits = lg
-        going, rows = [], []
+            for m, lg in zip(need, be.audio_logits(np.stack([m.hidden for m in need])), strict=True):  # (B, N, V)
+                m.next_logits = lg
+        going, rows = [], []  # the batch rows still going (every member of a request), and the codes each is fed
         for req in live:
-            lg, req.next_logits = req.next_logits, None
-            codes = req.accept(lg)
+            logits = [m.next_logits for m in req.members]
+            for m in req.members:
+                m.next_logits = None
+            codes = req.accept(logits[0] if req.width == 1 else np.stack(logits))  # a blend: (M, N, V)
             if req.done:
                 if id(req) not in keep:
                     req.release()
             else:
-                going.append(req)
-                rows.append(codes)
+                going += req.members
+                rows += [codes] * req.width
         if going:
             batched = self.pool is not None and len(going) > 1
             caches = [r.cache for r in going]

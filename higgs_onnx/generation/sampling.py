@@ -37,7 +37,11 @@ GREEDY = SamplingOptions(temperature=0.0, top_k=0, top_p=1.0)
 
 def filter_logits(logits: np.ndarray, opts: SamplingOptions) -> np.ndarray:
     """(N, V) logits -> (N, V) temperature-scaled logits with filtered entries set to -inf."""
-    x = logits.astype(np.float32) / np.float32(opts.temperature)
+    return truncate(logits.astype(np.float32) / np.float32(opts.temperature), opts)
+
+
+def truncate(x: np.ndarray, opts: SamplingOptions) -> np.ndarray:
+    """(N, V) temperature-scaled log-weights -> the same with what top-k and top-p filter out set to -inf."""
     v = x.shape[-1]
     if 0 < opts.top_k < v:
         kth = np.partition(x, v - opts.top_k, axis=-1)[:, v - opts.top_k, None]
@@ -65,7 +69,11 @@ def sample_codes(logits: np.ndarray, rng: np.random.Generator, opts: SamplingOpt
     """(N, V) logits -> (N,) int64 codes, one independent draw per codebook."""
     if opts.greedy:
         return logits.argmax(axis=-1).astype(np.int64)
-    probs = softmax(filter_logits(logits, opts)).astype(np.float64)
+    return draw(softmax(filter_logits(logits, opts)).astype(np.float64), rng)
+
+
+def draw(probs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """(N, V) float64 probabilities -> (N,) int64 codes: one uniform draw per codebook through the inverse CDF."""
     cdf = np.cumsum(probs, axis=-1)
     u = rng.random((probs.shape[0], 1)) * cdf[:, -1:]
     idx = (cdf <= u).sum(axis=-1)  # inverse CDF; zero-probability entries can never be drawn

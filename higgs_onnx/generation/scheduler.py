@@ -374,9 +374,16 @@ class Scheduler:
         and only the rest is prefilled). `exclusive`: run alone. `on_row(n)` is called after each row (from the
         loop's thread). `sink(event)` receives the events instead of the handle's queue (the server's event loop).
         `retry` (a `guard.RetryPolicy`, audio="speech"): a take the guard finds degenerate is drawn again, with a
-        new seed and a cooler temperature, up to its retries; the `Speech` lists every take (`takes`)."""
+        new seed and a cooler temperature, up to its retries; the `Speech` lists every take (`takes`). A voice blend
+        (`request.width` > 1) takes a slot per voice: it waits for that many, and one wider than the scheduler is
+        refused here."""
         if audio not in AUDIO_MODES:
             raise ValueError(f"audio must be one of {AUDIO_MODES}, got {audio!r}")
+        if request.width > self.slots:
+            raise ValueError(f"a blend of {request.width} voices needs {request.width} batch slots, but this "
+                             f"scheduler has {self.slots}")
+        if request.width > 1 and (keep or after is not None):
+            raise ValueError("a voice blend cannot keep or continue a KV cache (one per voice)")
         if after is not None and (after.sched is not self or not after.keep):
             raise ValueError("after= must be a handle of this scheduler submitted with keep=True")
         if retry is not None and (audio != "speech" or keep or after is not None):
@@ -544,7 +551,7 @@ class Scheduler:
             h._end(Cancelled(f"request {h.id} was cancelled"))
 
     def _free_slots(self) -> int:
-        return self.slots - len(self._running) - len(self._kept)
+        return self.slots - sum(h.request.width for h in self._running) - len(self._kept)
 
     def _admit(self) -> None:
         """Waiting requests into the batch: in order while slots are free; a request that continues a kept cache
@@ -558,7 +565,7 @@ class Scheduler:
                     head = self._waiting[0]
                     if head.exclusive and self._running:
                         return  # the batch drains first; the ones behind it wait too
-                    if self._free_slots() < 1:
+                    if self._free_slots() < head.request.width:  # a voice blend: a slot per voice
                         return
                 self._waiting.remove(head)
             cache = None
@@ -588,7 +595,7 @@ class Scheduler:
         (nobody waits for them; in fixed chunks when the policy has them)."""
         decoding = any(x.request.decoding for x in self._running)
         while True:
-            waiting = [h for h in self._running if h.request.embeds is not None]
+            waiting = [h for h in self._running if h.request.prefilling]
             if not waiting:
                 return
             self._prefill_one(waiting[0], decoding)
@@ -632,13 +639,14 @@ class Scheduler:
         self.prefill_policy.saw_step(spent)
         self.decode_s += spent
         self.steps += 1
-        self.batch_rows += len(live)
+        rows = sum(h.request.width for h in live)  # batch rows: a voice blend is a row per voice
+        self.batch_rows += rows
         if self.on_step is not None:
             self.on_step([h.request for h in live])
         for h in live:
-            h.widest = max(h.widest, len(live))
+            h.widest = max(h.widest, rows)
             if h.exclusive:
-                self.exclusive_widest = max(self.exclusive_widest, len(live))
+                self.exclusive_widest = max(self.exclusive_widest, rows)
             req = h.request
             if h.on_row is not None:
                 try:
@@ -668,7 +676,7 @@ class Scheduler:
         """Caller-driven: a request that can never start (every slot held by kept requests) is an error, not a
         hang."""
         if (not self.threaded and handle.state == "waiting" and not self._running and handle.after is None
-                and self._free_slots() < 1):
+                and self._free_slots() < handle.request.width):
             raise RuntimeError(f"request {handle.id} cannot start: all {self.slots} slots are held by finished "
                                f"requests kept for a continuation (release or continue them)")
 
@@ -683,7 +691,7 @@ class Scheduler:
         mean = self.batch_rows / self.steps if self.steps else 0.0
         running = list(self._running)
         return {"slots": self.slots, "slot_positions": self.positions, "waiting": len(self._waiting),
-                "active": len(running), "prefilling": sum(h.request.embeds is not None for h in running),
+                "active": len(running), "prefilling": sum(h.request.prefilling for h in running),
                 "kept": len(self._kept), "decoder_steps": self.steps,
                 "rows": self.batch_rows, "mean_batch": round(mean, 3), "prefill_calls": self.prefill_calls,
                 "prefill_positions": self.prefill_positions, "decode_s": round(self.decode_s, 3),

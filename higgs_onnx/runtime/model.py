@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
+from ..generation.blend import Blend, BlendRequest
 from ..generation.contract import Limits, check_max_rows
 from ..generation.engine import Request
 from ..generation.options import GenerationOptions
@@ -197,7 +198,8 @@ class HiggsTTS:
         the positions of the batching pool's slot that will run it (None: a cache of its own). `continues`: a
         finished request (kept by the scheduler) whose KV cache this one continues; `history` then ends with its
         turn (see `Synthesizer.request`). Everything the request contract (`generation.contract`) says is checked
-        here: nothing is cut to fit later.
+        here: nothing is cut to fit later. `voice` may be a `generation.blend.Blend` (a mix of voices): the request
+        is then a `BlendRequest`, one batch row per voice (`blend_request`).
         """
         started = time.perf_counter()
         options = GenerationOptions.make(options, **keywords)
@@ -205,6 +207,8 @@ class HiggsTTS:
             raise ValueError("ref_text (a transcript of the reference) needs ref_audio")
         if voice is not None and ref_audio is not None:
             raise ValueError("give either voice or ref_audio, not both")
+        if isinstance(voice, Blend):
+            return self.blend_request(text, voice, options, slot=slot, history=history, continues=continues)
         if voice is None and ref_audio is not None:
             # what can be refused without the voice is refused before it is made (the synthesizer checks it all)
             check_max_rows(options.max_rows, self.facts.num_codebooks, self.limits(slot))
@@ -215,6 +219,25 @@ class HiggsTTS:
                                            "prefix": (len(voice.prefix), voice.state)}
         return self.synthesizer.request(text, options, voice_s=voice_s, started=time.perf_counter(),
                                         history=list(history), slot=slot, continues=continues, **kwargs)
+
+    def blend_request(self, text: str, blend: Blend, options: GenerationOptions | None = None, *,
+                      slot: int | None = None, history=(), continues: Request | None = None) -> BlendRequest:
+        """The request for `text` in a mix of voices: one request per voice (each checked by the contract like any
+        other), one row budget for all of them (the smallest: every row stops together), as one `BlendRequest`.
+        A blend runs on its own rows from the start: no history or KV continuation (long-form, dialogue and the
+        text-in WebSocket refuse it)."""
+        import dataclasses
+
+        if history or continues is not None:
+            raise ValueError("a voice blend cannot continue earlier speech (long-form, a dialogue, the text-in "
+                             "WebSocket): it runs a cache per voice; use one voice there")
+        options = GenerationOptions.make(options)
+        members = [self.request(text, voice=v, options=options, slot=slot) for v in blend.voices]
+        rows = min(m.max_rows for m in members)
+        if any(m.max_rows != rows for m in members):  # the voices' prompts differ: the shortest budget for all
+            options = dataclasses.replace(options, max_rows=rows)
+            members = [self.request(text, voice=v, options=options, slot=slot) for v in blend.voices]
+        return BlendRequest(members, blend.weights, blend.mode)
 
     def limits(self, slot: int | None = None) -> Limits:
         """The positions a request may use: the model's context, and the batching slot's when it runs in one."""
@@ -252,6 +275,9 @@ class HiggsTTS:
 
         from ..generation.engine import prompt_embeddings
 
+        if isinstance(voice, Blend):
+            raise ValueError("takes of a voice blend are not supported (each take would need a slot per voice); "
+                             "use retries instead")
         if isinstance(takes, bool) or not isinstance(takes, int) or not 1 <= takes <= MAX_TAKES:
             raise ValueError(f"takes must be a whole number from 1 to {MAX_TAKES}, got {takes!r}")
         options = GenerationOptions.make(options, **keywords)
@@ -345,17 +371,24 @@ class HiggsTTS:
         its own: `audio="speech"` returns its `Speech` (one codec decode at the end), `"stream"` an iterator of
         `AudioChunk`s while it is made (closing it early frees the request), None the finished `Request` (its
         `generated` rows, no audio). `on_row(n)` is called after each row. For several requests decoded together,
-        use one `scheduler(slots, positions)`."""
+        use one `scheduler(slots, positions)`. A voice blend runs on a pool of its own, a slot per voice, so its
+        voices share each decoder call."""
         if audio == "stream":
-            sched = self.scheduler()
+            sched = self._own_scheduler(request)
             try:
                 handle = sched.submit(request, "stream", stream_options or StreamOptions(), on_row=on_row)
             except BaseException:
                 sched.close()
                 raise
             return _closing(handle.chunks(), sched)
-        with self.scheduler() as sched:
+        with self._own_scheduler(request) as sched:
             return sched.submit(request, audio, on_row=on_row, retry=retry).wait()
+
+    def _own_scheduler(self, request: Request) -> Scheduler:
+        """A batch of one: caches of their own; a blend, a pool of a slot per voice sized for its longest member."""
+        if request.width == 1:
+            return self.scheduler()
+        return self.scheduler(request.width, max(len(m.prompt) + m.max_rows for m in request.members))
 
     def scheduler(self, slots: int = 1, positions: int | None = None, prefill: PrefillPolicy | None = None,
                   max_waiting: int | None = None) -> Scheduler:

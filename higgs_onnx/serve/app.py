@@ -50,13 +50,16 @@ from .formats import FORMATS, encoder
 from .limits import (
     COUNTERS,
     DRAIN_LIMIT,
+    MAX_INPUT_CHARS,
     MAX_JSON_BYTES,
+    MAX_PIECES,
     MAX_UPLOAD_BYTES,
     BodyDeadline,
     BodyTimeout,
     ClientGone,
     Timeouts,
 )
+from .pieces import ONE_REQUEST_CHARS, Cue, PieceReader, plan_pieces
 from .scheduler import QueueFull, ShuttingDown
 from .shapes import InlineReference as InlineRef
 from .voices import DEFAULT, UnknownVoice, VoiceError, VoiceExists, VoiceStore, check_name
@@ -69,7 +72,6 @@ OPENAI_ALIASES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")  # so a stock OpenAI c
 # unless a saved voice has that name
 OPENAI_VOICES = ("alloy", "ash", "ballad", "cedar", "coral", "echo", "fable", "marin", "nova", "onyx", "sage",
                  "shimmer", "verse")
-MAX_INPUT_CHARS = 4096  # OpenAI's limit
 SPEED_RANGE = (0.25, 4.0)
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "max_rows")
 # what an uploaded reference must be (checked from the header, before decoding, where the header says it)
@@ -109,7 +111,9 @@ class SpeechRequest(BaseModel):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     model: StrictStr
     input: StrictStr
-    voice: StrictStr | VoiceRef | None = None
+    # a saved voice's name, OpenAI's {"id": name}, or a blend: "alice:0.7,bob:0.3" or [{"voice", "weight"}, ...]
+    voice: StrictStr | VoiceRef | list[Any] | None = None
+    blend_mode: StrictStr | None = None  # how a blend mixes its voices: "mixture" (default) or "product"
     instructions: StrictStr | None = None
     response_format: StrictStr = "mp3"
     speed: StrictFloat = 1.0
@@ -132,6 +136,22 @@ class SpeechRequest(BaseModel):
     loudness: StrictFloat | None = None
     # Boson's and sglang-omni's raw PCM stream (needs response_format "pcm"; every format streams without it)
     stream: StrictBool = False
+
+
+class DialogueRequest(BaseModel):
+    """The JSON body of `/v1/audio/dialogue` (docs/dialogue.md); unknown fields are refused."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model: StrictStr
+    turns: list[Any]
+    voices: dict[StrictStr, StrictStr]  # speaker -> a saved voice's name, or "default" (zero-shot)
+    response_format: StrictStr = "mp3"
+    stream_format: StrictStr = "audio"
+    temperature: StrictFloat | None = None
+    top_k: StrictInt | None = None
+    top_p: StrictFloat | None = None
+    seed: StrictInt | None = None
+    max_rows: StrictInt | None = None
 
 
 WS_ONLY = ("type", "session", "split_granularity", "stream_audio", "input", "continuation")  # not speech fields
@@ -412,7 +432,36 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
             raise ApiError(400, f"the body must be a JSON object, got {type(data).__name__}", code="invalid_json")
         return data
 
-    async def resolve_voice(voice: str | VoiceRef | None):
+    async def resolve_voice(voice: str | VoiceRef | list | None, mode: str | None = None):
+        """The `voice` field -> a saved voice, None (zero-shot) or a `Blend` of them (`voice_blend`)."""
+        if isinstance(voice, list) or isinstance(voice, str) and ("," in voice or ":" in voice):
+            return await voice_blend(voice, mode)
+        if mode is not None:
+            raise ApiError(400, "blend_mode is for a blend of voices (voice \"alice:0.7,bob:0.3\")", "blend_mode",
+                           "invalid_value")
+        return await one_voice(voice)
+
+    async def voice_blend(voice: str | list, mode: str | None):
+        """A blend in the `voice` field (docs/voices.md): each name resolved as a voice of its own."""
+        from ..generation.blend import MODES, Blend, parse_members
+
+        try:
+            pairs = parse_members(voice, "voice")
+        except ValueError as e:
+            raise ApiError(400, str(e), "voice", "invalid_value") from None
+        if mode is not None and mode not in MODES:
+            raise ApiError(400, f"blend_mode must be one of {', '.join(MODES)}, got {mode!r}", "blend_mode",
+                           "invalid_value")
+        voices = [await one_voice(name) for name, _ in pairs]
+        if len(voices) == 1:
+            return voices[0]
+        weights = None if pairs[0][1] is None else [w for _, w in pairs]
+        try:
+            return Blend.make(voices, weights, mode or "mixture", [n for n, _ in pairs])
+        except ValueError as e:  # all weights 0, some given and some not
+            raise ApiError(400, str(e).replace("the blend", "voice"), "voice", "invalid_value") from None
+
+    async def one_voice(voice: str | VoiceRef | None):
         name = voice.id if isinstance(voice, VoiceRef) else voice
         if name is None or name.lower() in OPENAI_VOICES and store.find(name) is None:
             name = default_voice  # no voice named, or a stock client's "alloy": the server's default voice
@@ -440,6 +489,20 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
             except ValueError as e:
                 raise ApiError(400, str(e), ref.param, "invalid_value") from None
 
+    async def inline_blend(refs: list, mode: str | None):
+        """sglang-omni's `references` with several entries: each made a voice, blended by their `weight`."""
+        from ..generation.blend import MODES, Blend
+
+        if mode is not None and mode not in MODES:
+            raise ApiError(400, f"blend_mode must be one of {', '.join(MODES)}, got {mode!r}", "blend_mode",
+                           "invalid_value")
+        voices = [await inline_voice(ref) for ref in refs]
+        weights = None if all(ref.weight is None for ref in refs) else [ref.weight for ref in refs]
+        try:
+            return Blend.make(voices, weights, mode or "mixture", [f"references[{i}]" for i in range(len(refs))])
+        except ValueError as e:
+            raise ApiError(400, str(e).replace("the blend", "references"), "references", "invalid_value") from None
+
     def check_speech(r: SpeechRequest) -> tuple[str, GenerationOptions, str | None]:
         """The text to submit (speed tag first), the options and the tag; ApiError for the first bad field."""
         if r.model not in models:
@@ -448,8 +511,8 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
         if not r.input.strip():
             raise ApiError(400, "input is empty: give the text to speak", "input", "invalid_value")
         if len(r.input) > MAX_INPUT_CHARS:
-            raise ApiError(400, f"input is {len(r.input)} characters long; the limit is {MAX_INPUT_CHARS}", "input",
-                           "string_above_max_length")
+            raise ApiError(400, f"input is {len(r.input)} characters long; the limit is {MAX_INPUT_CHARS} (an input "
+                           f"beyond one request is read in pieces, up to that)", "input", "string_above_max_length")
         if r.response_format not in FORMATS:
             raise ApiError(400, f"response_format {r.response_format!r} is not supported; use one of "
                            f"{', '.join(FORMATS)}", "response_format", "unsupported_format")
@@ -493,6 +556,9 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
             return ApiError(500, f"{e}; no audio to send (try another seed or text)", None, "no_audio")
         if isinstance(e, ShuttingDown):
             return ApiError(503, f"{e}; try again shortly", None, "shutting_down", {"Retry-After": "1"})
+        if isinstance(e, QueueFull):  # a long input's piece submitted while the server is full
+            return ApiError(429, f"the server is busy ({e}); try again shortly", None, "rate_limit_exceeded",
+                            {"Retry-After": "1"})
         if isinstance(e, ValueError):
             return ApiError(400, str(e), None, "invalid_value")
         return ApiError(500, "speech generation failed; the server log has the details", None, "server_error")
@@ -558,9 +624,23 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
         if r.stream and r.stream_format == "audio" and r.response_format != "pcm":
             raise ApiError(400, f"stream: true sends raw PCM: it needs response_format 'pcm', got "
                            f"{r.response_format!r} (every format streams here without it)", "stream", "invalid_value")
-        voice = await inline_voice(inline) if inline is not None else await resolve_voice(r.voice)
+        if isinstance(inline, list):  # several references: a blend of them (docs/voices.md)
+            voice = await inline_blend(inline, r.blend_mode)
+        else:
+            voice = await inline_voice(inline) if inline is not None else await resolve_voice(r.voice, r.blend_mode)
+            if inline is not None and r.blend_mode is not None:
+                raise ApiError(400, "blend_mode is for a blend of voices (several references)", "blend_mode",
+                               "invalid_value")
         if r.model_extra:
             log.info("ignored fields: %s", ", ".join(sorted(r.model_extra)))
+        try:  # an input beyond one request: read in pieces (serve/pieces.py); None: one request, as ever
+            pieces = await asyncio.to_thread(plan_pieces, tts, scheduler.slot_positions, r.input, tag, voice, options)
+        except ContractError as e:
+            raise contract_error(e, {"ref_text": "voice"}) from None
+        except ValueError as e:
+            raise ApiError(400, str(e), "input", "invalid_value") from None
+        if pieces is not None:
+            check_pieces(r, voice, len(pieces))
         takes = None
         if r.takes > 1:
             job, done, takes = await best_take(text, voice, options, r, request)
@@ -573,13 +653,15 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
                 return Response(status_code=499)
             first, chunks = (done[0] if done else None), _replay(done[1:])
         elif r.loudness is not None:  # measured whole: the take is collected, then sent
-            job = start_job(text, voice, options, r.deterministic)
+            job = read_pieces(pieces, voice, options, tag) if pieces else start_job(text, voice, options,
+                                                                                     r.deterministic)
             done = await collect(job, request)
             if done is None:
                 return Response(status_code=499)
             first, chunks = (done[0] if done else None), _replay(done[1:])
         else:
-            job = start_job(text, voice, options, r.deterministic)
+            job = read_pieces(pieces, voice, options, tag) if pieces else start_job(text, voice, options,
+                                                                                     r.deterministic)
             chunks = aiter(job)
             try:
                 first = await first_chunk(job, chunks, request)
@@ -601,12 +683,41 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": str(job.id)}
         if r.response_format == "pcm":  # what sglang-omni's raw PCM stream says of itself
             headers.update({"X-Sample-Rate": str(sample_rate), "X-Channels": "1", "X-Bit-Depth": "16"})
+        if pieces:
+            headers["X-Pieces"] = str(len(pieces))
         if level is not None and level.reached is not None:
             headers["X-Loudness"] = f"{level.reached:.1f}"
         if takes:
             kept = next((t for t in takes if t.get("kept")), takes[-1])  # best of n: the kept one; retries: the last
             headers.update({"X-Takes": str(len(takes)), "X-Verdict": kept["verdict"]})
         return JobResponse(job, body, media_type="text/event-stream" if sse else fmt.media_type, headers=headers)
+
+    def check_pieces(r: SpeechRequest, voice, n: int) -> None:
+        """What an input read in pieces cannot be combined with: a 400 that says why."""
+        why = f"this input is read in {n} pieces (it does not fit one request), each continuing the one before"
+        if r.takes > 1 or r.retries:
+            field = "takes" if r.takes > 1 else "retries"
+            raise ApiError(400, f"{field} judge one whole take, but {why}; send it without {field}, or in shorter "
+                           f"requests", field, "unsupported_parameter")
+        if r.deterministic:
+            raise ApiError(400, f"deterministic runs one request alone, but {why}, which the scheduler batches; send "
+                           f"it without deterministic, or in shorter requests", "deterministic",
+                           "unsupported_parameter")
+        if getattr(voice, "width", 1) > 1:  # a `Blend` runs a cache per voice and cannot continue one
+            raise ApiError(400, f"a blend of voices cannot continue earlier speech, but {why}; use one voice, or "
+                           f"shorter requests", "voice", "unsupported_parameter")
+
+    def read_pieces(pieces: list, voice, options, tag: str | None) -> PieceReader:
+        """The job of an input read in pieces: one `SpeechSession` speaking them in order (`pieces.PieceReader`).
+        Zero-shot, a restart of the context speaks in the first piece's voice (made from its codes)."""
+        from .textstream import SpeechSession
+
+        async def clone(codes, text: str):
+            async with voice_lock:
+                return await asyncio.to_thread(tts.voice_from_codes, codes, text)
+
+        return PieceReader(SpeechSession(scheduler, voice, options), pieces, sample_rate, tag,
+                           clone if voice is None else None)
 
     def start_job(text: str, voice, options, exclusive: bool):
         """Submit one job; the scheduler's refusals as OpenAI-style errors."""
@@ -714,17 +825,20 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
 
         from ..loudness import normalise
 
-        wav, level = normalise(np.concatenate([c.samples for c in done]), sample_rate, lufs)
-        ends = np.cumsum([c.samples.size for c in done])
-        return [dataclasses.replace(c, samples=wav[e - c.samples.size:e]) for c, e in zip(done, ends, strict=True)
-                ], level
+        audio = [c for c in done if not isinstance(c, Cue)]  # a long input's piece cues stay where they are
+        wav, level = normalise(np.concatenate([c.samples for c in audio]), sample_rate, lufs)
+        ends = np.cumsum([c.samples.size for c in audio])
+        made = iter([dataclasses.replace(c, samples=wav[e - c.samples.size:e])
+                     for c, e in zip(audio, ends, strict=True)])
+        return [c if isinstance(c, Cue) else next(made) for c in done], level
 
     async def stream_body(job, first, chunks: AsyncIterator, fmt: str, sse: bool, input_chars: int,
                           tag: str | None, takes: list | None = None, level=None,
                           sglang: bool = False) -> AsyncIterator[bytes]:
         """The response body. `sse`: OpenAI's speech.audio.delta / speech.audio.done events, or (`sglang`: `stream:
         true` with `stream_format: "sse"`) sglang-omni's audio.speech.chunk objects, the last with finish_reason
-        and usage, then `data: [DONE]`."""
+        and usage, then `data: [DONE]`. A long input's `pieces.Cue`s among the chunks become `audio.speech.piece.start`
+        / `audio.speech.piece` events in both (each after the audio before it); the audio formats leave them out."""
         index = itertools.count()
 
         def event(obj: dict) -> bytes:
@@ -743,13 +857,19 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
                 return event(chunk_event(data))
             return event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
 
-        enc, stats, chunk = encoder(fmt, sample_rate), None, first
+        enc, stats, chunk, cues = encoder(fmt, sample_rate), None, first, []
         try:
             while chunk is not None:
-                if data := out(enc.push(chunk.samples)):
-                    yield data
-                if chunk.is_last:
-                    stats = chunk.stats
+                if isinstance(chunk, Cue):
+                    if sse:
+                        yield event(chunk.event(f"speech-{job.id}"))
+                    if chunk.end is not None:
+                        cues.append(chunk.as_dict())
+                else:
+                    if data := out(enc.push(chunk.samples)):
+                        yield data
+                    if chunk.is_last:
+                        stats = chunk.stats
                 chunk = await anext(chunks, None)
             if data := out(enc.finish()):
                 yield data
@@ -782,7 +902,90 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
                 done["takes"] = takes
             if level is not None:
                 done["loudness"] = level.as_dict()
+            if cues:
+                done["pieces"] = cues
             yield event(done)
+
+    # -- a dialogue: several voices, one response (serve/dialogue.py; docs/dialogue.md) ---------------------------
+    @v1.post("/audio/dialogue")
+    async def dialogue(request: Request):
+        from ..longform.dialogue import MAX_SPEAKERS
+        from ..longform.script import ScriptError, check_cast, speakers, turns_from_json
+        from .dialogue import DialogueReader, check_lines, plan_lines, speaker_options
+        from .textstream import SpeechSession
+
+        body = await read_json(request)
+        try:
+            r = DialogueRequest.model_validate(body)
+        except ValidationError as e:
+            message, param = validation_message(e)
+            raise ApiError(400, message, param, "invalid_value") from None
+        if r.model not in models:
+            raise ApiError(400, f"model {r.model!r} is not served here; use one of {', '.join(models)}", "model",
+                           "model_not_found")
+        if r.response_format not in FORMATS:
+            raise ApiError(400, f"response_format {r.response_format!r} is not supported; use one of "
+                           f"{', '.join(FORMATS)}", "response_format", "unsupported_format")
+        if r.stream_format not in ("audio", "sse"):
+            raise ApiError(400, f"stream_format {r.stream_format!r} is not supported; use audio or sse",
+                           "stream_format", "invalid_value")
+        try:
+            turns = turns_from_json(r.turns, "turns")
+            check_cast(turns, r.voices, "turns", "voices", "/v1/audio/speech")
+        except ScriptError as e:
+            raise ApiError(400, str(e), "voices" if "has no voice" in str(e) else "turns", "invalid_value") from None
+        cast = speakers(turns)
+        if len(cast) > MAX_SPEAKERS:
+            raise ApiError(400, f"turns have {len(cast)} speakers; at most {MAX_SPEAKERS}", "turns", "invalid_value")
+        chars = sum(len(t.text) for t in turns)
+        if chars > MAX_INPUT_CHARS:
+            raise ApiError(400, f"turns hold {chars} characters; the limit is {MAX_INPUT_CHARS}", "turns",
+                           "string_above_max_length")
+        try:
+            options = GenerationOptions.make(**{k: getattr(r, k) for k in SAMPLING_FIELDS})
+        except ValueError as e:
+            raise ApiError(400, str(e), next((k for k in SAMPLING_FIELDS if str(e).startswith(k)), None),
+                           "invalid_value") from None
+        voices = {}
+        for name in cast:
+            spec = r.voices[name]
+            if "," in spec or ":" in spec:
+                raise ApiError(400, f"voices: {name}'s voice {spec!r} is a blend, which a dialogue does not support "
+                               f"(each turn continues its speaker's KV cache); give one saved voice", "voices",
+                               "unsupported_parameter")
+            try:
+                voices[name] = await one_voice(spec)
+            except ApiError as e:
+                raise ApiError(e.status, f"voices: {name}: {e.message}", "voices", e.code) from None
+        lines = plan_lines(turns)
+        if len(lines) > MAX_PIECES:
+            raise ApiError(400, f"turns are read in {len(lines)} pieces; the limit is {MAX_PIECES}", "turns",
+                           "too_many_pieces")
+        try:
+            await asyncio.to_thread(check_lines, tts, scheduler.slot_positions, lines, voices, options)
+        except ContractError as e:
+            raise contract_error(e) from None
+
+        async def clone(codes, text: str):
+            async with voice_lock:
+                return await asyncio.to_thread(tts.voice_from_codes, codes, text)
+
+        sessions = {name: SpeechSession(scheduler, voices[name], speaker_options(options, k))
+                    for k, name in enumerate(cast)}
+        job = DialogueReader(sessions, lines, sample_rate, clone)
+        chunks = aiter(job)
+        try:
+            first = await first_chunk(job, chunks, request)
+        except ConnectionAbortedError:
+            return Response(status_code=499)
+        except Exception as e:  # noqa: BLE001 - failed before any audio: a proper error response
+            raise failure(e) from None
+        sse = r.stream_format == "sse"
+        body = stream_body(job, first, chunks, r.response_format, sse, chars, None)
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": str(job.id),
+                   "X-Pieces": str(len(lines)), "X-Speakers": str(len(cast))}
+        return JobResponse(job, body, media_type="text/event-stream" if sse else FORMATS[r.response_format].media_type,
+                           headers=headers)
 
     # -- text in, audio out: one WebSocket session (sglang-omni's message names; docs/integrations.md) -----------
     @app.websocket("/v1/audio/speech/stream")
@@ -801,7 +1004,12 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
                 r = SpeechRequest.model_validate({"model": model_id, **{k: v for k, v in cfg.items()
                                                                        if k not in WS_ONLY}, "input": "-"})
                 _, options, _ = check_speech(r)
-                return r, options, await resolve_voice(r.voice)
+                voice = await resolve_voice(r.voice, r.blend_mode)
+                if getattr(voice, "width", 1) > 1:  # a `Blend`
+                    raise ConfigError("voice: a blend of voices is not supported on the text-in WebSocket (it "
+                                      "continues one KV context across sentences); use one voice",
+                                      "voice", "unsupported_parameter")
+                return r, options, voice
             except ValidationError as e:
                 message, param = validation_message(e)
                 raise ConfigError(message, param, "invalid_value") from None
@@ -971,7 +1179,8 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
 
     limits = {"context_positions": tts.facts.max_positions, "slot_positions": scheduler.slot_positions,
               "default_max_rows": DEFAULT_MAX_ROWS, "min_rows": min_rows(tts.facts.num_codebooks),
-              "max_input_chars": MAX_INPUT_CHARS, "max_json_bytes": MAX_JSON_BYTES,
+              "max_input_chars": MAX_INPUT_CHARS, "one_request_chars": ONE_REQUEST_CHARS, "max_pieces": MAX_PIECES,
+              "max_json_bytes": MAX_JSON_BYTES,
               "max_upload_bytes": MAX_UPLOAD_BYTES, "max_connections": timeouts.max_connections,
               "timeouts_s": {k: v for k, v in timeouts.as_dict().items() if k.endswith("_s")}}
 

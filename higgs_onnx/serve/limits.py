@@ -10,6 +10,8 @@ connection, a task or memory for good.
 - a declared Content-Length over 64 MiB (`DRAIN_LIMIT`): 413 `too_large` at once, closed.
 - a JSON body over 1 MiB / a voice upload over 20 MiB: 413 `too_large` (the rest is read and dropped, up to 64 MiB,
   so a client still sending reads the answer instead of a reset).
+- a speech `input` over 50,000 characters, or one read in more than 500 pieces: 400 `string_above_max_length` /
+  `too_many_pieces`, naming the limit (`serve/pieces.py`: an input beyond one request is read piece by piece).
 - a response the client stops reading: 30 s with the send buffer full (`--send-timeout`); then the connection is
   aborted, which cancels the job and frees its slot.
 - an idle kept-alive connection: closed after 5 s (`--keep-alive-timeout`, uvicorn's `timeout_keep_alive`).
@@ -34,6 +36,10 @@ log = logging.getLogger("higgs_onnx.serve")
 MAX_HEADER_BYTES = 16 << 10  # h11's own default, made explicit
 MAX_JSON_BYTES = 1 << 20
 MAX_UPLOAD_BYTES = 20 << 20
+# a speech `input` longer than one request holds is read in pieces (serve/pieces.py): at most this many characters
+# (~55 min of speech at 15 a second) and pieces (~300 characters each; short paragraphs make more), else a 400
+MAX_INPUT_CHARS = 50_000
+MAX_PIECES = 500
 DRAIN_LIMIT = 64 << 20  # an oversized body is read (and dropped) this far, so the client gets to read the 413
 COUNTERS: Counter[str] = Counter()  # header_timeout, body_timeout, send_timeout, client_gone, malformed, too_large
 MALFORMED = "higgs.malformed_body"  # scope key: uvicorn refused the rest of the body (bad chunked framing) with 400

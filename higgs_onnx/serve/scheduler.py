@@ -33,6 +33,7 @@ import threading
 from collections import Counter
 from collections.abc import AsyncIterator
 
+from ..generation.contract import ContractError
 from ..generation.engine import Request
 from ..generation.options import GenerationOptions
 from ..generation.scheduler import _END, Cancelled, Handle, PrefillPolicy, QueueFull
@@ -152,6 +153,10 @@ class Scheduler:
         back with `job.handle.release()`."""
         if self._stopping.is_set():
             raise ShuttingDown("the server is shutting down")
+        width = getattr(voice, "width", 1)  # a blend of voices (`generation.blend.Blend`): a batch slot per voice
+        if width > self.max_batch:
+            raise ContractError(f"a blend of {width} voices needs {width} batch slots, but this server runs "
+                                f"{self.max_batch} at a time (--max-batch)", "voice")
         # a bad request is refused before a full queue
         req = self.tts.request(text, voice=voice, options=options, slot=self.slot_positions, history=history,
                                continues=None if continues is None else continues.request)

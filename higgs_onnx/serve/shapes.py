@@ -3,12 +3,12 @@
 - Boson AI's hosted API (docs.boson.ai, "create speech"): `ref_audio` (base64 audio bytes or a data URI) with
   `ref_text` in the speech request itself; `voice` and `ref_audio` are exclusive; `stream: true` is raw PCM.
 - sglang-omni's Higgs TTS (`sglang_omni/serve/protocol.py`, `CreateSpeechRequest`): `references: [{audio | ref_audio
-  | data (+ media_type), text}]`, `speaker` for `voice`, `max_new_tokens` for `max_rows`, `stream: true` with
-  `response_format: "pcm"`.
+  | data (+ media_type), text}]` (several, each with an optional `weight`: a blend of them, docs/voices.md),
+  `speaker` for `voice`, `max_new_tokens` for `max_rows`, `stream: true` with `response_format: "pcm"`.
 
 What this server cannot honour is a 400 naming the field, never silently dropped: a reference by URL or by a path
 on the server's disk (the server fetches nothing and reads no client-named file: send the audio itself), more than
-one reference, pre-encoded `vq_codes`, `x_vector_only_mode`, `token_count`, `duration_tokens`,
+8 references (a blend takes at most 8), pre-encoded `vq_codes`, `x_vector_only_mode`, `token_count`, `duration_tokens`,
 `initial_codec_chunk_frames`, `stage_params`, and a `repetition_penalty` other than 1 (the sampler has none).
 """
 
@@ -18,6 +18,8 @@ import base64
 import binascii
 import re
 from dataclasses import dataclass
+
+from ..generation.blend import MAX_VOICES, parse_weight
 
 MAX_REF_BYTES = 10 << 20  # Boson's limit for inline reference audio
 UNSUPPORTED = {
@@ -35,6 +37,7 @@ class InlineReference:
     audio: bytes
     text: str | None
     param: str  # the field it came in, for errors
+    weight: float | None = None  # its weight in a blend of several references (None: equal)
 
 
 class ShapeError(ValueError):
@@ -67,9 +70,9 @@ def decode_audio_field(value, param: str) -> bytes:
     return data
 
 
-def normalise(body: dict) -> InlineReference | None:
+def normalise(body: dict) -> InlineReference | list[InlineReference] | None:
     """Rewrite Boson's and sglang-omni's fields of a speech request into this server's, in place; the inline
-    reference, if any. ShapeError for a field that cannot be honoured."""
+    reference, if any (several `references`: a list, to blend). ShapeError for a field that cannot be honoured."""
     for name, why in UNSUPPORTED.items():
         if body.get(name) not in (None, False):
             raise ShapeError(f"{name} is not supported: {why}", name, "unsupported_parameter")
@@ -95,26 +98,13 @@ def normalise(body: dict) -> InlineReference | None:
             raise ShapeError("give references or ref_audio, not both", "references")
         if not isinstance(refs, list) or not all(isinstance(r, dict) for r in refs):
             raise ShapeError("references must be a list of objects ({audio | data, text})", "references")
-        if len(refs) > 1:
-            raise ShapeError(f"references holds {len(refs)} references; this server clones from one", "references",
-                             "unsupported_parameter")
+        if len(refs) > MAX_VOICES:
+            raise ShapeError(f"references holds {len(refs)} references; a blend takes at most {MAX_VOICES}",
+                             "references", "unsupported_parameter")
         if not refs:
             return None
-        ref = refs[0]
-        if ref.get("vq_codes") is not None:
-            raise ShapeError("references[0].vq_codes is not supported: send the reference audio", "references",
-                             "unsupported_parameter")
-        if ref.get("audio_path") is not None:
-            raise ShapeError("references[0].audio_path names a file on the server, which it does not read: send "
-                             "the audio itself (audio or data)", "references", "unsupported_parameter")
-        sources = [k for k in ("data", "audio", "ref_audio") if ref.get(k) is not None]
-        if len(sources) != 1:
-            raise ShapeError("references[0] needs exactly one of data, audio or ref_audio (base64 audio)",
-                             "references")
-        text = ref.get("text", ref_text)
-        if text is not None and not isinstance(text, str):
-            raise ShapeError("references[0].text must be text", "references")
-        return InlineReference(decode_audio_field(ref[sources[0]], "references"), text, "references")
+        made = [reference(ref, i, ref_text) for i, ref in enumerate(refs)]
+        return made[0] if len(made) == 1 else made
     if ref_audio is None:
         if ref_text is not None:
             raise ShapeError("ref_text (the reference's transcript) needs ref_audio", "ref_text")
@@ -123,3 +113,29 @@ def normalise(body: dict) -> InlineReference | None:
         raise ShapeError("voice and ref_audio are exclusive: a request clones from ref_audio or speaks in a saved "
                          "voice", "voice")
     return InlineReference(decode_audio_field(ref_audio, "ref_audio"), ref_text, "ref_audio")
+
+
+def reference(ref: dict, i: int, ref_text: str | None) -> InlineReference:
+    """One entry of sglang-omni's `references`, checked."""
+    where = f"references[{i}]"
+    if ref.get("vq_codes") is not None:
+        raise ShapeError(f"{where}.vq_codes is not supported: send the reference audio", "references",
+                         "unsupported_parameter")
+    if ref.get("audio_path") is not None:
+        raise ShapeError(f"{where}.audio_path names a file on the server, which it does not read: send "
+                         "the audio itself (audio or data)", "references", "unsupported_parameter")
+    sources = [k for k in ("data", "audio", "ref_audio") if ref.get(k) is not None]
+    if len(sources) != 1:
+        raise ShapeError(f"{where} needs exactly one of data, audio or ref_audio (base64 audio)", "references")
+    text = ref.get("text", ref_text)
+    if text is not None and not isinstance(text, str):
+        raise ShapeError(f"{where}.text must be text", "references")
+    weight = ref.get("weight")
+    if weight is not None:
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+            raise ShapeError(f"{where}.weight must be a number, got {weight!r}", "references")
+        try:
+            weight = parse_weight(weight, where, "references")
+        except ValueError as e:
+            raise ShapeError(str(e), "references") from None
+    return InlineReference(decode_audio_field(ref[sources[0]], "references"), text, "references", weight)

@@ -38,6 +38,21 @@ class SpeechSession:
         return dataclasses.replace(self.options, seed=self.options.seed + self.index,
                                    max_rows=piece_rows(text, self.options.max_rows, ROWS_PER_CHAR))
 
+    def would_continue(self, text: str) -> bool:
+        """Whether `text`, submitted next, would continue the kept context (False: it would start again from the
+        voice). A dry run of the contract's check: nothing is submitted."""
+        if self.prev is None:
+            return False
+        turns = [*self.history, (self.prev.request.text, self.prev.request.generated)]
+        try:
+            self.scheduler.tts.request(text, voice=self.voice, options=self._options(text), history=turns,
+                                       slot=self.scheduler.slot_positions, continues=self.prev.request)
+        except ContractError as e:
+            if e.code != "context_length_exceeded":
+                raise
+            return False
+        return True
+
     def submit(self, text: str):
         """Submit the next segment (the one before must have ended); returns its job. Raises the scheduler's and
         the contract's errors (a segment that cannot fit even alone)."""

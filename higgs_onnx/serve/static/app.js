@@ -1,10 +1,15 @@
-// The speech page: streams /v1/audio/speech as raw PCM into Web Audio while it is generated, then keeps the whole
-// utterance as a WAV in the <audio> element (replay, seek, download). Plain ES2020, no build step.
+// The speech page: streams /v1/audio/speech as server-sent events (base64 PCM deltas) into Web Audio while it is
+// generated, then keeps the whole utterance as a WAV in the <audio> element (replay, seek, download). A long text is
+// read in pieces: the server's piece events (start_s / end_s, the times of the samples sent) list the pieces, and
+// the one being played, by the Web Audio stream or by the <audio> element, is highlighted (read-along). Plain
+// ES2020, no build step.
 "use strict";
 
 const RATE = 24000; // the codec's sample rate: the server's pcm is s16le mono at 24 kHz
 const $ = (id) => document.getElementById(id);
-const state = { key: localStorage.getItem("higgs-api-key") || "", model: "higgs-tts-3", run: null };
+// live: the Player of the last utterance until the <audio> element is played or seeked (then that is what plays)
+const state = { key: localStorage.getItem("higgs-api-key") || "", model: "higgs-tts-3", run: null, live: null };
+const readAlong = { cues: [], current: -1 }; // cues[i] = {start, end (null while it is made), el}
 
 function setStatus(text, kind, bytes) {
   const el = $("status");
@@ -138,7 +143,7 @@ function wavBlob(pieces, total) {
 }
 
 class Player {
-  // Schedules PCM pieces back to back on one AudioContext as they arrive.
+  // Schedules PCM pieces back to back on one AudioContext as they arrive; `segments` maps its clock to the stream.
   constructor() {
     try {
       this.ctx = new AudioContext();
@@ -147,10 +152,25 @@ class Player {
     }
     this.next = 0;
     this.sources = [];
+    this.segments = []; // {at: context time it starts, offset: stream seconds before it, duration}
+    this.received = 0; // stream seconds scheduled
+    this.stopped = false;
+  }
+
+  position() {
+    // stream seconds played: a gap (audio arriving slower than it plays) holds at the end of what was played
+    if (!this.ctx) return Infinity;
+    const t = this.ctx.currentTime;
+    let pos = 0;
+    for (const s of this.segments) {
+      if (t < s.at) break;
+      pos = s.offset + Math.min(t - s.at, s.duration);
+    }
+    return pos;
   }
 
   play(int16) {
-    if (!this.ctx || !int16.length) return;
+    if (!this.ctx || this.stopped || !int16.length) return;
     const buf = this.ctx.createBuffer(1, int16.length, RATE);
     const ch = buf.getChannelData(0);
     for (let i = 0; i < int16.length; i++) ch[i] = int16[i] / 32768;
@@ -159,61 +179,164 @@ class Player {
     src.connect(this.ctx.destination);
     this.next = Math.max(this.next, this.ctx.currentTime + 0.05);
     src.start(this.next);
+    this.segments.push({ at: this.next, offset: this.received, duration: buf.duration });
+    this.received += buf.duration;
     this.next += buf.duration;
     this.sources.push(src);
   }
 
   stop() {
+    if (this.stopped) return;
+    this.stopped = true;
     for (const s of this.sources) try { s.stop(); } catch (_) { /* not started */ }
     if (this.ctx) this.ctx.close();
   }
 }
 
+function resetPieces() {
+  readAlong.cues = [];
+  readAlong.current = -1;
+  $("pieces").replaceChildren();
+  $("pieces").dataset.current = "-1";
+  $("read-along").hidden = true;
+}
+
+function onPiece(ev) {
+  // audio.speech.piece.start: the piece's first samples were sent (end_s null); audio.speech.piece: its last
+  let cue = readAlong.cues[ev.index];
+  if (!cue) {
+    const li = document.createElement("li");
+    li.className = "piece";
+    li.textContent = ev.text;
+    li.dataset.index = String(ev.index);
+    li.dataset.start = String(ev.start_s);
+    li.addEventListener("click", () => playFrom(ev.index));
+    $("pieces").append(li);
+    $("read-along").hidden = false;
+    cue = readAlong.cues[ev.index] = { start: ev.start_s, end: null, el: li };
+  }
+  if (ev.end_s !== null) {
+    cue.end = ev.end_s;
+    cue.el.dataset.end = String(ev.end_s);
+  }
+}
+
+function playbackTime() {
+  return state.live ? state.live.position() : $("player").currentTime;
+}
+
+function highlight() {
+  // the piece whose samples [start, end) hold the time being played; none in the pauses between pieces
+  const t = playbackTime();
+  const i = readAlong.cues.findIndex((c) => c && t >= c.start && (c.end === null || t < c.end));
+  if (i === readAlong.current) return;
+  const before = readAlong.cues[readAlong.current];
+  if (before) {
+    before.el.classList.remove("reading");
+    before.el.removeAttribute("aria-current");
+  }
+  if (i >= 0) {
+    const li = readAlong.cues[i].el, box = $("pieces");
+    li.classList.add("reading");
+    li.setAttribute("aria-current", "true");
+    if (li.offsetTop < box.scrollTop || li.offsetTop + li.offsetHeight > box.scrollTop + box.clientHeight) {
+      box.scrollTop = li.offsetTop; // the list scrolls to the piece (the page itself stays where it is)
+    }
+  }
+  readAlong.current = i;
+  $("pieces").dataset.current = String(i);
+}
+
+function takeOver() {
+  // the <audio> element is played or seeked: it is what plays from now on, the live stream stops
+  if (state.live) state.live.stop();
+  state.live = null;
+}
+
+function playFrom(index) {
+  const a = $("player"), cue = readAlong.cues[index];
+  if (!cue || !a.src) return;
+  a.currentTime = cue.start;
+  a.play().catch(() => { /* no audio output: the time is still set */ });
+}
+
+function sseEvents(onEvent) {
+  // a parser for a text/event-stream body read in arbitrary pieces: each complete event's data, parsed
+  const decoder = new TextDecoder();
+  let buf = "";
+  return (bytes, last) => {
+    buf += decoder.decode(bytes, { stream: !last });
+    let cut;
+    while ((cut = buf.indexOf("\n\n")) >= 0) {
+      const block = buf.slice(0, cut);
+      buf = buf.slice(cut + 2);
+      const data = block.split("\n").filter((l) => l.startsWith("data:")).map((l) => l.slice(5).trim()).join("");
+      if (data) onEvent(JSON.parse(data));
+    }
+  };
+}
+
+function base64Samples(text) {
+  const raw = atob(text);
+  const bytes = new Uint8Array(raw.length);
+  for (let i = 0; i < raw.length; i++) bytes[i] = raw.charCodeAt(i);
+  return new Int16Array(bytes.buffer, 0, bytes.length >> 1);
+}
+
 async function speak() {
   const text = $("text").value;
   if (!text.trim()) return setStatus("type some text first", "error");
+  takeOver(); // a new utterance: the last one's stream stops, and so does its recording
+  const a = $("player");
+  a.pause();
+  a.removeAttribute("src");
+  a.load();
+  resetPieces();
   const run = { abort: new AbortController(), player: new Player() };
   state.run = run;
+  if (run.player.ctx) state.live = run.player; // the read-along follows the stream while it plays
   $("speak").disabled = true;
   $("stop").disabled = false;
   $("download").hidden = true;
   const t0 = performance.now();
   const secs = () => ((performance.now() - t0) / 1000).toFixed(2);
   setStatus("waiting for the first audio…", "waiting", 0);
-  const pieces = [];
-  let total = 0, first = null, carry = null;
+  const chunks = [];
+  let total = 0, first = null;
+  const onEvent = (ev) => {
+    if (ev.type === "speech.audio.delta") {
+      const samples = base64Samples(ev.audio);
+      if (!samples.length) return;
+      chunks.push(samples);
+      total += samples.length * 2;
+      if (first === null) first = secs();
+      run.player.play(samples);
+      setStatus(`streaming: first audio after ${first} s, ${(total / 2 / RATE).toFixed(2)} s received`,
+        "streaming", total);
+    } else if (ev.type === "audio.speech.piece.start" || ev.type === "audio.speech.piece") {
+      onPiece(ev);
+    } else if (ev.type === "error") {
+      throw new Error(ev.error.message);
+    }
+  };
   try {
     const res = await api("/v1/audio/speech", {
       method: "POST",
       headers: { "Content-Type": "application/json" },
       body: JSON.stringify({ model: state.model, input: text, voice: $("voice").value, response_format: "pcm",
-        ...options() }),
+        stream_format: "sse", ...options() }),
       signal: run.abort.signal,
     });
     if (!res.ok) throw new Error(await errorText(res));
-    const reader = res.body.getReader();
+    const reader = res.body.getReader(), feed = sseEvents(onEvent);
     for (;;) {
       const { done, value } = await reader.read();
+      feed(value || new Uint8Array(0), done);
       if (done) break;
-      let bytes = value;
-      if (carry) { // a sample split between two reads
-        bytes = new Uint8Array(carry.length + value.length);
-        bytes.set(carry); bytes.set(value, carry.length);
-        carry = null;
-      }
-      if (bytes.length % 2) { carry = bytes.slice(-1); bytes = bytes.slice(0, -1); }
-      if (!bytes.length) continue;
-      const samples = new Int16Array(bytes.buffer.slice(bytes.byteOffset, bytes.byteOffset + bytes.length));
-      pieces.push(samples);
-      total += bytes.length;
-      if (first === null) first = secs();
-      run.player.play(samples);
-      setStatus(`streaming: first audio after ${first} s, ${(total / 2 / RATE).toFixed(2)} s received`,
-        "streaming", total);
     }
-    const blob = wavBlob(pieces, total);
+    const blob = wavBlob(chunks, total);
     const url = URL.createObjectURL(blob);
-    $("player").src = url;
+    a.src = url;
     $("download").href = url;
     $("download").hidden = false;
     setStatus(`done: ${(total / 2 / RATE).toFixed(2)} s of audio in ${secs()} s (first audio after ${first} s)`,
@@ -271,6 +394,9 @@ window.addEventListener("DOMContentLoaded", () => {
   $("voice-delete").addEventListener("click", deleteVoice);
   $("voice").addEventListener("change", voiceChanged);
   voiceChanged();
+  $("player").addEventListener("play", takeOver);
+  $("player").addEventListener("seeking", takeOver);
+  setInterval(highlight, 50); // read-along: the piece being played
   $("key-save").addEventListener("click", () => {
     state.key = $("api-key").value.trim();
     localStorage.setItem("higgs-api-key", state.key);
