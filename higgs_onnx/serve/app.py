@@ -104,25 +104,30 @@ class VoiceRef(BaseModel):
     id: StrictStr
 
 
-class SpeechRequest(BaseModel):
-    """The JSON body of `/v1/audio/speech`. Fields OpenAI defines plus our extras; others are ignored. Types are
-    strict: `"5"` or `true` is not an integer, `"0.8"` not a number (a float field takes an integer)."""
+class OutputFields(BaseModel):
+    """What the speech and the dialogue bodies share: the model, the audio's format and the sampling fields."""
 
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     model: StrictStr
-    input: StrictStr
-    # a saved voice's name, OpenAI's {"id": name}, or a blend: "alice:0.7,bob:0.3" or [{"voice", "weight"}, ...]
-    voice: StrictStr | VoiceRef | list[Any] | None = None
-    blend_mode: StrictStr | None = None  # how a blend mixes its voices: "mixture" (default) or "product"
-    instructions: StrictStr | None = None
     response_format: StrictStr = "mp3"
-    speed: StrictFloat = 1.0
     stream_format: StrictStr = "audio"
     temperature: StrictFloat | None = None
     top_k: StrictInt | None = None
     top_p: StrictFloat | None = None
     seed: StrictInt | None = None
     max_rows: StrictInt | None = None
+
+
+class SpeechRequest(OutputFields):
+    """The JSON body of `/v1/audio/speech`. Fields OpenAI defines plus our extras; others are ignored. Types are
+    strict: `"5"` or `true` is not an integer, `"0.8"` not a number (a float field takes an integer)."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    input: StrictStr
+    # a saved voice's name, OpenAI's {"id": name}, or a blend: "alice:0.7,bob:0.3" or [{"voice", "weight"}, ...]
+    voice: StrictStr | VoiceRef | list[Any] | None = None
+    blend_mode: StrictStr | None = None  # how a blend mixes its voices: "mixture" (default) or "product"
+    instructions: StrictStr | None = None
+    speed: StrictFloat = 1.0
     # run alone (a batch of one): the audio equals the same request made alone, to the bit (see `Scheduler`)
     deterministic: StrictBool = False
     # the guard's retries (docs/guard.md): the response waits for a good take (at most this many redraws, each with
@@ -138,20 +143,12 @@ class SpeechRequest(BaseModel):
     stream: StrictBool = False
 
 
-class DialogueRequest(BaseModel):
+class DialogueRequest(OutputFields):
     """The JSON body of `/v1/audio/dialogue` (docs/dialogue.md); unknown fields are refused."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-    model: StrictStr
     turns: list[Any]
     voices: dict[StrictStr, StrictStr]  # speaker -> a saved voice's name, or "default" (zero-shot)
-    response_format: StrictStr = "mp3"
-    stream_format: StrictStr = "audio"
-    temperature: StrictFloat | None = None
-    top_k: StrictInt | None = None
-    top_p: StrictFloat | None = None
-    seed: StrictInt | None = None
-    max_rows: StrictInt | None = None
 
 
 WS_ONLY = ("type", "session", "split_granularity", "stream_audio", "input", "continuation")  # not speech fields
@@ -277,6 +274,9 @@ def form_value(key: str, value: str):
 
 def client_of(request: Request) -> str:
     return f"{request.client.host}:{request.client.port}" if request.client else "a client"
+
+
+GONE = object()  # the client left before the first audio (`opening`)
 
 
 class JobResponse(StreamingResponse):
@@ -503,22 +503,35 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
         except ValueError as e:
             raise ApiError(400, str(e).replace("the blend", "references"), "references", "invalid_value") from None
 
-    def check_speech(r: SpeechRequest) -> tuple[str, GenerationOptions, str | None]:
-        """The text to submit (speed tag first), the options and the tag; ApiError for the first bad field."""
+    def check_model(r: OutputFields) -> None:
         if r.model not in models:
             raise ApiError(400, f"model {r.model!r} is not served here; use one of {', '.join(models)}", "model",
                            "model_not_found")
-        if not r.input.strip():
-            raise ApiError(400, "input is empty: give the text to speak", "input", "invalid_value")
-        if len(r.input) > MAX_INPUT_CHARS:
-            raise ApiError(400, f"input is {len(r.input)} characters long; the limit is {MAX_INPUT_CHARS} (an input "
-                           f"beyond one request is read in pieces, up to that)", "input", "string_above_max_length")
+
+    def check_output(r: OutputFields) -> GenerationOptions:
+        """The formats and the sampling fields of a body (its model checked first); its options, or ApiError."""
+        check_model(r)
         if r.response_format not in FORMATS:
             raise ApiError(400, f"response_format {r.response_format!r} is not supported; use one of "
                            f"{', '.join(FORMATS)}", "response_format", "unsupported_format")
         if r.stream_format not in ("audio", "sse"):
             raise ApiError(400, f"stream_format {r.stream_format!r} is not supported; use audio or sse",
                            "stream_format", "invalid_value")
+        try:
+            return GenerationOptions.make(**{k: getattr(r, k) for k in SAMPLING_FIELDS})
+        except ValueError as e:
+            raise ApiError(400, str(e), next((k for k in SAMPLING_FIELDS if str(e).startswith(k)), None),
+                           "invalid_value") from None
+
+    def check_speech(r: SpeechRequest) -> tuple[str, GenerationOptions, str | None]:
+        """The text to submit (speed tag first), the options and the tag; ApiError for the first bad field."""
+        check_model(r)
+        if not r.input.strip():
+            raise ApiError(400, "input is empty: give the text to speak", "input", "invalid_value")
+        if len(r.input) > MAX_INPUT_CHARS:
+            raise ApiError(400, f"input is {len(r.input)} characters long; the limit is {MAX_INPUT_CHARS} (an input "
+                           f"beyond one request is read in pieces, up to that)", "input", "string_above_max_length")
+        options = check_output(r)
         if not (SPEED_RANGE[0] <= r.speed <= SPEED_RANGE[1]):
             raise ApiError(400, f"speed must be between {SPEED_RANGE[0]} and {SPEED_RANGE[1]}, got {r.speed}",
                            "speed", "invalid_value")
@@ -526,13 +539,23 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
             raise ApiError(400, "instructions are not supported: this model takes inline control tags in the input "
                            "instead, e.g. '<|emotion:elation|>Hello!' (GET /v1/tags lists them)", "instructions",
                            "unsupported_parameter")
-        try:
-            options = GenerationOptions.make(**{k: getattr(r, k) for k in SAMPLING_FIELDS})
-        except ValueError as e:
-            raise ApiError(400, str(e), next((k for k in SAMPLING_FIELDS if str(e).startswith(k)), None),
-                           "invalid_value") from None
         tag = speed_tag(r.speed, tts.tokens.control_tags)
         return (tag or "") + r.input, options, tag
+
+    async def opening(job, chunks: AsyncIterator, request: Request):
+        """`first_chunk`, with its failures as the error response (no audio was sent yet); GONE: the client left."""
+        try:
+            return await first_chunk(job, chunks, request)
+        except ConnectionAbortedError:
+            return GONE
+        except Exception as e:  # noqa: BLE001 - failed before any audio: a proper error response
+            log.error("request %s failed before its first audio: %s: %s", job.id, type(e).__name__, e)
+            raise failure(e) from None
+
+    async def clone_voice(codes, text: str):
+        """A voice from a zero-shot piece's own codes (a restart of its context speaks in the voice it chose)."""
+        async with voice_lock:
+            return await asyncio.to_thread(tts.voice_from_codes, codes, text)
 
     async def first_chunk(job, chunks: AsyncIterator, request: Request):
         """The job's first chunk (None: no audio at all); a client that leaves meanwhile cancels the job."""
@@ -663,13 +686,9 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
             job = read_pieces(pieces, voice, options, tag) if pieces else start_job(text, voice, options,
                                                                                      r.deterministic)
             chunks = aiter(job)
-            try:
-                first = await first_chunk(job, chunks, request)
-            except ConnectionAbortedError:
+            first = await opening(job, chunks, request)
+            if first is GONE:
                 return Response(status_code=499)
-            except Exception as e:  # noqa: BLE001 - failed before any audio: a proper error response
-                log.error("request %s failed before its first audio: %s: %s", job.id, type(e).__name__, e)
-                raise failure(e) from None
         if first is None:  # ended without a chunk and without an error: never a 200 with no audio
             log.error("request %s ended without audio", job.id)
             raise ApiError(500, "the generation ended without audio; no audio to send", None, "no_audio")
@@ -712,12 +731,8 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
         Zero-shot, a restart of the context speaks in the first piece's voice (made from its codes)."""
         from .textstream import SpeechSession
 
-        async def clone(codes, text: str):
-            async with voice_lock:
-                return await asyncio.to_thread(tts.voice_from_codes, codes, text)
-
         return PieceReader(SpeechSession(scheduler, voice, options), pieces, sample_rate, tag,
-                           clone if voice is None else None)
+                           clone_voice if voice is None else None)
 
     def start_job(text: str, voice, options, exclusive: bool):
         """Submit one job; the scheduler's refusals as OpenAI-style errors."""
@@ -920,15 +935,7 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
         except ValidationError as e:
             message, param = validation_message(e)
             raise ApiError(400, message, param, "invalid_value") from None
-        if r.model not in models:
-            raise ApiError(400, f"model {r.model!r} is not served here; use one of {', '.join(models)}", "model",
-                           "model_not_found")
-        if r.response_format not in FORMATS:
-            raise ApiError(400, f"response_format {r.response_format!r} is not supported; use one of "
-                           f"{', '.join(FORMATS)}", "response_format", "unsupported_format")
-        if r.stream_format not in ("audio", "sse"):
-            raise ApiError(400, f"stream_format {r.stream_format!r} is not supported; use audio or sse",
-                           "stream_format", "invalid_value")
+        options = check_output(r)
         try:
             turns = turns_from_json(r.turns, "turns")
             check_cast(turns, r.voices, "turns", "voices", "/v1/audio/speech")
@@ -941,11 +948,6 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
         if chars > MAX_INPUT_CHARS:
             raise ApiError(400, f"turns hold {chars} characters; the limit is {MAX_INPUT_CHARS}", "turns",
                            "string_above_max_length")
-        try:
-            options = GenerationOptions.make(**{k: getattr(r, k) for k in SAMPLING_FIELDS})
-        except ValueError as e:
-            raise ApiError(400, str(e), next((k for k in SAMPLING_FIELDS if str(e).startswith(k)), None),
-                           "invalid_value") from None
         voices = {}
         for name in cast:
             spec = r.voices[name]
@@ -965,21 +967,13 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
             await asyncio.to_thread(check_lines, tts, scheduler.slot_positions, lines, voices, options)
         except ContractError as e:
             raise contract_error(e) from None
-
-        async def clone(codes, text: str):
-            async with voice_lock:
-                return await asyncio.to_thread(tts.voice_from_codes, codes, text)
-
         sessions = {name: SpeechSession(scheduler, voices[name], speaker_options(options, k))
                     for k, name in enumerate(cast)}
-        job = DialogueReader(sessions, lines, sample_rate, clone)
+        job = DialogueReader(sessions, lines, sample_rate, clone_voice)
         chunks = aiter(job)
-        try:
-            first = await first_chunk(job, chunks, request)
-        except ConnectionAbortedError:
+        first = await opening(job, chunks, request)
+        if first is GONE:
             return Response(status_code=499)
-        except Exception as e:  # noqa: BLE001 - failed before any audio: a proper error response
-            raise failure(e) from None
         sse = r.stream_format == "sse"
         body = stream_body(job, first, chunks, r.response_format, sse, chars, None)
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": str(job.id),
