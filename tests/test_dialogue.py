@@ -187,6 +187,18 @@ def test_long_form_captions_have_no_speaker(tts, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_blend_is_refused_by_long_form_and_dialogue(tts, voice, tmp_path):
+    from higgs_onnx.generation.blend import Blend
+
+    blend = Blend.make([voice, voice], [0.5, 0.5], "mixture", ["a", "b"])
+    with pytest.raises(ValueError, match="a blend of voices is not supported for long-form"):
+        LongForm(tts, "One sentence. Two sentences.", tmp_path / "lf.wav", blend)
+    with pytest.raises(ScriptError, match="Alice's voice is a blend of voices"):
+        Dialogue(tts, parse_script(SCRIPT), tmp_path / "d.wav", {"Alice": blend, "Bob": None})
+    assert not (tmp_path / "lf.wav.work").exists() and not (tmp_path / "d.wav.work").exists()
+
+
+@pytest.mark.slow
 def test_a_stopped_dialogue_resumes_from_its_work_folder(tts, voice, tmp_path):
     turns = parse_script(SCRIPT)
     out = tmp_path / "show.wav"

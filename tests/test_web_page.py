@@ -299,8 +299,9 @@ def test_read_along_highlights_the_piece_being_played(url, browser):
     page.evaluate("document.getElementById('player').pause()")
     seen = [(int(i), t) for i, t in changes if int(i) != 1 or t < cues[1]["end_s"]]  # from the seek on
     gap, second = next(h for h in seen if h[0] == -1), next(h for h in seen if h[0] == 2)
-    assert cues[1]["end_s"] <= gap[1] < cues[1]["end_s"] + 0.25, (seen, cues[1])
-    assert cues[2]["start_s"] <= second[1] < cues[2]["start_s"] + 0.25, (seen, cues[2])
+    # never early; late by at most the page's 50 ms poll plus a busy machine's delays (0.5 s, pieces last seconds)
+    assert cues[1]["end_s"] <= gap[1] < cues[1]["end_s"] + 0.5, (seen, cues[1])
+    assert cues[2]["start_s"] <= second[1] < cues[2]["start_s"] + 0.5, (seen, cues[2])
     OUTPUT.mkdir(exist_ok=True)
     page.screenshot(path=str(OUTPUT / "web_page_read_along.png"), full_page=True)
     print(f"\nread-along: {len(cues)} pieces; highlight changes while playing {seen}")

@@ -58,6 +58,9 @@ class Dialogue(LongForm):
         turn = self.turns[self._turn_of[i]]
         return f"the turn of {turn.speaker} on line {turn.line}"
 
+    def _where(self, i: int) -> str:
+        return f"piece {i + 1} of {len(self.pieces)}, {self._name(i)}"
+
     def _layout(self, voice, lanes, resume):
         group = [self.cast.index(self.turns[t].speaker) for t in self._turn_of]
         lanes = [[i for i, g in enumerate(group) if g == k] for k in range(len(self.cast))]

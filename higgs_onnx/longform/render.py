@@ -349,6 +349,9 @@ class LongForm:
 
         if lanes is not None and (isinstance(lanes, bool) or not isinstance(lanes, int) or lanes < 1):
             raise ValueError(f"lanes must be a whole number >= 1, got {lanes!r}")
+        if getattr(voice, "width", 1) > 1:
+            raise ValueError("a blend of voices is not supported for long-form (each piece continues the KV cache "
+                             "of the pieces before it, and a blend cannot continue one); use one voice")
         self.tts, self.voice, self.out = tts, voice, Path(out)
         self.slot = tts.slot_positions  # positions of one lane's batching slot
         self.options, self.lf = options or GenerationOptions(), lf or LongFormOptions()
@@ -389,6 +392,9 @@ class LongForm:
     def _name(self, i: int) -> str:
         return f"piece {i + 1} of the text"
 
+    def _where(self, i: int) -> str:
+        return f"piece {i + 1} of {len(self.pieces)}"
+
     def _layout(self, voice, lanes: int | None, resume: bool) -> tuple[list, list[int], list[list[int]]]:
         if lanes is None:  # a job being resumed keeps its lanes; a new one asks the machine
             lanes = self._planned_lanes() if resume else None
@@ -418,7 +424,7 @@ class LongForm:
         prompt = self._prompt_len(text, voice_rows, voice_text)
         room = limits.positions - prompt
         need = max(needed_rows(text, f.frame_rate, f.num_codebooks), min_rows(f.num_codebooks))
-        where = f"{self._name(i)}, of {len(self.pieces)} pieces ({len(text)} characters: {text[:40]!r}...)"
+        where = f"{self._where(i)} ({len(text)} characters: {text[:40]!r}...)"
         if want < need:
             raise ContractError(f"{where} needs at least {need} rows, but max_rows is {cap}: raise --max-rows or "
                                 f"make the pieces shorter (LongFormOptions.target_chars/max_chars)", "max_rows")
