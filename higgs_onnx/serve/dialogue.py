@@ -27,11 +27,9 @@ from ..generation.stream import AudioChunk
 from ..longform.render import _fade
 from ..longform.script import Turn
 from ..longform.split import split_text
-from .pieces import JOIN, Cue, _total, piece_options
-from .scheduler import QueueFull
+from .pieces import JOIN, Cue, _total, piece_options, speak_waiting
 
 SPEAKER_SEED_STEP = 7919  # speaker k's pieces are seeded seed + k * this + their index in its session
-QUEUE_WAIT_S, QUEUE_POLL_S = 30.0, 0.1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,22 +113,11 @@ class DialogueReader:
             session.close()
 
     async def _speak(self, session, text: str) -> AsyncIterator[AudioChunk]:
-        deadline = time.monotonic() + QUEUE_WAIT_S
-        while True:
-            chunks = aiter(session.speak(text))
-            try:
-                c = await anext(chunks, None)
-            except QueueFull:  # another speaker's slot, or other clients: wait for room, within a bound
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(QUEUE_POLL_S)
-                continue
-            break
-        if self.first_job is None:
-            self.first_job = session.job
-        while c is not None:
+        """One piece's chunks (`pieces.speak_waiting`: a full queue, other speakers' or clients', is waited out)."""
+        async for c in speak_waiting(session, text):
+            if self.first_job is None:
+                self.first_job = session.job
             yield c
-            c = await anext(chunks, None)
 
     async def __aiter__(self) -> AsyncIterator[AudioChunk | Cue]:
         sr, n = self.sample_rate, len(self.lines)

@@ -195,24 +195,33 @@ class PieceReader:
             self.session.close()
 
     async def _speak(self, text: str, wait: bool) -> AsyncIterator[AudioChunk]:
-        """One piece's chunks; with `wait`, a full queue is waited out (see QUEUE_WAIT_S)."""
-        deadline = time.monotonic() + QUEUE_WAIT_S
-        while True:
-            chunks = aiter(self.session.speak(text))
-            try:
-                c = await anext(chunks, None)
-            except QueueFull:
-                if not wait or time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(QUEUE_POLL_S)
-                continue
-            break
-        self.piece_job = self.session.job
-        if self.first_job is None:
-            self.first_job = self.piece_job
-        while c is not None:
+        """One piece's chunks (`speak_waiting`); the first piece's job names the whole."""
+        self.piece_job = None
+        async for c in speak_waiting(self.session, text, wait):
+            if self.piece_job is None:
+                self.piece_job = self.session.job
+                if self.first_job is None:
+                    self.first_job = self.piece_job
             yield c
+
+
+async def speak_waiting(session, text: str, wait: bool = True) -> AsyncIterator[AudioChunk]:
+    """`session.speak(text)`'s chunks; with `wait`, a full queue is waited out (polling, for up to QUEUE_WAIT_S)
+    before its QueueFull is raised."""
+    deadline = time.monotonic() + QUEUE_WAIT_S
+    while True:
+        chunks = aiter(session.speak(text))
+        try:
             c = await anext(chunks, None)
+        except QueueFull:
+            if not wait or time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(QUEUE_POLL_S)
+            continue
+        break
+    while c is not None:
+        yield c
+        c = await anext(chunks, None)
 
 
 def _total(stats: list, audio_s: float, wall_s: float):
