@@ -136,9 +136,7 @@ def voice_files(args: argparse.Namespace) -> list[tuple[Path, float | None]] | N
     pairs = [(spec, None)] if Path(spec).exists() else parse_spec(spec, "--voice")  # a file named a:b,c stays one
 
     def find(name: str) -> Path:
-        path = Path(name)
-        if args.voices is not None and not path.suffix and len(path.parts) == 1:
-            path = args.voices / f"{name}.npz"
+        path = voice_file(name, args.voices)
         if not path.exists():
             hint = "" if args.voices is not None or path.suffix else \
                 " (a saved voice's file, or a name in --voices DIR)"
@@ -204,10 +202,16 @@ def check_dialogue_args(args: argparse.Namespace) -> None:
     args.turns, args.cast = turns, cast
 
 
-def _voice_path(spec: str, name: str, folder: Path | None) -> Path:
+def voice_file(spec: str, folder: Path | None) -> Path:
+    """A saved voice's file: `spec` itself, or with `--voices DIR` a bare name is DIR/NAME.npz."""
     path = Path(spec)
     if folder is not None and not path.suffix and len(path.parts) == 1:
-        path = folder / f"{spec}.npz"
+        return folder / f"{spec}.npz"
+    return path
+
+
+def _voice_path(spec: str, name: str, folder: Path | None) -> Path:
+    path = voice_file(spec, folder)
     if ":" in spec and not path.exists():
         raise ValueError(f"--voices-map: {name}={spec}: a blend of voices is not for a dialogue (each turn continues "
                          f"its speaker's KV cache); give one saved voice per speaker")
