@@ -17,22 +17,30 @@ $(STAMP): requirements.txt
 	$(BIN)/pip install -q --disable-pip-version-check -r requirements.txt
 	touch $(STAMP)
 
+# Where the demos write: exports and reports under $(OUT), wavs in $(WAVS) (tests/test_make_targets.py runs the
+# targets themselves into a temporary folder).
+OUT ?= onnx
+WAVS ?= .
+# make clean removes $(MODELS) too (synthetic checkpoints written by hand: docs/building.md)
+MODELS ?= models
+
 demo: $(STAMP)
-	$(BIN)/python optimize.py --synthetic tiny --device cpu --precision int4
-	$(BIN)/python inference.py --model-path onnx/cpu_int4 --text "Hello from the tiny synthetic Higgs model." \
-	    --out demo.wav
-	$(BIN)/python inference.py --model-path onnx/cpu_int4 --ref-audio tests/data/ref_en_24k.wav \
+	$(BIN)/python optimize.py --synthetic tiny --device cpu --precision int4 --output $(OUT)
+	$(BIN)/python inference.py --model-path $(OUT)/cpu_int4 --text "Hello from the tiny synthetic Higgs model." \
+	    --out $(WAVS)/demo.wav
+	$(BIN)/python inference.py --model-path $(OUT)/cpu_int4 --ref-audio tests/data/ref_en_24k.wav \
 	    --ref-text "$$(cat tests/data/ref_en_24k.txt)" --text "<|emotion:elation|>New words in a cloned voice." \
-	    --out demo_clone.wav
-	$(BIN)/python inference.py --model-path onnx/cpu_int4 --text "Streamed while it is spoken." --stream \
-	    --out demo_stream.wav
-	$(BIN)/python eval.py --model-path onnx/cpu_int4 --markdown onnx/cpu_int4_report.md
+	    --out $(WAVS)/demo_clone.wav
+	$(BIN)/python inference.py --model-path $(OUT)/cpu_int4 --text "Streamed while it is spoken." --stream \
+	    --out $(WAVS)/demo_stream.wav
+	$(BIN)/python eval.py --model-path $(OUT)/cpu_int4 --markdown $(OUT)/cpu_int4_report.md
 
 openvino-demo: $(STAMP)  # the tiny model through the OpenVINO runtime: build -> speak -> parity report
-	$(BIN)/python optimize.py --synthetic tiny --device openvino --precision int4
-	$(BIN)/python inference.py --model-path onnx/openvino_int4 --provider openvino \
-	    --text "Hello from the tiny synthetic Higgs model, through OpenVINO." --out demo_openvino.wav
-	$(BIN)/python eval.py --model-path onnx/openvino_int4 --provider openvino --markdown onnx/openvino_int4_report.md
+	$(BIN)/python optimize.py --synthetic tiny --device openvino --precision int4 --output $(OUT)
+	$(BIN)/python inference.py --model-path $(OUT)/openvino_int4 --provider openvino \
+	    --text "Hello from the tiny synthetic Higgs model, through OpenVINO." --out $(WAVS)/demo_openvino.wav
+	$(BIN)/python eval.py --model-path $(OUT)/openvino_int4 --provider openvino \
+	    --markdown $(OUT)/openvino_int4_report.md
 
 test: $(STAMP)
 	$(BIN)/python -m ruff check .
@@ -46,4 +54,4 @@ lint: $(STAMP)
 	$(BIN)/python -m ruff check .
 
 clean:
-	rm -rf models onnx demo.wav demo_*.wav
+	rm -rf $(MODELS) $(OUT) $(WAVS)/demo.wav $(WAVS)/demo_*.wav

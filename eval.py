@@ -7,6 +7,7 @@ Usage:
     python eval.py --model-path onnx/cpu_int4 --prompts prompts.txt --runs 8 --plots figs/
     python eval.py --model-path onnx/cpu_int4 --teacher-codes rows.npy   # code rows from another implementation
     python eval.py --model-path onnx/cpu_fp32 --threshold greedy_near_tie=none eoc_rate=0.9
+    python eval.py --model-path onnx/openvino_int4 --provider openvino --kv-cache host   # another runtime route
 
 Both reports are written whatever failed; the exit code says pass (0) or fail (1). The report targets are checked
 before anything is loaded. eval.py runs from any folder: the manifest records the checkpoint's absolute path (older
@@ -22,6 +23,7 @@ from pathlib import Path
 from higgs_onnx.cli import add_log_level, run_main
 from higgs_onnx.evaluation.options import EvalOptions
 from higgs_onnx.providers import PROVIDERS
+from higgs_onnx.runtime.backend import KV_LAYOUTS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,6 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-plots", action="store_true", help="draw no plots")
     ap.add_argument("--provider", choices=PROVIDERS, help="execution provider (default: the one the folder was "
                     "built for; see README, Devices)")
+    ap.add_argument("--kv-cache", choices=KV_LAYOUTS, default="bound",
+                    help="where the decoder keeps its KV cache: bound (default: the export's own layout; OpenVINO "
+                         "state on --provider openvino) or host (NumPy arrays fed back every step)")
+    ap.add_argument("--parts-apart", action="store_true",
+                    help="drive the decoder, audio embedding and heads as three sessions even where the export has "
+                         "the one-call step graph")
     ap.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the model files")
     add_log_level(ap)
     return ap
@@ -64,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
                           teacher_codes=args.teacher_codes, tolerance=args.tolerance,
                           gates=parse_thresholds(args.threshold))
     report, md = evaluate(args.model_path, args.checkpoint, options, outputs, verify=not args.no_verify,
-                          provider=args.provider)
+                          provider=args.provider, kv_cache=args.kv_cache, step_graph=not args.parts_apart)
     print("\n" + md)
     if report.failures:
         print(f"FAILED: {len(report.failures)} check(s); first: {report.failures[0]}", file=sys.stderr)

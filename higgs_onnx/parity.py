@@ -107,25 +107,25 @@ def check_audio_heads(part, ref, precision: str, rng: np.random.Generator) -> di
     return fig
 
 
-def decoder_trace(part, facts, embeds: np.ndarray, prefill: int) -> np.ndarray:
+def decoder_trace(decoder, embeds: np.ndarray, prefill: int) -> np.ndarray:
     """The ONNX decoder's hidden states (S, D): a prefill of `embeds[:prefill]`, then one single-row decode step per
-    remaining row, through the plain (NumPy cache) decoder."""
-    from .runtime.decoder import SimpleDecoder
-
-    dec = SimpleDecoder(part, facts)
-    cache = dec.new_cache(len(embeds))
-    got = [dec.run(cache, embeds[:prefill])]
-    got += [dec.run(cache, embeds[i:i + 1]) for i in range(prefill, len(embeds))]
+    remaining row. `decoder` is a KV-cache decoder of `runtime.decoder` (anything with `new_cache` and `run`): the
+    plain one on a part, or the one a backend runs (bound buffers, OpenVINO state, the step graph), so the same
+    figures come from every route without feeding the cache by port names a route may not have."""
+    cache = decoder.new_cache(len(embeds))
+    # copies: a bound decoder returns its hidden states in an output buffer that the next call writes again
+    got = [np.array(decoder.run(cache, embeds[:prefill]))]
+    got += [np.array(decoder.run(cache, embeds[i:i + 1])) for i in range(prefill, len(embeds))]
     return np.concatenate(got)
 
 
-def compare_decoder(part, ref, embeds: np.ndarray, prefill: int, precision: str) -> tuple[dict, np.ndarray]:
-    """ONNX decoder (prefill + steps) vs one full reference forward over the same embeddings (S, D).
+def compare_decoder(decoder, ref, embeds: np.ndarray, prefill: int, precision: str) -> tuple[dict, np.ndarray]:
+    """ONNX decoder (prefill + steps, `decoder_trace`) vs one full reference forward over the same embeddings (S, D).
 
     Returns the figures over all positions plus `per_step` (the last prefill position and every decode step, each
     with its cosine and max abs error), and the ONNX hidden states (S, D)."""
     want = ref.hidden_states(embeds)
-    out = decoder_trace(part, ref.facts, embeds, prefill)
+    out = decoder_trace(decoder, embeds, prefill)
     fig = compare("llm_decoder", precision, want, out)
     fig["per_step"] = [{"step": k, "position": i, "cosine": cosine(want[i], out[i]),
                         "max_abs": max_abs(want[i], out[i])} for k, i in enumerate(range(prefill - 1, len(embeds)))]
@@ -135,13 +135,14 @@ def compare_decoder(part, ref, embeds: np.ndarray, prefill: int, precision: str)
 def check_llm_decoder(part, ref, precision: str, rng: np.random.Generator) -> dict:
     """Prefill of 7 text positions, then 2 single-row decode steps, against one full reference forward."""
     from .reference.body import forward
+    from .runtime.decoder import SimpleDecoder
 
     f = ref.facts
     ids = rng.integers(0, ref.tokenizer.get_vocab_size(), 7)
     codes = rng.integers(0, f.codebook_size, (2, f.num_codebooks))
     embeds = np.concatenate([ref.text_embed(_torch(ids)).float().numpy(),
                              ref.fused_embed(_torch(codes)).float().numpy()])
-    fig, out = compare_decoder(part, ref, embeds, 7, precision)
+    fig, out = compare_decoder(SimpleDecoder(part, f), ref, embeds, 7, precision)
     if precision == "int4":
         # int4 weight error compounds with depth on random weights (36 random layers: cos ~0.65 although every
         # layer is right), so the gate is the comparison with a reference that uses the export's own dequantized

@@ -18,10 +18,19 @@ DATA = Path(__file__).resolve().parent / "data"
 
 
 @pytest.fixture(scope="session")
-def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def out_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The session's export root: every tiny export of the suite is built here, so they share one part cache
+    (`<out_root>/.build/parts`: a part is built once per stamp, whichever test asks first)."""
+    return tmp_path_factory.mktemp("onnx")
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(out_root: Path) -> Path:
+    """The tiny synthetic checkpoint, where `optimize.py --synthetic tiny --output <out_root>` keeps it: the CLI and
+    the make targets that tests run with that output root find it and the parts already built from it."""
     from higgs_onnx.synthetic import build
 
-    return build("tiny", tmp_path_factory.mktemp("tiny") / "ckpt", seed=0, progress=False)
+    return build("tiny", out_root / ".build" / "synthetic_tiny", seed=0, progress=False)
 
 
 @pytest.fixture(scope="session")
@@ -41,16 +50,20 @@ def real_tokenizer():
 
 
 @pytest.fixture(scope="session")
-def out_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("onnx")
-
-
-@pytest.fixture(scope="session")
 def builds(tiny_ckpt: Path, out_root: Path) -> dict[str, Path]:
     """The tiny checkpoint exported at int4 and fp32 for cpu (built once per session)."""
     from higgs_onnx.export import Exporter, ExportOptions
 
     return {p: Exporter(str(tiny_ckpt), out_root, ExportOptions("cpu", p)).run() for p in ("int4", "fp32")}
+
+
+@pytest.fixture(scope="session")
+def openvino_build(builds, tiny_ckpt: Path, out_root: Path) -> Path:
+    """The tiny checkpoint exported for the OpenVINO runtime at int4 (`openvino_int4`: an IR decoder; every other
+    part comes from the part cache the cpu builds filled)."""
+    from higgs_onnx.export import Exporter, ExportOptions
+
+    return Exporter(str(tiny_ckpt), out_root, ExportOptions("openvino", "int4")).run()
 
 
 # -- the fast tier (`make test-fast`: -m "not slow") must not build an export ---------------------------------------

@@ -14,14 +14,13 @@ TEXT = "Hello there, from another device."
 
 
 @pytest.fixture(scope="module")
-def exports(builds, tiny_ckpt, out_root):
+def exports(builds, openvino_build, tiny_ckpt, out_root):
     made = {}
     for device, precision, attention in (("cpu", "fp32", "portable"), ("cpu", "int4", "portable"),
-                                         ("cpu", "fp16", "portable"),
-                                         ("openvino", "fp32", None), ("openvino", "int4", None)):
+                                         ("cpu", "fp16", "portable"), ("openvino", "fp32", None)):
         opts = ExportOptions(device, precision, attention=attention)
         made[opts.name] = Exporter(str(tiny_ckpt), out_root, opts).run()
-    return {**made, "cpu_fp32": builds["fp32"], "cpu_int4": builds["int4"]}
+    return {**made, "cpu_fp32": builds["fp32"], "cpu_int4": builds["int4"], "openvino_int4": openvino_build}
 
 
 def _greedy(folder, provider=None, text=TEXT):

@@ -59,7 +59,16 @@ class EvalContext:
         return {"model_path": str(self.tts.manifest.folder), "precision": self.precision, "device": m["device"],
                 "provider": self.tts.provider,
                 "checkpoint": str(self.ref.folder), "gates": self.gates, "prompts": list(o.prompts), "runs": o.runs,
-                "max_rows": o.max_rows, "recordings": [Path(p).name for p in o.recordings], "seconds": {}}
+                "max_rows": o.max_rows, "recordings": [Path(p).name for p in o.recordings], "route": self.route(),
+                "seconds": {}}
+
+    def route(self) -> dict:
+        """How the export's decoder runs here: the part that holds its weights (`llm_step`, the one-call step graph,
+        or `llm_decoder` with the embedding and heads apart) and where its KV cache lives (`backend.kv_memory`:
+        "cpu"/"cuda"/"dml" bound buffers, "state" inside OpenVINO's compiled model, "host" arrays fed back)."""
+        be = self.tts.backend
+        return {"decoder": be.decoder_part, "kv_cache": be.kv_memory, "asked": {"kv_cache": self.tts.kv_cache,
+                                                                                "step_graph": self.tts.step_graph}}
 
     def ran_on(self) -> dict[str, str]:
         """part -> the provider/device its session ran on (each checked at load: no silent fallback)."""

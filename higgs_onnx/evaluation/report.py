@@ -180,6 +180,19 @@ def _section(name: str, figures: dict, meta: dict, plot: str | None) -> list[str
     return lines + (["", f"![{title}]({plot})"] if plot else [])
 
 
+ROUTE_DECODER = {"llm_step": "the step graph (`llm_step`: embedding, decoder and heads in one call)",
+                 "llm_decoder": "the parts apart (`llm_decoder`, `audio_embed`, `audio_heads`)"}
+ROUTE_CACHE = {"state": "the KV cache is OpenVINO state", "host": "the KV cache goes through the host (NumPy arrays)"}
+
+
+def _route(route: dict | None) -> str:
+    """One sentence: how the decoder ran (eval's `--kv-cache` / `--parts-apart` and the export pick it)."""
+    if not route:
+        return ""
+    cache = ROUTE_CACHE.get(route["kv_cache"], f"the KV cache is bound in `{route['kv_cache']}` buffers")
+    return f"Route: {ROUTE_DECODER.get(route['decoder'], route['decoder'])}; {cache}."
+
+
 def to_markdown(report: Report, plots: dict[str, str] | None = None) -> str:
     """`plots`: section name -> link to its PNG (relative to where the Markdown is read)."""
     m, plots = report.meta, plots or {}
@@ -188,7 +201,7 @@ def to_markdown(report: Report, plots: dict[str, str] | None = None) -> str:
              f"Reference: `{m['checkpoint']}` (PyTorch). Result: **{'PASS' if report.passed else 'FAIL'}** "
              f"({len(report.checks) - failed} of {len(report.checks)} checks passed).", "",
              f"Provider: `{m.get('provider', m.get('device', '-'))}`; the parts ran on "
-             f"{', '.join(sorted(set(m.get('ran_on', {}).values()))) or '-'}.", "",
+             f"{', '.join(sorted(set(m.get('ran_on', {}).values()))) or '-'}. {_route(m.get('route'))}", "",
              "| section | check | ok |", "|---|---|---|"]
     lines += [f"| {c.section} | {_cell(c.detail)} | {'yes' if c.ok else 'NO'} |" for c in report.checks]
     for name, figures in report.sections.items():

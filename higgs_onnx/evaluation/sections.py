@@ -49,8 +49,9 @@ def decoder_steps(ev: EvalContext) -> dict:
     be = ev.ref_backend
     embeds = np.concatenate([be.embed_text(np.asarray(prompt)), be.embed_audio(rows)])  # (P + steps, D)
     precision = ev.tts.manifest.parts["llm_decoder"]["precision"]
-    # the session the backend runs (the step graph where the export has one: the same weights, loaded once)
-    fig, _ = compare_decoder(ev.tts.backend.decoder.part, ev.ref, embeds, len(prompt), precision)
+    # the decoder the backend runs, on its route (bound buffers, OpenVINO state or host arrays; the step graph where
+    # the export has one): the same weights, loaded once, and the cache kept the way generation keeps it
+    fig, _ = compare_decoder(ev.tts.backend.decoder, ev.ref, embeds, len(prompt), precision)
     return fig
 
 
@@ -89,12 +90,10 @@ def text_argmax(table, hidden: np.ndarray) -> np.ndarray:
 def text_lm(ev: EvalContext) -> dict:
     """The decoder as a plain text LM with the tied text head applied outside the graph: next-token agreement over
     the last prompt and a greedy continuation of `text_tokens` tokens on both."""
-    from ..runtime.decoder import SimpleDecoder
-
     table, n = ev.ref.text_table, ev.options.text_tokens
     ids = ev.tts.tokenizer.encode(ev.options.prompts[-1], add_special_tokens=False).ids
-    dec = SimpleDecoder(ev.tts.backend.decoder.part, ev.tts.facts)
     be, rb = ev.tts.backend, ev.ref_backend
+    dec = be.decoder  # the route's own decoder and cache (see decoder_steps)
     o_seq, t_seq = list(ids), list(ids)
     cache = dec.new_cache(len(ids) + n)
     o_next = text_argmax(table, dec.run(cache, be.embed_text(np.asarray(o_seq))))  # (S,)
@@ -142,7 +141,8 @@ def kv_cache(ev: EvalContext) -> dict:
     with tempfile.TemporaryDirectory(prefix="higgs-kv-") as tmp:
         folder = kv.fp32_twin(ev.tts.manifest.folder, Path(tmp) / "fp32-cache")
         # the twin is loaded for its own pass only (a second 4b decoder beside the export and the reference)
-        figures = kv.compare(lambda: HiggsTTS(folder, provider=ev.tts.provider, verify=False), ev.tts,
+        figures = kv.compare(lambda: HiggsTTS(folder, provider=ev.tts.provider, verify=False,  # on the same route
+                                             kv_cache=ev.tts.kv_cache, step_graph=ev.tts.step_graph), ev.tts,
                              rows=kv.gate_rows(ev.tts.facts))
     int4 = ev.tts.manifest.parts["llm_decoder"].get("parity", {}).get("cosine_vs_dequantized")
     return {**figures, "mode": info.get("mode"), "thresholds": kv.gates(int4)}
