@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 export CI := 1
 # Olive reads CI to switch its telemetry off before it starts (it hangs ~10 s at exit otherwise).
 
-.PHONY: demo openvino-demo test test-fast venv lint clean
+.PHONY: demo openvino-demo test test-fast coverage venv lint clean
 
 venv: $(STAMP)
 
@@ -42,13 +42,31 @@ openvino-demo: $(STAMP)  # the tiny model through the OpenVINO runtime: build ->
 	$(BIN)/python eval.py --model-path $(OUT)/openvino_int4 --provider openvino \
 	    --markdown $(OUT)/openvino_int4_report.md
 
+# Two pytest workers (pytest-xdist), a test module each at a time (its module fixtures: servers, exports, Ray):
+# the suite keeps two cores busy. PYTEST_WORKERS=0 runs it in one process.
+PYTEST_WORKERS ?= 2
+PYTEST_ARGS ?= -n $(PYTEST_WORKERS) --dist loadfile
+
 test: $(STAMP)
 	$(BIN)/python -m ruff check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-test-fast: $(STAMP)  # no ONNX exports: unit tests only (about a minute)
+test-fast: $(STAMP)  # no ONNX exports: unit tests only (under a minute)
 	$(BIN)/python -m ruff check .
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+# The whole suite under coverage (branch coverage; the CLIs, servers and Ray workers the tests start are measured
+# too: pyproject.toml [tool.coverage]); the package's and the top-level scripts' figures (docs/testing.md).
+COVERAGE_DATA := $(CURDIR)/.coverage-data
+coverage: $(STAMP)
+	rm -rf $(COVERAGE_DATA) && mkdir -p $(COVERAGE_DATA)
+	HIGGS_COVERAGE_ROOT=$(CURDIR) COVERAGE_FILE=$(COVERAGE_DATA)/cov COVERAGE_RCFILE=$(CURDIR)/pyproject.toml \
+	    $(BIN)/python -m coverage run -m pytest -q $(PYTEST_ARGS)
+	cd $(COVERAGE_DATA) && COVERAGE_FILE=$(COVERAGE_DATA)/cov $(BIN)/python -m coverage combine -q \
+	    --rcfile=$(CURDIR)/pyproject.toml $(COVERAGE_DATA)
+	COVERAGE_FILE=$(COVERAGE_DATA)/cov $(BIN)/python -m coverage report --rcfile=pyproject.toml --include='higgs_onnx/*' | tail -1 | sed 's/^TOTAL/package (higgs_onnx)/'
+	COVERAGE_FILE=$(COVERAGE_DATA)/cov $(BIN)/python -m coverage report --rcfile=pyproject.toml --include='optimize.py,inference.py,eval.py,user_script.py' | tail -1 | sed 's/^TOTAL/top-level scripts/'
+	COVERAGE_FILE=$(COVERAGE_DATA)/cov $(BIN)/python -m coverage report --rcfile=pyproject.toml | tail -1 | sed 's/^TOTAL/all/'
 
 lint: $(STAMP)
 	$(BIN)/python -m ruff check .

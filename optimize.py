@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--accuracy-level", type=int, choices=range(5), help="MatMulNBits accuracy level "
                     "(default 4 on cpu, 0 elsewhere)")
     ap.add_argument("--output", type=Path, default=Path("onnx"), help="output root (default %(default)s)")
+    ap.add_argument("--part-cache", type=Path, metavar="DIR",
+                    help="keep finished part builds in DIR, shared by every output root that names it (default: "
+                         "$HIGGS_PART_CACHE, else OUTPUT/.build/parts)")
     ap.add_argument("--force", action="store_true", help="rebuild every step")
     add_log_level(ap)
     return ap
@@ -69,8 +72,12 @@ def run(args: argparse.Namespace) -> int:
                          part_precision=parse_overrides(args.part_precision), block_size=args.block_size,
                          accuracy_level=args.accuracy_level, components=tuple(args.components), force=args.force,
                          kv_cache=args.kv_cache)
+    if args.part_cache is not None:  # before any work: a file there, or a folder it cannot write
+        from higgs_onnx.outputs import check_output_dir
+
+        check_output_dir(args.part_cache, "--part-cache")
     exporter = Exporter(args.model_dir or DEFAULT_REPO, args.output, opts, revision=args.revision,
-                        token=os.environ.get("HF_TOKEN"), synthetic=args.synthetic)
+                        token=os.environ.get("HF_TOKEN"), synthetic=args.synthetic, part_cache=args.part_cache)
     exporter.run()
     return 0
 

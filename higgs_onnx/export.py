@@ -202,14 +202,27 @@ def io_signature(path: Path) -> dict:
 # the pipeline
 
 
+PART_CACHE_ENV = "HIGGS_PART_CACHE"
+
+
+def part_cache_root(work: Path, part_cache: Path | None = None) -> Path:
+    """Where finished part builds are kept (`parts/cache.py`): `part_cache` (optimize.py --part-cache), else
+    `$HIGGS_PART_CACHE`, else `<output>/.build/parts`. A part's stamp names everything its files depend on, so
+    exports under other output roots can share one cache safely."""
+    if part_cache is not None:
+        return Path(part_cache)
+    env = os.environ.get(PART_CACHE_ENV, "").strip()
+    return Path(env) if env else Path(work) / "parts"
+
+
 class Exporter:
     def __init__(self, model: str, out_root: Path, opts: ExportOptions, revision: str | None = None,
-                 token: str | None = None, synthetic: str | None = None):
+                 token: str | None = None, synthetic: str | None = None, part_cache: Path | None = None):
         self.opts, self.out_root = opts, out_root
         self.model_arg, self.revision, self.token, self.synthetic = model, revision, token, synthetic
         self.final = out_root / opts.name
         self.work = out_root / ".build"  # shared by every <device>_<precision>: identical parts are built once
-        self.cache = PartCache(self.work, opts)  # finished part builds, by stamp (parts/cache.py)
+        self.cache = PartCache(part_cache_root(self.work, part_cache), opts)  # finished parts, by stamp
 
     # -- steps --------------------------------------------------------------------------------------------------
     def step_resolve(self) -> tuple[Path, ModelFacts]:
@@ -404,6 +417,7 @@ class Exporter:
 
     def _run(self) -> Path:
         t0 = time.perf_counter()
+        self.work.mkdir(parents=True, exist_ok=True)  # the build's scratch (the part cache may live elsewhere)
         ckpt, facts = self.step_resolve()
         need = sum(getattr(parts.module(p), "disk_needed", lambda c: 0)(ckpt) for p in PART_NAMES)
         try:

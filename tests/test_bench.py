@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,10 @@ def bench(*args, **kw):
 
 
 @pytest.mark.slow  # builds and benchmarks the tiny preset
-def test_bench_tiny_smoke(tmp_path):
+def test_bench_tiny_smoke(tiny_ckpt, tmp_path):
+    # the preset's checkpoint where bench.py keeps it: the session's, copied with its times (the part cache's stamp
+    # names the checkpoint by size and mtime), so the export's parts come from the session's part cache
+    shutil.copytree(tiny_ckpt, tmp_path / "tiny" / "synthetic_tiny", copy_function=shutil.copy2)
     r = bench("--preset", "tiny", "--frames", 16, "--steps", 10, "--work", tmp_path, "--json", tmp_path / "b.json",
               timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
@@ -40,9 +44,10 @@ def test_bench_refuses_negative_threads(tmp_path):  # fast: refused before anyth
 
 
 @pytest.mark.slow
-def test_bench_batch_gain_tiny(tmp_path):
-    r = bench("--preset", "tiny", "--batch", 2, 4, "--frames", 24, "--repeats", 2, "--work", tmp_path, "--json",
-              tmp_path / "b.json", timeout=600)
+def test_bench_batch_gain_tiny(builds, tmp_path):
+    """On the session's int4 export (the smoke test above covers building the preset's)."""
+    r = bench("--model-path", builds["int4"], "--batch", 2, 4, "--frames", 24, "--repeats", 2, "--work", tmp_path,
+              "--json", tmp_path / "b.json", timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     b = json.loads((tmp_path / "b.json").read_text())
     assert [x["batch"] for x in b["batches"]] == [1, 2, 4]  # B = 1, the denominator, is always measured

@@ -28,8 +28,10 @@ ROUTES = {
     "openvino-host-cache": ("openvino_int4", ["--provider", "openvino", "--kv-cache", "host"], "llm_decoder", "host"),
     "openvino-on-cpu-export": ("cpu_fp32", ["--provider", "openvino"], "llm_step", "state"),
 }
-# small but complete: two prompts, every section runs (one sampled run a prompt; a cut run would fail the EOC gate)
-SMALL = ["--runs", "1", "--no-plots", "--recordings", str(ROOT / "tests" / "data" / "ref_de_22k_stereo.wav")]
+# small but complete: one prompt, every section runs (one sampled run), generation cut at 48 rows; cut runs do not
+# stop at EOC, so that gate is off here (make demo / make openvino-demo run the full defaults with every gate)
+SMALL = ["--runs", "1", "--max-rows", "48", "--threshold", "eoc_rate=none", "--no-plots",
+         "--recordings", str(ROOT / "tests" / "data" / "ref_de_22k_stereo.wav")]
 
 
 @pytest.fixture(scope="module")
@@ -40,20 +42,26 @@ def exports(builds, openvino_build):
 @pytest.fixture(scope="module")
 def prompts(tmp_path_factory):
     path = tmp_path_factory.mktemp("routes") / "prompts.txt"
-    path.write_text("Hello there, how are you today?\n<|emotion:elation|>The quick brown fox.\n")
+    path.write_text("<|emotion:elation|>Hello there, how are you today?\n")
     return path
 
 
 @pytest.fixture(scope="module")
 def reports(exports, prompts, tmp_path_factory):
-    """route -> (exit code, the JSON report): eval.py run in this process once per route."""
-    out, folder = {}, tmp_path_factory.mktemp("route-reports")
-    for route, (export, flags, _, _) in ROUTES.items():
-        path = folder / f"{route}.json"
-        code = eval_script.main(["--model-path", str(exports[export]), "--prompts", str(prompts), *SMALL,
-                                 "--json", str(path), *flags])
-        out[route] = (code, json.loads(path.read_text()))
-    return out
+    """route -> (exit code, the JSON report) of eval.py run in this process, made on first use (so each test's time
+    is its own route's, not all six at once)."""
+    folder, made = tmp_path_factory.mktemp("route-reports"), {}
+
+    class Reports(dict):
+        def __missing__(self, route):
+            export, flags, _, _ = ROUTES[route]
+            path = folder / f"{route}.json"
+            code = eval_script.main(["--model-path", str(exports[export]), "--prompts", str(prompts), *SMALL,
+                                     "--json", str(path), *flags])
+            self[route] = (code, json.loads(path.read_text()))
+            return self[route]
+
+    return Reports(made)
 
 
 @pytest.mark.parametrize("route", ROUTES)
@@ -76,7 +84,7 @@ def test_every_route_reports_the_same_quantities(reports):
         return {name: sorted(k for k in s if not k.startswith("_")) for name, s in report["sections"].items()}
 
     by_export = {}
-    for route, (export, *_) in ROUTES.items():
+    for route, (export, *_) in ROUTES.items():  # every route's report (made by the parametrized test above)
         by_export.setdefault(export, []).append(shape(reports[route][1]))
     for export, shapes in by_export.items():
         assert all(s == shapes[0] for s in shapes), export

@@ -122,3 +122,15 @@ def test_concurrent_build_row(capsys, tiny_ckpt, tmp_path):
     err = capsys.readouterr().err
     assert code == 1 and "another optimize.py is building" in err
     assert not (tmp_path / "onnx" / "cpu_int4").exists()
+
+
+def test_part_cache_rows(capsys, tiny_ckpt, tmp_path):
+    """`--part-cache` that names a file, or a folder it cannot create, is one line before any work."""
+    (tmp_path / "file").write_text("x")
+    for where, message in ((tmp_path / "file", "is a file, not a folder"),
+                           (tmp_path / "file" / "parts", "cannot create this folder")):
+        code = optimize.main(["--model-dir", str(tiny_ckpt), "--output", str(tmp_path / "onnx"),
+                              "--part-cache", str(where)])
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and "Traceback" not in err, err
+    assert not (tmp_path / "onnx").exists()

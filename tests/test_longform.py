@@ -158,9 +158,16 @@ def test_only_tags_is_refused(builds, tmp_path):
 
 
 # -- resume after damage, the lock, the output, streaming, the context ------------------------------------------------
+_WHOLE: dict[tuple, bytes] = {}
+
+
 def whole_file(tts, tmp_path, name="ref.wav", **kw) -> bytes:
-    """The file an uninterrupted job writes for CHAPTER / SMALL (seed 0)."""
-    return generate_long(tts, CHAPTER, tmp_path / name, lf=SMALL, **kw).read_bytes()
+    """The file an uninterrupted job writes for CHAPTER / SMALL (seed 0), made once per set of options in this module
+    (the same export, options and seed give the same bytes: what each test asserts its resumed job gives again)."""
+    key = tuple(sorted(kw.items()))
+    if key not in _WHOLE:
+        _WHOLE[key] = generate_long(tts, CHAPTER, tmp_path / name, lf=SMALL, **kw).read_bytes()
+    return _WHOLE[key]
 
 
 class RequestCounter:

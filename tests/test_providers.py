@@ -154,3 +154,18 @@ def test_a_device_without_offset_binding_refuses_a_multi_slot_pool(tts32):
     with pytest.raises(ValueError, match="bound at an offset.*--max-batch 1"):
         dec.pool(2, 16)
     assert dec.pool(1, 16).slots == 1
+
+
+def test_decoder_spinning_follows_higgs_ort_spin(monkeypatch):
+    """The decoder's intra-op threads spin unless $HIGGS_ORT_SPIN=0 (a machine whose cores several processes share:
+    the suite's two workers); the other parts never spin."""
+    from higgs_onnx.runtime.session import SPIN_ENV, session_options
+
+    key = "session.intra_op.allow_spinning"
+    monkeypatch.setenv(SPIN_ENV, "1")
+    assert session_options(spin=True).get_session_config_entry(key) == "1"
+    assert session_options(spin=False).get_session_config_entry(key) == "0"
+    monkeypatch.setenv(SPIN_ENV, "0")
+    assert session_options(spin=True).get_session_config_entry(key) == "0"
+    monkeypatch.delenv(SPIN_ENV)
+    assert session_options(spin=True).get_session_config_entry(key) == "1"

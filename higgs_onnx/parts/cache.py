@@ -1,7 +1,7 @@
 """Finished part builds, kept between runs: `onnx/.build/parts/<part>-<stamp>/` with the part's files and its
 `stamp.json` (the manifest entry of the build, without file hashes).
 
-    cache = PartCache(work, opts)             # opts: the export's ExportOptions
+    cache = PartCache(root, opts)             # root: onnx/.build/parts (or --part-cache); opts: ExportOptions
     stamp = cache.stamp("audio_heads", digest)
     entry = cache.get("audio_heads", stamp)   # the finished build's entry, or None (missing, stale, --force ...)
     tmp = cache.scratch("audio_heads", stamp) # a fresh folder to build into
@@ -11,6 +11,9 @@ A stamp is the hash of everything a part's files depend on: its precision, the b
 checkpoint's digest and the part's `BUILD_VERSION`; the device and decoder graph only for a part whose graph
 depends on them (`PartFacts.device_specific`), so `cpu_int4` and `cuda_int4` share every other part. A build is
 swapped in only once it is complete (`put`), so a killed build leaves no folder that looks finished.
+
+The cache is `<output>/.build/parts` unless `optimize.py --part-cache DIR` (or `$HIGGS_PART_CACHE`) names another
+folder: exports under several output roots then share their finished parts (the test suite shares one per session).
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ STAMP = "stamp.json"
 
 
 class PartCache:
-    def __init__(self, work: Path, opts):
-        self.root, self.opts = Path(work) / "parts", opts
+    def __init__(self, root: Path, opts):
+        self.root, self.opts = Path(root), opts
 
     def stamp(self, part: str, checkpoint_digest: str) -> str:
         o = self.opts
