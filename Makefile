@@ -33,14 +33,15 @@ demo: $(STAMP)
 	    --out $(WAVS)/demo_clone.wav
 	$(BIN)/python inference.py --model-path $(OUT)/cpu_int4 --text "Streamed while it is spoken." --stream \
 	    --out $(WAVS)/demo_stream.wav
-	$(BIN)/python eval.py --model-path $(OUT)/cpu_int4 --markdown $(OUT)/cpu_int4_report.md
+	$(BIN)/python eval.py --model-path $(OUT)/cpu_int4 --markdown $(OUT)/cpu_int4_report.md \
+	    --json $(OUT)/cpu_int4_report.json
 
 openvino-demo: $(STAMP)  # the tiny model through the OpenVINO runtime: build -> speak -> parity report
 	$(BIN)/python optimize.py --synthetic tiny --device openvino --precision int4 --output $(OUT)
 	$(BIN)/python inference.py --model-path $(OUT)/openvino_int4 --provider openvino \
 	    --text "Hello from the tiny synthetic Higgs model, through OpenVINO." --out $(WAVS)/demo_openvino.wav
 	$(BIN)/python eval.py --model-path $(OUT)/openvino_int4 --provider openvino \
-	    --markdown $(OUT)/openvino_int4_report.md
+	    --markdown $(OUT)/openvino_int4_report.md --json $(OUT)/openvino_int4_report.json
 
 # Two pytest workers (pytest-xdist), a test module each at a time (its module fixtures: servers, exports, Ray):
 # the suite keeps two cores busy. PYTEST_WORKERS=0 runs it in one process.
