@@ -63,11 +63,10 @@ coverage: $(STAMP)
 	rm -rf $(COVERAGE_DATA) && mkdir -p $(COVERAGE_DATA)
 	HIGGS_COVERAGE_ROOT=$(CURDIR) COVERAGE_FILE=$(COVERAGE_DATA)/cov COVERAGE_RCFILE=$(CURDIR)/pyproject.toml \
 	    $(BIN)/python -m coverage run -m pytest -q $(PYTEST_ARGS)
-	cd $(COVERAGE_DATA) && COVERAGE_FILE=$(COVERAGE_DATA)/cov $(BIN)/python -m coverage combine -q \
-	    --rcfile=$(CURDIR)/pyproject.toml $(COVERAGE_DATA)
-	COVERAGE_FILE=$(COVERAGE_DATA)/cov $(BIN)/python -m coverage report --rcfile=pyproject.toml --include='higgs_onnx/*' | tail -1 | sed 's/^TOTAL/package (higgs_onnx)/'
-	COVERAGE_FILE=$(COVERAGE_DATA)/cov $(BIN)/python -m coverage report --rcfile=pyproject.toml --include='optimize.py,inference.py,eval.py,user_script.py' | tail -1 | sed 's/^TOTAL/top-level scripts/'
-	COVERAGE_FILE=$(COVERAGE_DATA)/cov $(BIN)/python -m coverage report --rcfile=pyproject.toml | tail -1 | sed 's/^TOTAL/all/'
+	COVERAGE_FILE=$(COVERAGE_DATA)/cov $(BIN)/python -m coverage combine -q --rcfile=pyproject.toml $(COVERAGE_DATA)
+	COVERAGE_FILE=$(COVERAGE_DATA)/cov $(BIN)/python -m coverage report --rcfile=pyproject.toml --include='higgs_onnx/*' | grep '^TOTAL' | sed 's/^TOTAL/package (higgs_onnx)/'
+	COVERAGE_FILE=$(COVERAGE_DATA)/cov $(BIN)/python -m coverage report --rcfile=pyproject.toml --include='optimize.py,inference.py,eval.py,user_script.py' | grep '^TOTAL' | sed 's/^TOTAL/top-level scripts/'
+	COVERAGE_FILE=$(COVERAGE_DATA)/cov $(BIN)/python -m coverage report --rcfile=pyproject.toml | grep '^TOTAL' | sed 's/^TOTAL/all/'
 
 lint: $(STAMP)
 	$(BIN)/python -m ruff check .
