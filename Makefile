@@ -59,14 +59,16 @@ test-fast: $(STAMP)  # no ONNX exports: unit tests only (under a minute)
 # The whole suite under coverage (branch coverage; the CLIs, servers and Ray workers the tests start are measured
 # too: pyproject.toml [tool.coverage]); the package's and the top-level scripts' figures (docs/testing.md).
 COVERAGE_DATA := $(CURDIR)/.coverage-data
+COVERAGE = COVERAGE_FILE=$(COVERAGE_DATA)/cov $(BIN)/python -m coverage
 coverage: $(STAMP)
 	rm -rf $(COVERAGE_DATA) && mkdir -p $(COVERAGE_DATA)
 	HIGGS_COVERAGE_ROOT=$(CURDIR) COVERAGE_FILE=$(COVERAGE_DATA)/cov COVERAGE_RCFILE=$(CURDIR)/pyproject.toml \
 	    $(BIN)/python -m coverage run -m pytest -q $(PYTEST_ARGS)
-	COVERAGE_FILE=$(COVERAGE_DATA)/cov $(BIN)/python -m coverage combine -q --rcfile=pyproject.toml $(COVERAGE_DATA)
-	COVERAGE_FILE=$(COVERAGE_DATA)/cov $(BIN)/python -m coverage report --rcfile=pyproject.toml --include='higgs_onnx/*' | grep '^TOTAL' | sed 's/^TOTAL/package (higgs_onnx)/'
-	COVERAGE_FILE=$(COVERAGE_DATA)/cov $(BIN)/python -m coverage report --rcfile=pyproject.toml --include='optimize.py,inference.py,eval.py,user_script.py' | grep '^TOTAL' | sed 's/^TOTAL/top-level scripts/'
-	COVERAGE_FILE=$(COVERAGE_DATA)/cov $(BIN)/python -m coverage report --rcfile=pyproject.toml | grep '^TOTAL' | sed 's/^TOTAL/all/'
+	$(COVERAGE) combine -q --rcfile=pyproject.toml $(COVERAGE_DATA)
+	$(COVERAGE) report --rcfile=pyproject.toml --include='higgs_onnx/*' | grep '^TOTAL' | sed 's/^TOTAL/package (higgs_onnx)/'
+	$(COVERAGE) report --rcfile=pyproject.toml --include='optimize.py,inference.py,eval.py,user_script.py' | grep '^TOTAL' | \
+	    sed 's/^TOTAL/top-level scripts/'
+	$(COVERAGE) report --rcfile=pyproject.toml | grep '^TOTAL' | sed 's/^TOTAL/all/'
 
 lint: $(STAMP)
 	$(BIN)/python -m ruff check .

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from higgs_onnx.checkpoint import DEFAULT_REPO
 from higgs_onnx.cli import add_log_level, run_main
-from higgs_onnx.export import Exporter, ExportOptions
+from higgs_onnx.export import PART_CACHE_ENV, Exporter, ExportOptions, part_cache_root
 from higgs_onnx.manifest import PART_NAMES
 from higgs_onnx.providers import ATTENTIONS, PROVIDERS
 
@@ -72,10 +72,15 @@ def run(args: argparse.Namespace) -> int:
                          part_precision=parse_overrides(args.part_precision), block_size=args.block_size,
                          accuracy_level=args.accuracy_level, components=tuple(args.components), force=args.force,
                          kv_cache=args.kv_cache)
-    if args.part_cache is not None:  # before any work: a file there, or a folder it cannot write
+    cache_from = None  # who named the part cache, when not the output's own .build/parts
+    if args.part_cache is not None:
+        cache_from = "--part-cache"
+    elif os.environ.get(PART_CACHE_ENV, "").strip():
+        cache_from = f"${PART_CACHE_ENV}"
+    if cache_from:  # before any work: a file there, or a folder it cannot write
         from higgs_onnx.outputs import check_output_dir
 
-        check_output_dir(args.part_cache, "--part-cache")
+        check_output_dir(part_cache_root(args.output / ".build", args.part_cache), cache_from)
     exporter = Exporter(args.model_dir or DEFAULT_REPO, args.output, opts, revision=args.revision,
                         token=os.environ.get("HF_TOKEN"), synthetic=args.synthetic, part_cache=args.part_cache)
     exporter.run()

@@ -124,8 +124,9 @@ def test_concurrent_build_row(capsys, tiny_ckpt, tmp_path):
     assert not (tmp_path / "onnx" / "cpu_int4").exists()
 
 
-def test_part_cache_rows(capsys, tiny_ckpt, tmp_path):
-    """`--part-cache` that names a file, or a folder it cannot create, is one line before any work."""
+def test_part_cache_rows(capsys, tiny_ckpt, tmp_path, monkeypatch):
+    """`--part-cache` (or `$HIGGS_PART_CACHE`) that names a file, or a folder it cannot create, is one line before
+    any work."""
     (tmp_path / "file").write_text("x")
     for where, message in ((tmp_path / "file", "is a file, not a folder"),
                            (tmp_path / "file" / "parts", "cannot create this folder")):
@@ -133,4 +134,8 @@ def test_part_cache_rows(capsys, tiny_ckpt, tmp_path):
                               "--part-cache", str(where)])
         err = capsys.readouterr().err
         assert code == 2 and message in err and "Traceback" not in err, err
+    monkeypatch.setenv("HIGGS_PART_CACHE", str(tmp_path / "file"))  # the same folder named by the environment
+    code = optimize.main(["--model-dir", str(tiny_ckpt), "--output", str(tmp_path / "onnx")])
+    err = capsys.readouterr().err
+    assert code == 2 and "$HIGGS_PART_CACHE" in err and "is a file, not a folder" in err, err
     assert not (tmp_path / "onnx").exists()
