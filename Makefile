@@ -12,9 +12,21 @@ export CI := 1
 
 venv: $(STAMP)
 
+# uv installs the pinned requirements (2 min with pip on 2 cores, under 1 min with uv, bytecode compiled as pip
+# does). It reads no pip config, so pip's find-links (a local wheel folder, e.g. the CPU build of torch) is passed
+# on; USE_PIP=1 installs with pip alone.
+UV := uv==0.13.8
+FIND_LINKS = $(or $(PIP_FIND_LINKS),$(shell $(PY) -m pip config get global.find-links 2>/dev/null))
+
 $(STAMP): requirements.txt
 	$(PY) -m venv $(VENV)
+ifeq ($(USE_PIP),1)
 	$(BIN)/pip install -q --disable-pip-version-check -r requirements.txt
+else
+	$(BIN)/pip install -q --disable-pip-version-check $(UV)
+	$(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python \
+	    $(foreach d,$(FIND_LINKS),--find-links $(d)) -r requirements.txt
+endif
 	touch $(STAMP)
 
 # Where the demos write: exports and reports under $(OUT), wavs in $(WAVS) (tests/test_make_targets.py runs the
