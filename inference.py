@@ -27,7 +27,7 @@ from higgs_onnx.cli import add_log_level, run_main
 from higgs_onnx.generation.blend import MODES
 from higgs_onnx.generation.options import DEFAULT_MAX_ROWS, GenerationOptions
 from higgs_onnx.generation.prompt import check_text
-from higgs_onnx.loudness import check_target as check_loudness
+from higgs_onnx.job.options import SpeechOptions
 from higgs_onnx.runtime.session import PROVIDERS, check_threads
 from higgs_onnx.runtime.stream import CODEC_MODES, StreamOptions
 
@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="most code rows to generate: one per decoder step, 25 per second of audio, plus "
                     f"codebooks - 1 at the start (default: {DEFAULT_MAX_ROWS} or what fits after the prompt; a text "
                     "too long for that is refused; --max-frames is its old name)")
+    ap.add_argument("--speed", type=float, default=None, help="--text, or --text-file with --out-dir: the model's "
+                    "prosody speed tag for this speed (it has no continuous speed control; 0.25 to 4, as the server's "
+                    "`speed`; about 1 = no tag)")
     ap.add_argument("--stream", action="store_true", help="write audio while it is generated: the file grows "
                     "under NAME.partial and is renamed at the end; with --out - raw PCM goes to stdout as it is made")
     ap.add_argument("--first-frames", type=int, default=so.first_frames, help="--stream: frames in the first "
@@ -98,10 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "machine's measured batch gain; 1 where batching does not pay)")
     ap.add_argument("--resume", action="store_true", help="--text-file with --out: continue an interrupted job from "
                     "its work folder (OUT.work/) instead of refusing to overwrite it")
-    ap.add_argument("--retries", type=int, default=2, help="--text (not --stream): a take the guard finds "
+    ap.add_argument("--retries", type=int, default=None, help="--text (not --stream): a take the guard finds "
                     "degenerate (a loop, rambling past the text, dead air, no end of speech) is drawn again with a new "
-                    "seed and the temperature cooled by 0.15, up to this many times (default %(default)s; 0 = off; a "
-                    "greedy request is not retried: its draw would be the same). See docs/guard.md")
+                    "seed and the temperature cooled by 0.15, up to this many times (default 2, or 0 with --takes; "
+                    "0 = off; a greedy request is not retried: its draw would be the same). See docs/guard.md")
     ap.add_argument("--takes", type=int, default=1, help="--text (not --stream): draw N takes as rows of one batch "
                     "(the prompt prefilled once), judge each with the guard and keep the best; every take's score is "
                     "printed (default %(default)s; up to 16; needs sampling)")
@@ -221,9 +224,18 @@ def _voice_path(spec: str, name: str, folder: Path | None) -> Path:
     return path
 
 
+RETRIES = 2  # a file is written whole, so a degenerate take is drawn again by default (not with --takes)
+
+
 def check_args(args: argparse.Namespace) -> tuple[GenerationOptions, StreamOptions]:
-    # both raise ValueError on bad values
-    options = GenerationOptions(args.temperature, args.top_k, args.top_p, args.seed, args.max_rows)
+    # the job's options (`job.options`: the bounds and rules every door shares) and the stream's; ValueError
+    if args.retries is None:
+        args.retries = 0 if args.takes != 1 else RETRIES
+    args.job = SpeechOptions.build({"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+                                    "seed": args.seed, "max_rows": args.max_rows, "speed": args.speed,
+                                    "takes": args.takes, "retries": args.retries, "loudness": args.loudness,
+                                    "blend_mode": args.blend_mode}, "cli")
+    options = args.job.generation
     stream = StreamOptions(first_frames=args.first_frames, chunk_frames=args.chunk_frames, codec=args.stream_codec)
     if args.out is not None and str(args.out) == "-":
         if args.codes is not None or args.selftest:
@@ -248,20 +260,20 @@ def check_args(args: argparse.Namespace) -> tuple[GenerationOptions, StreamOptio
                          else "--lanes is for --text-file (with --out or --out-dir)")
     if args.history < 0:
         raise ValueError(f"--history must be >= 0, got {args.history}")
-    if not 0 <= args.retries <= 10:
-        raise ValueError(f"--retries must be from 0 to 10, got {args.retries}")
-    if not 1 <= args.takes <= 16:
-        raise ValueError(f"--takes must be from 1 to 16, got {args.takes}")
-    if args.takes > 1 and (args.text is None or args.stream):
+    if args.takes > 1 and args.text is None:
+        raise ValueError("--takes is for --text (one utterance, its takes judged and the best kept); the pieces and "
+                         "lines of a --text-file or --script each speak once (--retries redraws a degenerate one)")
+    if args.takes > 1 and args.stream:
         raise ValueError("--takes is for --text without --stream (a stream's audio is out before the takes are "
                          "judged)")
-    if args.takes > 1 and args.temperature == 0:
-        raise ValueError("--takes needs sampling (--temperature > 0): greedy takes are all the same")
+    if args.speed is not None and (args.codes is not None or args.selftest or args.script is not None or
+                                   args.text_file is not None and args.out is not None):
+        raise ValueError("--speed is for --text, or --text-file with --out-dir (a tag before each line); in a long "
+                         "text or a script, write the tag (<|prosody:speed_slow|>) where it should apply")
     if args.save_takes is not None and args.takes < 2:
         raise ValueError("--save-takes needs --takes N (N >= 2)")
     if args.save_takes is not None and args.save_takes.exists() and not args.save_takes.is_dir():
         raise ValueError(f"--save-takes {args.save_takes} is a file, not a folder")
-    check_loudness(args.loudness)
     if args.loudness is not None and args.stream:
         raise ValueError("--loudness needs the whole take before it is written: not with --stream or --out -")
     if args.asr_model is not None and args.takes < 2:
@@ -300,6 +312,17 @@ def check_args(args: argparse.Namespace) -> tuple[GenerationOptions, StreamOptio
     if args.ref_text is not None:
         check_text(args.ref_text, "--ref-text")
     return options, stream
+
+
+def speed_prefix(tts, args) -> str:
+    """`--speed` as the model's prosody tag to put before the text ("" at about 1, or where the model has none)."""
+    from higgs_onnx.job.options import speed_tag
+
+    speed = args.job.speed
+    tag = speed_tag(speed, tts.tokens.control_tags)
+    if tag is None and not 0.9 <= speed <= 1.1:
+        log.warning("--speed %g: this model has no prosody speed tag for it; the text is spoken at its own pace", speed)
+    return tag or ""
 
 
 def speak(tts, text: str, out: Path, args, voice) -> object:
@@ -477,7 +500,7 @@ def run(args: argparse.Namespace) -> int:
         if args.save_voice:
             say(f"voice saved to {voice.save(args.save_voice)}")
     if args.text is not None:
-        speak(tts, args.text, args.out, args, voice)
+        speak(tts, speed_prefix(tts, args) + args.text, args.out, args, voice)
         return 0
     if args.script is not None:
         return speak_dialogue(tts, args)
@@ -500,11 +523,11 @@ def speak_lines(tts, lines: list[str], args, voice) -> int:
     from higgs_onnx.generation.scheduler import choose_batch, measure_batch_gain
     from higgs_onnx.outputs import write_or_keep
 
-    slot = tts.slot_positions
+    slot, prefix = tts.slot_positions, speed_prefix(tts, args)
     requests = []
     for i, line in enumerate(lines, 1):
         try:
-            requests.append(tts.request(line, voice=voice, options=args.options, slot=slot))
+            requests.append(tts.request(prefix + line, voice=voice, options=args.options, slot=slot))
         except ContractError as e:
             raise ContractError(f"line {i} of {args.text_file}: {e}", e.param, e.code, e.status) from None
         except ValueError as e:

@@ -137,7 +137,7 @@ def row_id(value) -> str | None:
 
 def read_rows(path: Path) -> list[Row]:
     """Every non-blank line as a Row; a malformed one becomes a Row with its error. Duplicate ids are refused."""
-    from .generation.options import GenerationOptions
+    from .job.options import OPTIONS, OptionError, SpeechOptions
 
     rows, seen = [], {}
     # lines end at "\n" only: str.splitlines would also split inside a JSON string at U+2028, U+0085, ...
@@ -161,7 +161,7 @@ def read_rows(path: Path) -> list[Row]:
         seen[rid] = n
         text, voice = obj.get("text"), obj.get("voice")
         options = {k: obj[k] for k in OPTION_FIELDS if k in obj}
-        unknown = set(obj) - {"id", "text", "voice", *OPTION_FIELDS}
+        unknown = set(obj) - {"id", "text", "voice", *OPTION_FIELDS, *OPTIONS}
         error = None
         if text is not None and not isinstance(text, str):
             error = f"text must be a string, got {type(text).__name__} {text!r:.40}"
@@ -172,10 +172,10 @@ def read_rows(path: Path) -> list[Row]:
         elif voice is not None and (not isinstance(voice, str) or not voice.strip()):
             error = f"voice {voice!r} must be a voice file or a name in --voices"
         else:
-            try:
-                GenerationOptions.make(None, **options)
-            except (ValueError, TypeError) as e:
-                error = str(e)
+            try:  # the job options' own bounds; a job field a row cannot carry is refused by name (job.options)
+                SpeechOptions.build({k: obj[k] for k in OPTIONS if k in obj and k != "voice"}, "corpus")
+            except OptionError as e:
+                error = e.message
         rows.append(Row(id=rid, line=n, text=text, voice=voice, options=options, error=error))
     return rows
 
@@ -426,11 +426,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.workers < 1 or args.batch < 1 or args.threads < 0:
         raise ValueError("--workers and --batch must be >= 1, --threads >= 0")
-    if not 0 <= args.retries <= 10:
-        raise ValueError(f"--retries must be from 0 to 10, got {args.retries}")
-    from .loudness import check_target
+    from .job.options import SpeechOptions
 
-    check_target(args.loudness)
+    SpeechOptions.build({"retries": args.retries, "loudness": args.loudness}, "cli")  # the same bounds as everywhere
     check_address(args.address)
     load_manifest(args.model_path, verify=False)  # a missing or broken export: one line, before Ray starts
     rows = read_rows(args.input)

@@ -31,12 +31,26 @@ log = logging.getLogger("higgs_onnx.wyoming")
 MAX_HEADER = 65536  # one JSON header line
 MAX_DATA = 1 << 20  # a TTS client sends text: 1 MiB of event data or payload is far more than any sends
 FRAME_S = 30.0  # the rest of an event, once its header came: a client that stalls inside one is closed
+SEND_S = 30.0  # a write that waits this long (the client reads nothing): the connection is closed, its job cancelled
 DEFAULT_LANGUAGES = ("en", "zh")
 SAMPLE_WIDTH = 2
 
 
 class Frame(ValueError):
     """A frame that breaks the protocol: the connection is closed."""
+
+
+class Stalled(ConnectionError):
+    """The client stopped reading: a write waited SEND_S."""
+
+
+def event_text(event, what: str) -> str:
+    """The `text` of a synthesize / synthesize-chunk event; ValueError when it has none or it is not a string."""
+    text = (event.data or {}).get("text")
+    if not isinstance(text, str):
+        got = "no text" if text is None else f"a {type(text).__name__} as its text"
+        raise ValueError(f"{what} needs a text string, got {got}")
+    return text
 
 
 async def read_event(reader: asyncio.StreamReader):
@@ -118,6 +132,8 @@ class WyomingService:
         except Frame as e:
             log.warning("%s: %s; connection closed", peer, e)
             await conn.error(str(e), "bad_frame")
+        except Stalled as e:
+            log.warning("%s: %s; connection closed, its job cancelled", peer, e)
         except (ConnectionError, asyncio.IncompleteReadError):
             log.info("%s: the client left", peer)
         finally:
@@ -134,7 +150,10 @@ class Connection:
     async def write(self, eventable) -> None:
         from wyoming.event import async_write_event
 
-        await async_write_event(eventable.event(), self.writer)
+        try:
+            await asyncio.wait_for(async_write_event(eventable.event(), self.writer), SEND_S)
+        except TimeoutError:
+            raise Stalled(f"the client read nothing for {SEND_S:g} s") from None
 
     async def error(self, text: str, code: str) -> None:
         from wyoming.error import Error
@@ -175,7 +194,12 @@ class Connection:
                 await self.error("synthesize-chunk outside a stream: send synthesize-start first", "bad_order")
                 return True
             try:
-                for s in self.segmenter.feed(SynthesizeChunk.from_event(event).text):
+                text = event_text(event, "synthesize-chunk")
+            except ValueError as e:
+                await self.error(str(e), "bad_text")
+                return True
+            try:
+                for s in self.segmenter.feed(text):
                     self.queue.put_nowait(s)
             except ValueError as e:
                 await self.error(str(e), "text_too_long")
@@ -192,13 +216,18 @@ class Connection:
         elif Synthesize.is_type(event.type):
             if self.session is not None:
                 return True  # the whole text, sent for servers without streaming: spoken already
+            try:
+                text = event_text(event, "synthesize")
+            except ValueError as e:
+                await self.error(str(e), "bad_text")
+                return True
             synth = Synthesize.from_event(event)
             try:
                 session = self.new_session(synth.voice.name if synth.voice else None)
             except VoiceError as e:
                 await self.error(str(e), "voice_not_found")
                 return True
-            await self.speak_whole(session, synth.text)
+            await self.speak_whole(session, text)
         return True  # other events (ping, ...) are not for a TTS server
 
     async def end_stream(self) -> None:
@@ -210,8 +239,13 @@ class Connection:
 
     async def speak_queue(self) -> None:
         """A stream's segments in order, each with its own audio-start ... audio-stop."""
-        while (text := await self.queue.get()) is not None:
-            await self.speak_segments(self.session, [text])
+        try:
+            while (text := await self.queue.get()) is not None:
+                await self.speak_segments(self.session, [text])
+        except Stalled as e:  # the reader waits on the client: cut the connection, which ends it and frees all
+            log.warning("%s: %s; connection closed, its job cancelled", self.writer.get_extra_info("peername"), e)
+            self.session.close()
+            self.writer.transport.abort()
 
     async def speak_whole(self, session, text: str) -> None:
         from .textin import TextSegmenter
@@ -237,6 +271,7 @@ class Connection:
 
         from .audio import pcm16
         from .generation.contract import ContractError, NoAudioError
+        from .serve.scheduler import QueueFull, ShuttingDown
 
         rate, started = self.service.rate, False
         for text in segments:
@@ -251,6 +286,12 @@ class Connection:
                 await self.error(str(e), e.code or "invalid_text")
             except (ValueError, NoAudioError) as e:
                 await self.error(str(e), "invalid_text")
+            except QueueFull as e:
+                await self.error(f"{e}; try again shortly", "busy")
+            except ShuttingDown as e:  # one line, the client told; nothing more is spoken
+                log.info("a synthesis ended: %s", e)
+                await self.error(f"{e}; try again shortly", "shutting_down")
+                break
             except ConnectionError:
                 raise
             except Exception as e:  # noqa: BLE001 - this request fails; the connection goes on

@@ -717,7 +717,7 @@ def test_best_of_takes_on_the_server(server):
     assert [t["take"] for t in takes] == [1, 2, 3] and sum(t["kept"] for t in takes) == 1
     kept = next(t for t in takes if t["kept"])
     assert events[-1]["stats"]["rows"] == kept["rows"] and kept["score"] == max(t["score"] for t in takes)
-    for body, words in (({"takes": 9}, "takes must be from 1 to 8"), ({"takes": 2, "retries": 1}, "not both"),
+    for body, words in (({"takes": 17}, "takes must be from 1 to 16"), ({"takes": 2, "retries": 1}, "not both"),
                         ({"takes": 2, "temperature": 0}, "needs sampling"), ({"takes": "3"}, "takes")):
         err = assert_error(speech(server, **body), 400, "takes", "invalid_value")
         assert words in err["message"], err

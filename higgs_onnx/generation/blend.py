@@ -68,6 +68,9 @@ def normalise_weights(weights: list[float | None], what: str = "the blend") -> t
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
             raise ValueError(f"{what}: weights must be finite numbers >= 0, got {w!r}")
     total = float(sum(weights))
+    if not math.isfinite(total):  # each finite, the sum not (1e308 twice): relative weights need no such size
+        raise ValueError(f"{what}: the weights add up past the largest number; they are relative, so use smaller "
+                         f"ones (e.g. 0.7 and 0.3)")
     if total <= 0:
         raise ValueError(f"{what}: every weight is 0; at least one voice needs a weight > 0")
     return tuple(float(w) / total for w in weights)

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from ..generation.contract import _TAG
+from ..job.options import check_retries
 
 GOOD = ("eoc",)  # stop reasons of a good take (before the length and audio verdicts)
 VERDICTS = ("loop", "overlong", "short", "silence", "max_rows")  # a degenerate take, by name
@@ -253,8 +254,7 @@ class RetryPolicy:
     min_temperature: float = 0.3
 
     def __post_init__(self) -> None:
-        if isinstance(self.retries, bool) or not isinstance(self.retries, int) or not 0 <= self.retries <= 10:
-            raise ValueError(f"retries must be a whole number from 0 to 10, got {self.retries!r}")
+        check_retries(self.retries)  # the bound every door shares (job.options)
         if isinstance(self.seed_step, bool) or not isinstance(self.seed_step, int) or self.seed_step < 1:
             raise ValueError(f"seed_step must be a whole number >= 1, got {self.seed_step!r}")
         for name in ("cool", "min_temperature"):

@@ -41,6 +41,7 @@ from ..generation.prompt import encode_user_text
 from ..generation.scheduler import PrefillPolicy, Scheduler
 from ..generation.stream import AudioChunk
 from ..guard import GuardOptions, RetryPolicy, judge, take_record
+from ..job.options import SpeechOptions, check_takes
 from .backend import KV_LAYOUTS, OnnxBackend
 from .codec import OnnxCodec
 from .parts import STATEFUL_CODEC, ModelParts
@@ -278,11 +279,8 @@ class HiggsTTS:
         if isinstance(voice, Blend):
             raise ValueError("takes of a voice blend are not supported (each take would need a slot per voice); "
                              "use retries instead")
-        if isinstance(takes, bool) or not isinstance(takes, int) or not 1 <= takes <= MAX_TAKES:
-            raise ValueError(f"takes must be a whole number from 1 to {MAX_TAKES}, got {takes!r}")
         options = GenerationOptions.make(options, **keywords)
-        if takes > 1 and options.temperature == 0:
-            raise ValueError("takes > 1 needs sampling (temperature > 0): greedy takes are all the same")
+        SpeechOptions(options, takes=check_takes(takes)).check_rules("python")  # the bound and rules of every door
         folder = None if save_takes is None else _takes_folder(save_takes)
         positions = self.slot_positions
         if voice is not None and ref_audio is not None:
@@ -426,7 +424,6 @@ class HiggsTTS:
         return self.voices.forget(voice) > 0
 
 
-MAX_TAKES = 16  # takes of one request (rows of one batch: every take needs its slot)
 TAKE_SEED_STEP = 7_919  # seed of take i: seed + i * this (other than a retry's step, so the two never meet)
 
 

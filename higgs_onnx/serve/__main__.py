@@ -20,6 +20,7 @@ reading is cut after --send-timeout, idle kept-alive connections close after --k
 from __future__ import annotations
 
 import argparse
+import asyncio
 import ipaddress
 import logging
 import os
@@ -219,6 +220,14 @@ def serve(args: argparse.Namespace) -> int:
             await super().startup(sockets)
             if self.started:
                 print(banner, flush=True)
+
+        async def shutdown(self, sockets=None) -> None:
+            """SIGTERM / Ctrl-C: every job in flight ends at once, each answered as documented (a JSON 503 where no
+            audio went out yet; an error event on SSE, the WebSocket and Wyoming; one log line each), before
+            uvicorn closes the connections."""
+            await asyncio.to_thread(scheduler.stop)
+            await asyncio.sleep(0.3)  # the handlers send their answers
+            await super().shutdown(sockets)
 
     level = args.log_level.lower()
     config = uvicorn.Config(app, log_level=level, access_log=level in ("debug", "info"), lifespan="on",

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextvars
 import hmac
 import io
 import itertools
@@ -45,7 +46,7 @@ from starlette.requests import ClientDisconnect
 from ..audio import AudioError, check_format, check_recording
 from ..generation.contract import ContractError, NoAudioError, min_rows
 from ..generation.options import DEFAULT_MAX_ROWS, GenerationOptions
-from ..loudness import check_target as check_loudness
+from ..job.options import SAMPLING, OptionError, SpeechOptions, speed_tag
 from .formats import FORMATS, encoder
 from .limits import (
     COUNTERS,
@@ -72,8 +73,6 @@ OPENAI_ALIASES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")  # so a stock OpenAI c
 # unless a saved voice has that name
 OPENAI_VOICES = ("alloy", "ash", "ballad", "cedar", "coral", "echo", "fable", "marin", "nova", "onyx", "sage",
                  "shimmer", "verse")
-SPEED_RANGE = (0.25, 4.0)
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "max_rows")
 # what an uploaded reference must be (checked from the header, before decoding, where the header says it)
 STATIC = Path(__file__).resolve().parent / "static"
 PAGE_CSP = ("default-src 'self'; media-src 'self' blob:; img-src 'self' data:; object-src 'none'; "
@@ -151,6 +150,12 @@ class DialogueRequest(OutputFields):
     voices: dict[StrictStr, StrictStr]  # speaker -> a saved voice's name, or "default" (zero-shot)
 
 
+JOB_FIELDS = ("voice", "blend_mode", *SAMPLING, "speed", "takes", "retries", "loudness", "deterministic",
+              "instructions")  # the body's fields that are `job.options.OPTIONS` (references: `shapes.normalise`)
+# what a session.config may hold beyond WS_ONLY: the speech fields (refused by name where the WebSocket cannot
+# honour them), the reference shapes and the output format
+WS_FIELDS = {"model", *JOB_FIELDS, "response_format", "stream_format", "stream", "ref_audio", "ref_text", "references",
+             "speaker", "max_new_tokens"}
 WS_ONLY = ("type", "session", "split_granularity", "stream_audio", "input", "continuation")  # not speech fields
 
 
@@ -158,14 +163,6 @@ async def _replay(items: list) -> AsyncIterator:
     """A list as an async iterator (the chunks of a take already made)."""
     for item in items:
         yield item
-
-
-def speed_tag(speed: float, tags: dict[str, int]) -> str | None:
-    """OpenAI's `speed` as the model's own prosody tag (the model has no continuous speed control)."""
-    name = ("speed_very_slow" if speed <= 0.6 else "speed_slow" if speed < 0.9 else None if speed <= 1.1 else
-            "speed_fast" if speed < 1.6 else "speed_very_fast")
-    tag = f"<|prosody:{name}|>" if name else None
-    return tag if tag in tags else None
 
 
 def validation_message(e: ValidationError | RequestValidationError) -> tuple[str, str | None]:
@@ -279,8 +276,24 @@ def client_of(request: Request) -> str:
 GONE = object()  # the client left before the first audio (`opening`)
 
 
+class StreamCut(Exception):
+    """The job failed after audio went out in an audio format: the connection is cut (a client must not take the
+    truncated audio for the whole), and the failure was logged once."""
+
+
+CUT = contextvars.ContextVar("higgs_stream_cut", default=False)  # this request's cut was logged already
+
+
+class _LoggedCut(logging.Filter):
+    """Drops uvicorn's own line for a response the app cut on purpose (`StreamCut`): one line per request."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (CUT.get() and record.getMessage().startswith("ASGI callable returned without completing"))
+
+
 class JobResponse(StreamingResponse):
-    """A streaming response that cancels its job however the response ends (done, client gone, server stopping)."""
+    """A streaming response that cancels its job however the response ends (done, client gone, server stopping),
+    with one log line, never a traceback, for a client that left mid-audio or a stream cut by a failure."""
 
     def __init__(self, job, content: AsyncIterator[bytes], **kw):
         super().__init__(content, **kw)
@@ -289,6 +302,11 @@ class JobResponse(StreamingResponse):
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
+        except (ClientDisconnect, OSError) as e:
+            log.info("request %s: the client left mid-audio (%s); its job is cancelled", self.job.id,
+                     type(e).__name__)
+        except StreamCut:
+            CUT.set(True)  # uvicorn closes the connection: the client sees the body end early
         finally:
             self.job.cancel()
 
@@ -323,6 +341,9 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
     saved voice's name) speaks for requests that name no voice or one of OpenAI's (`OPENAI_VOICES`); "default" named
     is zero-shot speech."""
     timeouts = timeouts or Timeouts()
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, _LoggedCut) for f in uvicorn_log.filters):
+        uvicorn_log.addFilter(_LoggedCut())
     model_id = Path(tts.manifest.folder).name
     models = [model_id, *ALIASES, *OPENAI_ALIASES]
     sample_rate = tts.facts.sample_rate
@@ -443,15 +464,14 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
 
     async def voice_blend(voice: str | list, mode: str | None):
         """A blend in the `voice` field (docs/voices.md): each name resolved as a voice of its own."""
-        from ..generation.blend import MODES, Blend, parse_members
+        from ..generation.blend import Blend, normalise_weights, parse_members
 
         try:
             pairs = parse_members(voice, "voice")
+            if len(pairs) > 1:  # the weights, before any voice is loaded
+                normalise_weights([w for _, w in pairs], "voice")
         except ValueError as e:
             raise ApiError(400, str(e), "voice", "invalid_value") from None
-        if mode is not None and mode not in MODES:
-            raise ApiError(400, f"blend_mode must be one of {', '.join(MODES)}, got {mode!r}", "blend_mode",
-                           "invalid_value")
         voices = [await one_voice(name) for name, _ in pairs]
         if len(voices) == 1:
             return voices[0]
@@ -491,11 +511,8 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
 
     async def inline_blend(refs: list, mode: str | None):
         """sglang-omni's `references` with several entries: each made a voice, blended by their `weight`."""
-        from ..generation.blend import MODES, Blend
+        from ..generation.blend import Blend
 
-        if mode is not None and mode not in MODES:
-            raise ApiError(400, f"blend_mode must be one of {', '.join(MODES)}, got {mode!r}", "blend_mode",
-                           "invalid_value")
         voices = [await inline_voice(ref) for ref in refs]
         weights = None if all(ref.weight is None for ref in refs) else [ref.weight for ref in refs]
         try:
@@ -517,30 +534,28 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
         if r.stream_format not in ("audio", "sse"):
             raise ApiError(400, f"stream_format {r.stream_format!r} is not supported; use audio or sse",
                            "stream_format", "invalid_value")
-        try:
-            return GenerationOptions.make(**{k: getattr(r, k) for k in SAMPLING_FIELDS})
-        except ValueError as e:
-            raise ApiError(400, str(e), next((k for k in SAMPLING_FIELDS if str(e).startswith(k)), None),
-                           "invalid_value") from None
+        return job_options(r, SAMPLING, "http").generation
 
-    def check_speech(r: SpeechRequest) -> tuple[str, GenerationOptions, str | None]:
-        """The text to submit (speed tag first), the options and the tag; ApiError for the first bad field."""
+    def job_options(r, names, door: str) -> SpeechOptions:
+        """The job's options from the body's fields `names` (`job.options`: bounds and rules defined once)."""
+        try:
+            return SpeechOptions.build({k: getattr(r, k) for k in names}, door)
+        except OptionError as e:
+            raise ApiError(400, e.message, e.param, e.code) from None
+
+    def check_speech(r: SpeechRequest, door: str = "http") -> tuple[str, SpeechOptions, str | None]:
+        """The text to submit (speed tag first), the job's options and the tag; ApiError for the first bad
+        field (a field `door` cannot honour is refused by name)."""
         check_model(r)
         if not r.input.strip():
             raise ApiError(400, "input is empty: give the text to speak", "input", "invalid_value")
         if len(r.input) > MAX_INPUT_CHARS:
             raise ApiError(400, f"input is {len(r.input)} characters long; the limit is {MAX_INPUT_CHARS} (an input "
                            f"beyond one request is read in pieces, up to that)", "input", "string_above_max_length")
-        options = check_output(r)
-        if not (SPEED_RANGE[0] <= r.speed <= SPEED_RANGE[1]):
-            raise ApiError(400, f"speed must be between {SPEED_RANGE[0]} and {SPEED_RANGE[1]}, got {r.speed}",
-                           "speed", "invalid_value")
-        if r.instructions and r.instructions.strip():
-            raise ApiError(400, "instructions are not supported: this model takes inline control tags in the input "
-                           "instead, e.g. '<|emotion:elation|>Hello!' (GET /v1/tags lists them)", "instructions",
-                           "unsupported_parameter")
-        tag = speed_tag(r.speed, tts.tokens.control_tags)
-        return (tag or "") + r.input, options, tag
+        check_output(r)
+        job = job_options(r, JOB_FIELDS, door)
+        tag = speed_tag(job.speed, tts.tokens.control_tags)
+        return (tag or "") + r.input, job, tag
 
     async def opening(job, chunks: AsyncIterator, request: Request):
         """`first_chunk`, with its failures as the error response (no audio was sent yet); GONE: the client left."""
@@ -630,20 +645,8 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
         except ValidationError as e:
             message, param = validation_message(e)
             raise ApiError(400, message, param, "invalid_value") from None
-        text, options, tag = check_speech(r)
-        if not 0 <= r.retries <= 10:
-            raise ApiError(400, f"retries must be from 0 to 10, got {r.retries}", "retries", "invalid_value")
-        if not 1 <= r.takes <= 8:
-            raise ApiError(400, f"takes must be from 1 to 8, got {r.takes}", "takes", "invalid_value")
-        if r.takes > 1 and r.retries:
-            raise ApiError(400, "give takes or retries, not both", "takes", "invalid_value")
-        if r.takes > 1 and options.temperature == 0:
-            raise ApiError(400, "takes > 1 needs sampling (temperature > 0): greedy takes are all the same", "takes",
-                           "invalid_value")
-        try:
-            check_loudness(r.loudness, "loudness")
-        except ValueError as e:
-            raise ApiError(400, str(e), "loudness", "invalid_value") from None
+        text, job_opts, tag = check_speech(r)
+        options = job_opts.generation
         if r.stream and r.stream_format == "audio" and r.response_format != "pcm":
             raise ApiError(400, f"stream: true sends raw PCM: it needs response_format 'pcm', got "
                            f"{r.response_format!r} (every format streams here without it)", "stream", "invalid_value")
@@ -663,28 +666,28 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
         except ValueError as e:
             raise ApiError(400, str(e), "input", "invalid_value") from None
         if pieces is not None:
-            check_pieces(r, voice, len(pieces))
+            check_pieces(job_opts, voice, len(pieces))
         takes = None
-        if r.takes > 1:
-            job, done, takes = await best_take(text, voice, options, r, request)
+        if job_opts.takes > 1:
+            job, done, takes = await best_take(text, voice, options, job_opts, request)
             if job is None:
                 return Response(status_code=499)
             first, chunks = (done[0] if done else None), _replay(done[1:])
-        elif r.retries:
-            job, done, takes = await judged_takes(text, voice, options, r, request)
+        elif job_opts.retries:
+            job, done, takes = await judged_takes(text, voice, options, job_opts, request)
             if job is None:
                 return Response(status_code=499)
             first, chunks = (done[0] if done else None), _replay(done[1:])
-        elif r.loudness is not None:  # measured whole: the take is collected, then sent
+        elif job_opts.loudness is not None:  # measured whole: the take is collected, then sent
             job = read_pieces(pieces, voice, options, tag) if pieces else start_job(text, voice, options,
-                                                                                     r.deterministic)
+                                                                                     job_opts.deterministic)
             done = await collect(job, request)
             if done is None:
                 return Response(status_code=499)
             first, chunks = (done[0] if done else None), _replay(done[1:])
         else:
             job = read_pieces(pieces, voice, options, tag) if pieces else start_job(text, voice, options,
-                                                                                     r.deterministic)
+                                                                                     job_opts.deterministic)
             chunks = aiter(job)
             first = await opening(job, chunks, request)
             if first is GONE:
@@ -693,8 +696,8 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
             log.error("request %s ended without audio", job.id)
             raise ApiError(500, "the generation ended without audio; no audio to send", None, "no_audio")
         sse, level = r.stream_format == "sse", None
-        if r.loudness is not None and first is not None:
-            done, level = leveled([first, *[c async for c in chunks]], r.loudness)
+        if job_opts.loudness is not None and first is not None:
+            done, level = leveled([first, *[c async for c in chunks]], job_opts.loudness)
             first, chunks = done[0], _replay(done[1:])
         body = stream_body(job, first, chunks, r.response_format, sse, len(r.input), tag, takes, level,
                            sglang=sse and r.stream)
@@ -711,14 +714,14 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
             headers.update({"X-Takes": str(len(takes)), "X-Verdict": kept["verdict"]})
         return JobResponse(job, body, media_type="text/event-stream" if sse else fmt.media_type, headers=headers)
 
-    def check_pieces(r: SpeechRequest, voice, n: int) -> None:
+    def check_pieces(job_opts: SpeechOptions, voice, n: int) -> None:
         """What an input read in pieces cannot be combined with: a 400 that says why."""
         why = f"this input is read in {n} pieces (it does not fit one request), each continuing the one before"
-        if r.takes > 1 or r.retries:
-            field = "takes" if r.takes > 1 else "retries"
+        if job_opts.takes > 1 or job_opts.retries:
+            field = "takes" if job_opts.takes > 1 else "retries"
             raise ApiError(400, f"{field} judge one whole take, but {why}; send it without {field}, or in shorter "
                            f"requests", field, "unsupported_parameter")
-        if r.deterministic:
+        if job_opts.deterministic:
             raise ApiError(400, f"deterministic runs one request alone, but {why}, which the scheduler batches; send "
                            f"it without deterministic, or in shorter requests", "deterministic",
                            "unsupported_parameter")
@@ -746,17 +749,17 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
         except ContractError as e:  # a stored voice's transcript is checked with the request: it is the voice's
             raise contract_error(e, {"ref_text": "voice"}) from None
         except ValueError as e:
-            raise ApiError(400, str(e), next((k for k in SAMPLING_FIELDS if str(e).startswith(k)), "input"),
+            raise ApiError(400, str(e), next((k for k in SAMPLING if str(e).startswith(k)), "input"),
                            "invalid_value") from None
 
-    async def judged_takes(text: str, voice, options, r: SpeechRequest, request: Request):
+    async def judged_takes(text: str, voice, options, job_opts: SpeechOptions, request: Request):
         """(job, chunks, takes): whole takes, each judged by the guard, until a good one or the retries run out
         (the same `guard.RetryPolicy` as everywhere). (None, None, takes) when the client left meanwhile."""
         from ..guard import RetryPolicy
 
-        policy, takes = RetryPolicy(retries=r.retries), []
+        policy, takes = RetryPolicy(retries=job_opts.retries), []
         while True:
-            job = start_job(text, voice, options, r.deterministic)
+            job = start_job(text, voice, options, job_opts.deterministic)
             done = await collect(job, request)
             if done is None:
                 return None, None, takes
@@ -799,18 +802,19 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
 
         return take_record(options, len(done[-1].rows), done[-1].stats.stop_reason, v)
 
-    async def best_take(text: str, voice, options, r: SpeechRequest, request: Request):
-        """(job, chunks, takes): `r.takes` draws submitted together (they batch with every other request), each
+    async def best_take(text: str, voice, options, job_opts: SpeechOptions, request: Request):
+        """(job, chunks, takes): `job_opts.takes` draws submitted together (they batch with every other request),
+        each
         judged; the best (`runtime.model._take_scores`) is sent. (None, None, takes) when the client left."""
         import dataclasses
 
         from ..runtime.model import TAKE_SEED_STEP, _take_scores
 
-        opts = [dataclasses.replace(options, seed=options.seed + i * TAKE_SEED_STEP) for i in range(r.takes)]
+        opts = [dataclasses.replace(options, seed=options.seed + i * TAKE_SEED_STEP) for i in range(job_opts.takes)]
         jobs = []
         try:
             for o in opts:
-                jobs.append(start_job(text, voice, o, r.deterministic))
+                jobs.append(start_job(text, voice, o, job_opts.deterministic))
         except BaseException:
             for j in jobs:
                 j.cancel()
@@ -891,7 +895,7 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
         except Exception as e:
             log.error("request %s failed while streaming: %s: %s", job.id, type(e).__name__, e)
             if not sse:
-                raise  # the connection is cut: a client must not take truncated audio for the whole
+                raise StreamCut from None  # the connection is cut: a client must not take truncated audio for whole
             err = failure(e)
             yield event({"type": "error", "error": {"message": err.message, "type": "server_error", "param": None,
                                                     "code": err.code}})
@@ -993,25 +997,44 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
         await ws.accept()
 
         async def configure(cfg: dict):
-            """(request, options, voice) from a session.config; wsproto.ConfigError for the first bad field."""
+            """(format, options, voice, speed tag) from a session.config; wsproto.ConfigError for the first field
+            that is bad or that this door cannot honour (`job.options`: refused by name, never ignored)."""
+            from .shapes import ShapeError, normalise
+
+            body = {"model": model_id, **{k: v for k, v in cfg.items() if k not in WS_ONLY}}
             try:
-                r = SpeechRequest.model_validate({"model": model_id, **{k: v for k, v in cfg.items()
-                                                                       if k not in WS_ONLY}, "input": "-"})
-                _, options, _ = check_speech(r)
-                voice = await resolve_voice(r.voice, r.blend_mode)
+                unknown = sorted(set(body) - WS_FIELDS)
+                if unknown:
+                    raise ConfigError(f"{unknown[0]} is not a session.config field here; the fields are "
+                                      f"{', '.join(sorted(WS_FIELDS - {'model'}))}", unknown[0], "unknown_parameter")
+                for name, value in (("stream_format", "audio"), ("stream", False)):
+                    if body.get(name, value) != value:
+                        raise ConfigError(f"{name} is not for the text-in WebSocket: audio always comes as binary "
+                                          f"frames, as it is made", name, "unsupported_parameter")
+                inline = normalise(body)  # Boson's ref_audio/ref_text, sglang-omni's references (serve/shapes.py)
+                r = SpeechRequest.model_validate({**body, "input": "-"})
+                _, job_opts, tag = check_speech(r, "websocket")
+                if isinstance(inline, list):
+                    raise ConfigError("references: a blend of several references is not supported on the text-in "
+                                      "WebSocket (it continues one KV context across segments); send one reference",
+                                      "references", "unsupported_parameter")
+                voice = await inline_voice(inline) if inline is not None else await resolve_voice(r.voice, None)
                 if getattr(voice, "width", 1) > 1:  # a `Blend`
                     raise ConfigError("voice: a blend of voices is not supported on the text-in WebSocket (it "
                                       "continues one KV context across sentences); use one voice",
                                       "voice", "unsupported_parameter")
-                return r, options, voice
+                return r.response_format, job_opts.generation, voice, tag or ""
             except ValidationError as e:
                 message, param = validation_message(e)
                 raise ConfigError(message, param, "invalid_value") from None
+            except ShapeError as e:
+                raise ConfigError(str(e), e.param, e.code) from None
             except ApiError as e:
                 raise ConfigError(e.message, e.param, e.code) from None
 
-        await WsSession(ws, configure, lambda voice, options: SpeechSession(scheduler, voice, options),
-                        sample_rate, ws_idle_s).run()
+        await WsSession(ws, configure, lambda voice, options, prefix: SpeechSession(scheduler, voice, options,
+                                                                                    prefix=prefix),
+                        sample_rate, ws_idle_s, timeouts.send_s).run()
 
     # -- Open WebUI's lists (backend/open_webui/routers/audio.py reads {"models": [{"id"}]} and
     # {"voices": [{"id", "name"}]}); "data" too, for clients that read OpenAI's list shape

@@ -101,8 +101,9 @@ def normalise(body: dict) -> InlineReference | list[InlineReference] | None:
         if len(refs) > MAX_VOICES:
             raise ShapeError(f"references holds {len(refs)} references; a blend takes at most {MAX_VOICES}",
                              "references", "unsupported_parameter")
-        if not refs:
-            return None
+        if not refs:  # never the default voice in place of the one the client meant to send
+            raise ShapeError("references is empty: give at least one reference ({audio | data, text}), or leave the "
+                             "field out", "references")
         made = [reference(ref, i, ref_text) for i, ref in enumerate(refs)]
         return made[0] if len(made) == 1 else made
     if ref_audio is None:

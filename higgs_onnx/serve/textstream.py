@@ -23,8 +23,10 @@ ROWS_PER_CHAR = LongFormOptions().rows_per_char
 
 class SpeechSession:
     def __init__(self, scheduler, voice=None, options: GenerationOptions | None = None, stream_options=None,
-                 continuation: bool = True):
+                 continuation: bool = True, prefix: str = ""):
+        """`prefix`: text every segment starts with (the speed tag of the job's `speed`)."""
         self.scheduler, self.voice, self.stream_options = scheduler, voice, stream_options
+        self.prefix = prefix
         self.options = options or GenerationOptions()
         self.continuation = continuation
         self.index = 0
@@ -79,7 +81,7 @@ class SpeechSession:
 
     async def speak(self, text: str) -> AsyncIterator[AudioChunk]:
         """The segment's chunks as they are made; afterwards its cache waits for the next segment."""
-        job = self.submit(text)
+        job = self.submit(self.prefix + text)
         try:
             async for chunk in job:
                 yield chunk

@@ -13,8 +13,10 @@ Server -> client: `session.configured`; per segment `audio.start` (id, sentence_
 sample_rate), binary frames of audio as it is made, `audio.done` (id, sentence_index, total_bytes, error, stop_reason,
 continued); `input.committed`; `session.done` (session_id, total_sentences); errors as `{"type": "error", "message",
 "error_type", "param", "code"}`. A bad message is answered with an error and the session goes on; a session that
-cannot start (bad config, no config in time, idle for `idle_s` with nothing to speak, more text than MAX_BUFFER
-without a cut) gets an error and a close.
+cannot go on (bad config, no config in time, idle for `idle_s` with nothing to speak, more than MAX_PENDING
+characters waiting to be spoken) gets an error and a close; the server shutting down, an error and close code 1012.
+A client that stops reading (a send waits `send_s`, the server's --send-timeout) or leaves has its session ended at
+once: its job cancelled, its batch slot and kept KV context freed, one log line.
 """
 
 from __future__ import annotations
@@ -32,11 +34,16 @@ from .scheduler import QueueFull, ShuttingDown
 log = logging.getLogger(__name__)
 CONFIG_S = 10.0
 MAX_MESSAGE_CHARS = 65536  # one input.text; an LLM sends tokens
+MAX_PENDING = 100_000  # characters received and not yet spoken: more is a client that sends far faster than speech
 _ids = itertools.count(1)
 
 
 class Close(Exception):
     """End the session after an error message."""
+
+
+class Stalled(Exception):
+    """The client stopped reading: a send waited past the send timeout."""
 
 
 class ConfigError(ValueError):
@@ -48,10 +55,13 @@ class ConfigError(ValueError):
 
 
 class WsSession:
-    def __init__(self, ws, configure, make_session, sample_rate: int, idle_s: float):
-        """`configure(cfg)` (async): (request, options, voice) for a session.config, or ConfigError."""
+    def __init__(self, ws, configure, make_session, sample_rate: int, idle_s: float, send_s: float = 30.0):
+        """`configure(cfg)` (async): (format, options, voice, text prefix) for a session.config, or ConfigError;
+        `make_session(voice, options, prefix)` the `SpeechSession`. A send that waits `send_s` (the client stopped
+        reading) ends the session: its job is cancelled and its slot and kept context are freed."""
         self.ws, self.configure, self.make_session = ws, configure, make_session
-        self.sample_rate, self.idle_s = sample_rate, idle_s
+        self.sample_rate, self.idle_s, self.send_s = sample_rate, idle_s, send_s
+        self.pending = 0  # characters received and not yet spoken (MAX_PENDING)
         self.id = f"ws-{next(_ids)}"
         self.send_lock = asyncio.Lock()
         self.busy = False  # a segment is queued or being spoken
@@ -59,10 +69,11 @@ class WsSession:
 
     async def send(self, obj: dict | bytes) -> None:
         async with self.send_lock:
-            if isinstance(obj, bytes):
-                await self.ws.send_bytes(obj)
-            else:
-                await self.ws.send_text(json.dumps(obj))
+            sending = self.ws.send_bytes(obj) if isinstance(obj, bytes) else self.ws.send_text(json.dumps(obj))
+            try:
+                await asyncio.wait_for(sending, self.send_s)
+            except TimeoutError:
+                raise Stalled(f"the client read nothing for {self.send_s:g} s") from None
 
     async def error(self, message: str, error_type: str = "invalid_request_error", param: str | None = None,
                     code: str | None = None) -> None:
@@ -93,30 +104,49 @@ class WsSession:
             return data
 
     async def run(self) -> None:
+        """The session, start to end; however it ends (done, an error, the client gone or stalled, the server
+        stopping), its job is cancelled and its slot and kept context freed before this returns. One log line."""
         from fastapi import WebSocketDisconnect
 
-        session = speaker = None
+        session = speaker = reader = None
+        code = 1000
         try:
             session, segmenter = await self.start()
             speaker = asyncio.create_task(self.speak(session))
-            await self.read(segmenter, speaker)
-            await speaker
+            reader = asyncio.create_task(self.read(segmenter, speaker))
+            await asyncio.wait({reader, speaker}, return_when=asyncio.FIRST_COMPLETED)
+            if speaker.done() and not reader.done():  # it ended on an error of its own: stop reading
+                reader.cancel()
+                await asyncio.gather(reader, return_exceptions=True)
+                speaker.result()
+            else:
+                reader.result()
+                await speaker
         except Close:
-            await self._close(1008)
+            code = 1008
+        except ShuttingDown:
+            code = 1012  # service restart: the client may reconnect
+            log.info("%s: ended, the server is shutting down", self.id)
+        except Stalled as e:
+            code = None
+            log.warning("%s: %s; session ended, its slot freed", self.id, e)
         except (WebSocketDisconnect, ConnectionError, RuntimeError) as e:  # the client left mid-send
+            code = None
             log.info("%s: the client left (%s)", self.id, type(e).__name__)
         finally:
-            if speaker is not None and not speaker.done():
-                speaker.cancel()
-                await asyncio.gather(speaker, return_exceptions=True)
+            for task in (reader, speaker):
+                if task is not None and not task.done():
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
             if session is not None:
                 session.close()
-        await self._close(1000)
+        if code is not None:
+            await self._close(code)
 
     async def _close(self, code: int) -> None:
         try:
-            await self.ws.close(code)
-        except Exception:  # noqa: BLE001 - closed already
+            await asyncio.wait_for(self.ws.close(code), 1.0)
+        except Exception:  # noqa: BLE001 - closed already, or the client reads nothing
             pass
 
     async def start(self):
@@ -142,12 +172,11 @@ class WsSession:
             if cfg.get("stream_audio", True) is not True:
                 raise ConfigError("stream_audio: audio is always streamed here (binary frames as it is made)",
                                   "stream_audio", "unsupported_parameter")
-            r, options, voice = await self.configure(cfg)
+            self.fmt, options, voice, prefix = await self.configure(cfg)
         except ConfigError as e:
             await self.error(e.message, param=e.param, code=e.code)
             raise Close from None
-        self.fmt = r.response_format
-        session = self.make_session(voice, options)
+        session = self.make_session(voice, options, prefix)
         session.continuation = continuation
         await self.send({"type": "session.configured", "session_id": self.id, "response_format": self.fmt,
                          "stream_audio": True, "split_granularity": granularity, "sample_rate": self.sample_rate,
@@ -171,12 +200,12 @@ class WsSession:
                     if not isinstance(msg.get("text"), str):
                         await self.error("input.text needs a string text", param="text", code="invalid_value")
                         continue
-                    self.put(segmenter.feed(msg["text"]))
+                    self.put(segmenter.feed(msg["text"]), segmenter)
                 elif kind == "input.commit":
-                    self.put(segmenter.flush())
+                    self.put(segmenter.flush(), segmenter)
                     await self.send({"type": "input.committed", "session_id": self.id})
                 elif kind == "input.done":
-                    self.put(segmenter.flush())
+                    self.put(segmenter.flush(), segmenter)
                     self.queue.put_nowait(None)
                     return
                 elif kind == "session.config":
@@ -184,20 +213,27 @@ class WsSession:
                 else:
                     await self.error(f"unknown message type {kind!r}; use input.text, input.commit or input.done",
                                      code="unknown_type")
-            except ValueError as e:  # too much text without a place to cut it
+            except ValueError as e:  # too much text waiting to be spoken
                 await self.error(str(e), param="text", code="text_too_long")
                 raise Close from None
             if speaker.done():  # it ended on an error of its own
                 return
 
-    def put(self, segments: list[str]) -> None:
+    def put(self, segments: list[str], segmenter: TextSegmenter) -> None:
         for s in segments:
             self.queue.put_nowait(s)
+            self.pending += len(s)
+        waiting = self.pending + len(segmenter.buf) + len(segmenter.lead)
+        if waiting > MAX_PENDING:
+            raise ValueError(f"{waiting} characters are waiting to be spoken; at most {MAX_PENDING} may wait: send "
+                             f"text about as fast as it is spoken")
 
     async def speak(self, session) -> None:
+        from fastapi import WebSocketDisconnect
+
         index = 0
         while (text := await self.queue.get()) is not None:
-            self.busy = True
+            self.busy, self.pending = True, self.pending - len(text)
             seg = f"{self.id}-{index}"
             await self.send({"type": "audio.start", "id": seg, "sentence_index": index, "sentence_text": text,
                              "format": self.fmt, "sample_rate": self.sample_rate})
@@ -218,10 +254,14 @@ class WsSession:
             except (ValueError, NoAudioError) as e:
                 failed = True
                 await self.error(str(e), param="input", code="invalid_value")
-            except (QueueFull, ShuttingDown) as e:  # the server is full or stopping: this segment is not spoken
+            except QueueFull as e:  # the server is full: this segment is not spoken
                 failed = True
-                await self.error(f"{e}; try again shortly", "server_error",
-                                 code="rate_limit_exceeded" if isinstance(e, QueueFull) else "shutting_down")
+                await self.error(f"{e}; try again shortly", "server_error", code="rate_limit_exceeded")
+            except ShuttingDown as e:  # the server is stopping: the session ends (close code 1012)
+                await self.error(f"{e}; try again shortly", "server_error", code="shutting_down")
+                raise
+            except (Stalled, ConnectionError, WebSocketDisconnect):
+                raise
             except Exception as e:  # noqa: BLE001 - the segment fails, the session says so and goes on
                 log.exception("%s: segment %d failed", self.id, index)
                 failed = True

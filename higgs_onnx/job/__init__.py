@@ -1,0 +1,1 @@
+"""The speech job around a request: its options, defined once for every front door (`job.options`)."""

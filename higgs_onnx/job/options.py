@@ -1,0 +1,282 @@
+"""The speech job's options, defined once: every field, its bound, its cross-field rules and, for every front door,
+whether that door honours it or refuses it (and why).
+
+A door (the command line, `POST /v1/audio/speech`, the text-in WebSocket, Wyoming, corpus rows, the Python API)
+only turns its own input into a `{field: value}` dict and calls `SpeechOptions.build(values, door)`: a field the
+door cannot honour is refused by name (`OptionError`, code `unsupported_parameter`), never accepted and ignored; a
+value out of its bound is refused with the same sentence at every door (the command line names its flag instead of
+the field). `OPTIONS` is also what docs/server.md's table of fields x doors and the test of every field at every
+door (tests/test_doors.py) are made from.
+
+The sampling fields (temperature, top_k, top_p, seed, max_rows) are `GenerationOptions`' own and keep their own
+checks there; this table adds what a job does around generation: voice, references, blends, speed, takes, retries,
+loudness, a lone run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..generation.blend import MODES
+from ..generation.options import GenerationOptions
+from ..loudness import RANGE as LOUDNESS_RANGE
+from ..loudness import check_target
+
+DOORS = {
+    "cli": "inference.py",
+    "http": "POST /v1/audio/speech",
+    "websocket": "the text-in WebSocket (/v1/audio/speech/stream)",
+    "wyoming": "Wyoming",
+    "corpus": "a corpus row (python -m higgs_onnx.corpus)",
+    "python": "the Python API (HiggsTTS)",
+}
+ABSENT = "absent"  # the door's protocol has no place for the field (Wyoming's events carry text and a voice name)
+STREAMED = "audio is sent as it is made, segment by segment, so nothing can wait for a whole take"
+SPEED_RANGE = (0.25, 4.0)
+MAX_TAKES = 16  # takes of one request: each is a batch row (its own slot)
+MAX_RETRIES = 10
+
+
+@dataclass(frozen=True)
+class Option:
+    """One field of a speech job. `refused`: door -> why it cannot honour the field (ABSENT: the door has no such
+    field at all). `flag`: its command-line flag (None: the command line takes it another way, see `cli_as`)."""
+
+    name: str
+    summary: str
+    bound: str = ""  # the bound as the docs write it
+    flag: str | None = None
+    cli_as: str | None = None  # how the command line gives it, when not as `flag`
+    refused: dict[str, str] = field(default_factory=dict)
+
+    def honoured_at(self, door: str) -> bool:
+        return door not in self.refused
+
+    def at(self, door: str) -> str:
+        """honoured / refused / absent at `door`."""
+        why = self.refused.get(door)
+        return "honoured" if why is None else ABSENT if why == ABSENT else "refused"
+
+    def label(self, door: str) -> str:
+        """The name a message at `door` gives the field."""
+        return (self.flag or self.name) if door == "cli" else self.name
+
+
+_SAMPLING_ABSENT = {"wyoming": ABSENT}
+OPTIONS: dict[str, Option] = {o.name: o for o in (
+    Option("voice", "a saved voice, or a blend NAME:WEIGHT,...", "a saved voice; a blend of at most 8",
+           "--voice", refused={}),
+    Option("references", "reference audio (and transcript) sent with the job itself: Boson's ref_audio/ref_text, "
+           "sglang-omni's references", "at most 8 (a blend of them)", None, "--ref-audio / --ref-text",
+           refused={"wyoming": ABSENT, "corpus": "a row names a saved voice (make one with --save-voice)"}),
+    Option("blend_mode", "how a blend mixes its voices", " or ".join(MODES), "--blend-mode",
+           refused={"websocket": "a blend runs a KV cache per voice, which cannot continue across segments",
+                    "wyoming": ABSENT, "corpus": "a row names one saved voice"}),
+    Option("temperature", "sampling temperature (0 = greedy)", ">= 0", "--temperature", refused=_SAMPLING_ABSENT),
+    Option("top_k", "top-k sampling (0 = off)", ">= 0", "--top-k", refused=_SAMPLING_ABSENT),
+    Option("top_p", "nucleus sampling (1 = off)", "(0, 1]", "--top-p", refused=_SAMPLING_ABSENT),
+    Option("seed", "the job's own sampler seed", ">= 0", "--seed", refused=_SAMPLING_ABSENT),
+    Option("max_rows", "most code rows (decoder steps) to generate", ">= 1, and must fit", "--max-rows",
+           refused=_SAMPLING_ABSENT),
+    Option("speed", "the model's prosody speed tag (it has no continuous speed)",
+           f"{SPEED_RANGE[0]:g} to {SPEED_RANGE[1]:g}", "--speed",
+           refused={"wyoming": ABSENT, "corpus": "write the speed tag in the row's text",
+                    "python": "write the speed tag in the text (<|prosody:speed_slow|>)"}),
+    Option("takes", "best of N takes, each judged by the guard", f"1 to {MAX_TAKES}; needs sampling", "--takes",
+           refused={"websocket": STREAMED, "wyoming": ABSENT,
+                    "corpus": "a row is one take; --retries redraws a degenerate one"}),
+    Option("retries", "redraws of a take the guard finds degenerate", f"0 to {MAX_RETRIES}", "--retries",
+           refused={"websocket": STREAMED, "wyoming": ABSENT,
+                    "corpus": "set for the whole corpus with --retries"}),
+    Option("loudness", "EBU R128 integrated loudness of the whole take, in LUFS",
+           f"{LOUDNESS_RANGE[0]:g} to {LOUDNESS_RANGE[1]:g}", "--loudness",
+           refused={"websocket": STREAMED, "wyoming": ABSENT, "corpus": "set for the whole corpus with --loudness",
+                    "python": "bring a result to a loudness with higgs_onnx.loudness.normalise"}),
+    Option("deterministic", "run alone (a batch of one): the same audio as the job made alone, to the bit",
+           "true or false", None, "always (one job per run)",
+           refused={"websocket": "each segment continues the one before in the shared batch", "wyoming": ABSENT,
+                    "corpus": "rows are batched by design; a lone row is one inference.py run"}),
+    Option("instructions", "OpenAI's style instructions", "", None,
+           refused={d: "this model takes inline control tags in the text instead, e.g. '<|emotion:elation|>Hello!' "
+                    "(GET /v1/tags lists them)" for d in DOORS if d != "wyoming"} | {"wyoming": ABSENT}),
+)}
+SAMPLING = ("temperature", "top_k", "top_p", "seed", "max_rows")
+
+
+class OptionError(ValueError):
+    """A job option that cannot be used: one line, the field it is about and a code (`invalid_value`, or
+    `unsupported_parameter` for a field the door refuses)."""
+
+    def __init__(self, message: str, param: str | None, code: str = "invalid_value"):
+        super().__init__(message)
+        self.message, self.param, self.code = message, param, code
+
+
+def _integer(value, label: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise OptionError(f"{label} must be a whole number, got {value!r}", None)
+    return value
+
+
+def _number(value, label: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise OptionError(f"{label} must be a finite number, got {value!r}", None)
+    return float(value)
+
+
+def check_speed(value, label: str = "speed") -> float:
+    v = _number(value, label)
+    if not SPEED_RANGE[0] <= v <= SPEED_RANGE[1]:
+        raise OptionError(f"{label} must be from {SPEED_RANGE[0]:g} to {SPEED_RANGE[1]:g}, got {value!r}", None)
+    return v
+
+
+def check_takes(value, label: str = "takes") -> int:
+    v = _integer(value, label)
+    if not 1 <= v <= MAX_TAKES:
+        raise OptionError(f"{label} must be from 1 to {MAX_TAKES}, got {value!r}", None)
+    return v
+
+
+def check_retries(value, label: str = "retries") -> int:
+    v = _integer(value, label)
+    if not 0 <= v <= MAX_RETRIES:
+        raise OptionError(f"{label} must be from 0 to {MAX_RETRIES}, got {value!r}", None)
+    return v
+
+
+def check_loudness(value, label: str = "loudness") -> float | None:
+    try:
+        return check_target(value, label)  # the loudness module's own bound
+    except ValueError as e:
+        raise OptionError(str(e), None) from None
+
+
+def check_blend_mode(value, label: str = "blend_mode") -> str | None:
+    if value is not None and value not in MODES:
+        raise OptionError(f"{label} must be one of {', '.join(MODES)}, got {value!r}", None)
+    return value
+
+
+def check_bool(value, label: str) -> bool:
+    if not isinstance(value, bool):
+        raise OptionError(f"{label} must be true or false, got {value!r}", None)
+    return value
+
+
+CHECKS = {"speed": check_speed, "takes": check_takes, "retries": check_retries, "loudness": check_loudness,
+          "blend_mode": check_blend_mode, "deterministic": check_bool}
+
+
+@dataclass(frozen=True)
+class SpeechOptions:
+    """What a speech job chooses beyond its text and voice, checked once (`build`)."""
+
+    generation: GenerationOptions = GenerationOptions()
+    speed: float = 1.0
+    takes: int = 1
+    retries: int = 0
+    loudness: float | None = None
+    deterministic: bool = False
+    blend_mode: str | None = None
+
+    @property
+    def whole_take(self) -> bool:
+        """The take must be whole before it is sent (judged, or measured for loudness)."""
+        return self.takes > 1 or self.retries > 0 or self.loudness is not None
+
+    @classmethod
+    def build(cls, values: Mapping[str, Any], door: str, base: SpeechOptions | None = None) -> SpeechOptions:
+        """`values` (field -> value; None = not given) checked for `door` and laid over `base` (the door's
+        defaults). OptionError for the first field the door refuses, the first value out of its bound, or a rule
+        between fields that does not hold."""
+        if door not in DOORS:
+            raise ValueError(f"unknown door {door!r}")
+        base = base or cls()
+        for name, value in values.items():
+            opt = OPTIONS.get(name)
+            if opt is None or value is None:
+                continue
+            if not opt.honoured_at(door) and not _is_default(name, value):
+                refuse(name, door)
+        got = {k: v for k, v in values.items() if v is not None and k in OPTIONS}
+        changes: dict[str, Any] = {}
+        for name, check in CHECKS.items():
+            if name in got:
+                try:
+                    changes[name] = check(got[name], OPTIONS[name].label(door))
+                except OptionError as e:
+                    raise OptionError(e.message, name) from None
+        sampling = {k: got[k] for k in SAMPLING if k in got}
+        if sampling:
+            try:
+                changes["generation"] = GenerationOptions.make(base.generation, **sampling)
+            except (TypeError, ValueError) as e:
+                message = str(e)
+                param = next((k for k in SAMPLING if message.startswith(k)), None)
+                if door == "cli" and param is not None:
+                    message = OPTIONS[param].label(door) + message[len(param):]
+                raise OptionError(message, param) from None
+        out = dataclasses.replace(base, **changes) if changes else base
+        out.check_rules(door)
+        return out
+
+    def check_rules(self, door: str) -> None:
+        """The rules between fields, the same at every door."""
+        label = OPTIONS["takes"].label(door)
+        if self.takes > 1 and self.retries:
+            raise OptionError(f"give {label} or {OPTIONS['retries'].label(door)}, not both", "takes")
+        if self.takes > 1 and self.generation.temperature == 0:
+            raise OptionError(f"{label} > 1 needs sampling ({OPTIONS['temperature'].label(door)} > 0): greedy takes "
+                              f"are all the same", "takes")
+
+
+def _is_default(name: str, value) -> bool:
+    """A refused field sent with the value that asks for nothing (takes 1, retries 0, speed 1, false, empty
+    instructions) is let through: there is nothing the door would have to ignore."""
+    if name == "instructions":
+        return isinstance(value, str) and not value.strip()
+    if name == "deterministic":
+        return value is False
+    neutral = {"takes": 1, "retries": 0, "speed": 1.0}
+    return name in neutral and not isinstance(value, bool) and value == neutral[name]
+
+
+def refuse(name: str, door: str) -> None:
+    """OptionError: `door` cannot honour the field `name` (why, from the table)."""
+    opt = OPTIONS[name]
+    why = opt.refused.get(door, "")
+    where = DOORS[door]
+    if why == ABSENT:
+        why = f"{where} has no such field"
+    raise OptionError(f"{opt.label(door)} is not supported by {where}: {why}", name, "unsupported_parameter")
+
+
+def door_table() -> str:
+    """The markdown table of fields x doors (docs/server.md holds it; a test checks it is this one)."""
+    doors = list(DOORS)
+    mark = {"honoured": "yes", "refused": "refused", "absent": "—"}
+    head = "| field | bound | " + " | ".join(doors) + " |"
+    rule = "|---|---|" + "---|" * len(doors)
+    rows = []
+    for o in OPTIONS.values():
+        cells = []
+        for d in doors:
+            cell = mark[o.at(d)]
+            if d == "cli" and cell == "yes":
+                cell = f"`{o.flag}`" if o.flag else (o.cli_as or "yes")
+            cells.append(cell)
+        rows.append(f"| `{o.name}` | {o.bound or '—'} | " + " | ".join(cells) + " |")
+    return "\n".join([head, rule, *rows])
+
+
+def speed_tag(speed: float, tags) -> str | None:
+    """`speed` as the model's own prosody tag, where the tokenizer has it (`tags`: its control tags); None at 1."""
+    name = ("speed_very_slow" if speed <= 0.6 else "speed_slow" if speed < 0.9 else None if speed <= 1.1 else
+            "speed_fast" if speed < 1.6 else "speed_very_fast")
+    tag = f"<|prosody:{name}|>" if name else None
+    return tag if tag in tags else None
