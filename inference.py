@@ -58,8 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "name in --voices (docs/voices.md)")
     ap.add_argument("--voices", type=Path, metavar="DIR", help="a folder of saved voices (<name>.npz): --voice "
                     "and --voices-map may name them (--voice alice:0.7,bob:0.3)")
-    ap.add_argument("--blend-mode", choices=MODES, help="how a blend mixes its voices' distributions: 'mixture' "
-                    "(default: log of the weighted sum of probabilities) or 'product' (weighted sum of logits)")
+    ap.add_argument("--blend-mode", metavar="|".join(MODES), help="how a blend mixes its voices' distributions: "
+                    "'mixture' (default: log of the weighted sum of probabilities) or 'product' (weighted sum of "
+                    "logits)")
     ap.add_argument("--voices-map", metavar="NAME=VOICE,...", help="--script: each speaker's voice, e.g. "
                     "alice=voices/alice.npz,bob=default (a saved voice's file, a name in --voices DIR, or default: "
                     "the model's own voice, chosen by the speaker's first turn)")

@@ -48,7 +48,7 @@ def event_text(event, what: str) -> str:
     """The `text` of a synthesize / synthesize-chunk event; ValueError when it has none or it is not a string."""
     text = (event.data or {}).get("text")
     if not isinstance(text, str):
-        got = "no text" if text is None else f"a {type(text).__name__} as its text"
+        got = "no text" if text is None else f"{type(text).__name__} {text!r:.40}"
         raise ValueError(f"{what} needs a text string, got {got}")
     return text
 
@@ -95,9 +95,10 @@ async def read_event(reader: asyncio.StreamReader):
 class WyomingService:
     """What every connection shares: the model, the scheduler, the voices."""
 
-    def __init__(self, tts, scheduler, store, languages=DEFAULT_LANGUAGES, default_voice: str = "default"):
+    def __init__(self, tts, scheduler, store, languages=DEFAULT_LANGUAGES, default_voice: str = "default",
+                 send_s: float = SEND_S):
         self.tts, self.scheduler, self.store = tts, scheduler, store
-        self.languages, self.default_voice = list(languages), default_voice
+        self.languages, self.default_voice, self.send_s = list(languages), default_voice, send_s
         self.rate = tts.facts.sample_rate
 
     def info(self):
@@ -151,9 +152,9 @@ class Connection:
         from wyoming.event import async_write_event
 
         try:
-            await asyncio.wait_for(async_write_event(eventable.event(), self.writer), SEND_S)
+            await asyncio.wait_for(async_write_event(eventable.event(), self.writer), self.service.send_s)
         except TimeoutError:
-            raise Stalled(f"the client read nothing for {SEND_S:g} s") from None
+            raise Stalled(f"the client read nothing for {self.service.send_s:g} s") from None
 
     async def error(self, text: str, code: str) -> None:
         from wyoming.error import Error

@@ -255,10 +255,10 @@ def test_model_ids_and_ignored_fields(server, builds):
         audio = server.client().audio.speech.create(model=model, voice="default", input=TEXT, response_format="pcm",
                                                     extra_body=QUICK)
         assert len(audio.content) > 0, model
-    # fields other clients send: ignored, not refused
+    # fields other clients send: ignored, not refused, and named in a header
     r = speech(server, response_format="pcm", stream=True, lang_code="a", volume_multiplier=1.0,
                instructions="", **QUICK)
-    assert r.status_code == 200
+    assert r.status_code == 200 and r.headers["x-ignored-fields"] == "lang_code,volume_multiplier"
 
 
 # -- voices ----------------------------------------------------------------------------------------------------

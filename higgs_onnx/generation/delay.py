@@ -39,6 +39,8 @@ def read_code_rows(path, num_codebooks: int, codebook_vocab: int, what: str = "-
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(f"{what} {path} is a folder, not an .npy file")
+    if path.exists() and not path.is_file():  # /dev/zero, a pipe: np.load would read for ever
+        raise ValueError(f"{what} {path} is not a regular file (a device or a pipe); give the .npy file")
     if not path.is_file():
         raise FileNotFoundError(f"{what} {path} does not exist")
     try:

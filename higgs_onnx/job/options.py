@@ -52,14 +52,17 @@ class Option:
     flag: str | None = None
     cli_as: str | None = None  # how the command line gives it, when not as `flag`
     refused: dict[str, str] = field(default_factory=dict)
+    always: dict[str, str] = field(default_factory=dict)  # door -> how it always does this, with no field for it
 
     def honoured_at(self, door: str) -> bool:
         return door not in self.refused
 
     def at(self, door: str) -> str:
-        """honoured / refused / absent at `door`."""
+        """honoured / always / refused / absent at `door`."""
         why = self.refused.get(door)
-        return "honoured" if why is None else ABSENT if why == ABSENT else "refused"
+        if why is None:
+            return "always" if door in self.always else "honoured"
+        return ABSENT if why == ABSENT else "refused"
 
     def label(self, door: str) -> str:
         """The name a message at `door` gives the field."""
@@ -71,7 +74,7 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
     Option("voice", "a saved voice, or a blend NAME:WEIGHT,...", "a saved voice; a blend of at most 8",
            "--voice", refused={}),
     Option("references", "reference audio (and transcript) sent with the job itself: Boson's ref_audio/ref_text, "
-           "sglang-omni's references", "at most 8 (a blend of them)", None, "--ref-audio / --ref-text",
+           "sglang-omni's references", "at most 8 (a blend of them)", None, "--ref-audio",
            refused={"wyoming": ABSENT, "corpus": "a row names a saved voice (make one with --save-voice)"}),
     Option("blend_mode", "how a blend mixes its voices", " or ".join(MODES), "--blend-mode",
            refused={"websocket": "a blend runs a KV cache per voice, which cannot continue across segments",
@@ -97,7 +100,8 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
            refused={"websocket": STREAMED, "wyoming": ABSENT, "corpus": "set for the whole corpus with --loudness",
                     "python": "bring a result to a loudness with higgs_onnx.loudness.normalise"}),
     Option("deterministic", "run alone (a batch of one): the same audio as the job made alone, to the bit",
-           "true or false", None, "always (one job per run)",
+           "true or false", None,
+           always={"cli": "every run is one job", "python": "a call runs in a scheduler of its own"},
            refused={"websocket": "each segment continues the one before in the shared batch", "wyoming": ABSENT,
                     "corpus": "rows are batched by design; a lone row is one inference.py run"}),
     Option("instructions", "OpenAI's style instructions", "", None,
@@ -259,7 +263,7 @@ def refuse(name: str, door: str) -> None:
 def door_table() -> str:
     """The markdown table of fields x doors (docs/server.md holds it; a test checks it is this one)."""
     doors = list(DOORS)
-    mark = {"honoured": "yes", "refused": "refused", "absent": "—"}
+    mark = {"honoured": "yes", "always": "always", "refused": "refused", "absent": "—"}
     head = "| field | bound | " + " | ".join(doors) + " |"
     rule = "|---|---|" + "---|" * len(doors)
     rows = []
@@ -268,7 +272,7 @@ def door_table() -> str:
         for d in doors:
             cell = mark[o.at(d)]
             if d == "cli" and cell == "yes":
-                cell = f"`{o.flag}`" if o.flag else (o.cli_as or "yes")
+                cell = f"`{o.flag}`" if o.flag else f"`{o.cli_as}`"
             cells.append(cell)
         rows.append(f"| `{o.name}` | {o.bound or '—'} | " + " | ".join(cells) + " |")
     return "\n".join([head, rule, *rows])

@@ -296,12 +296,19 @@ class JobResponse(StreamingResponse):
     with one log line, never a traceback, for a client that left mid-audio or a stream cut by a failure."""
 
     def __init__(self, job, content: AsyncIterator[bytes], **kw):
-        super().__init__(content, **kw)
-        self.job = job
+        super().__init__(self._tracked(content), **kw)
+        self.job, self.complete = job, False
+
+    async def _tracked(self, content: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        async for data in content:
+            yield data
+        self.complete = True
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
+            if not self.complete:  # the disconnect ended the body (Starlette cancels it, no error)
+                log.info("request %s: the client left mid-audio; its job is cancelled", self.job.id)
         except (ClientDisconnect, OSError) as e:
             log.info("request %s: the client left mid-audio (%s); its job is cancelled", self.job.id,
                      type(e).__name__)
@@ -359,7 +366,8 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
             if wyoming is not None:  # Home Assistant's protocol on the same scheduler (higgs_onnx.wyoming)
                 from ..wyoming import WyomingService, start
 
-                beside = await start(wyoming, WyomingService(tts, scheduler, store, default_voice=default_voice))
+                beside = await start(wyoming, WyomingService(tts, scheduler, store, default_voice=default_voice,
+                                                               send_s=timeouts.send_s))
                 log.info("Wyoming server on %s", wyoming)
             yield
         finally:
@@ -707,6 +715,8 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
             headers.update({"X-Sample-Rate": str(sample_rate), "X-Channels": "1", "X-Bit-Depth": "16"})
         if pieces:
             headers["X-Pieces"] = str(len(pieces))
+        if r.model_extra:  # other servers' fields, which clients written for them send: named, never silent
+            headers["X-Ignored-Fields"] = ",".join(sorted(r.model_extra))[:512]
         if level is not None and level.reached is not None:
             headers["X-Loudness"] = f"{level.reached:.1f}"
         if takes:

@@ -85,9 +85,9 @@ class SpeechSession:
         try:
             async for chunk in job:
                 yield chunk
-        except BaseException:
+        except BaseException:  # the reader stopped (cancelled, gone, stalled): nothing of this segment is kept
             self.job = None
-            job.cancel()
+            drop(job)
             raise
         self.job = None
         if self.continuation and job.outcome == "finished":
@@ -100,6 +100,14 @@ class SpeechSession:
         self.prev = None
 
     def close(self) -> None:
-        if self.job is not None:
-            self.job.cancel()
+        if self.job is not None:  # a segment whose reader stopped: its job may have finished and kept its cache
+            drop(self.job)
+            self.job = None
         self.release()
+
+
+def drop(job) -> None:
+    """Cancel `job`, and give back the cache it keeps if it finished meanwhile (`keep=True`)."""
+    job.cancel()
+    if job.handle is not None:
+        job.handle.release()

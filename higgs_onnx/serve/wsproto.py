@@ -29,6 +29,7 @@ import logging
 from ..generation.contract import ContractError, NoAudioError
 from ..textin import GRANULARITIES, TextSegmenter
 from .formats import encoder
+from .limits import MAX_JSON_BYTES
 from .scheduler import QueueFull, ShuttingDown
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,7 @@ class WsSession:
         await self.send({"type": "error", "message": message, "error_type": error_type, "param": param,
                          "code": code})
 
-    async def receive(self, timeout: float) -> dict | None:
+    async def receive(self, timeout: float, limit: int = MAX_MESSAGE_CHARS) -> dict | None:
         """The next JSON message (None: the client left); errors for frames that are not one."""
         while True:
             msg = await asyncio.wait_for(self.ws.receive(), timeout)
@@ -89,8 +90,8 @@ class WsSession:
             if msg.get("text") is None:
                 await self.error("send JSON text frames; binary frames are not accepted", code="invalid_frame")
                 continue
-            if len(msg["text"]) > MAX_MESSAGE_CHARS:
-                await self.error(f"a message is at most {MAX_MESSAGE_CHARS} characters; send text as it arrives",
+            if len(msg["text"]) > limit:
+                await self.error(f"a message is at most {limit} characters; send text as it arrives",
                                  code="message_too_long")
                 continue
             try:
@@ -151,7 +152,7 @@ class WsSession:
 
     async def start(self):
         try:
-            msg = await self.receive(CONFIG_S)
+            msg = await self.receive(CONFIG_S, MAX_JSON_BYTES)  # it may carry a reference clip, as HTTP's body
         except TimeoutError:
             await self.error(f"no session.config within {CONFIG_S:g} s", code="config_timeout")
             raise Close from None

@@ -1,0 +1,491 @@
+"""Every field of the speech job at every front door, generated from the options' own table (`job.options.OPTIONS`):
+a value out of its bound gets the table's own sentence at every door that honours the field, and a field a door
+cannot honour is refused by name there, never accepted and ignored. Then what the doors share: the same greedy audio
+through HTTP, the WebSocket and Wyoming; fields the WebSocket now honours (a reference, speed); the hostile clients
+of every streaming door (a client that stops reading, one that sends text far faster than speech, a Wyoming event
+without text) and SIGTERM with work in flight at every door at once.
+
+One real server (`python -m higgs_onnx.serve --wyoming ...` on the tiny fp32 export) answers HTTP, the WebSocket and
+Wyoming; the command line runs in process (its checks come before the model loads), corpus rows through the corpus'
+own reader, the Python API on a loaded `HiggsTTS`."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import signal
+import socket
+import time
+from pathlib import Path
+
+import pytest
+from wyoming.audio import AudioChunk, AudioStop
+from wyoming.client import AsyncTcpClient
+from wyoming.error import Error
+from wyoming.event import Event
+from wyoming.tts import Synthesize
+
+import inference
+from higgs_onnx.corpus import read_rows
+from higgs_onnx.job.options import DOORS, OPTIONS, OptionError, SpeechOptions, door_table, refuse
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "tests" / "data"
+TEXT = "Hello there from every door."
+# a value past each bounded field's bound, and a value that asks for something (for the doors that refuse it)
+BAD = {"temperature": -1.0, "top_k": -1, "top_p": 0.0, "seed": -1, "max_rows": 0, "speed": 9.0, "takes": 17,
+       "retries": 11, "loudness": 5.0, "blend_mode": "zz"}
+REF = {"data": base64.b64encode((DATA / "ref_en_24k.wav").read_bytes()).decode(), "text": "A reference."}
+ASKS = {"speed": 1.5, "takes": 2, "retries": 1, "loudness": -16.0, "deterministic": True, "blend_mode": "product",
+        "instructions": "speak calmly", "references": [REF]}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(builds, tmp_path_factory):
+    from test_server import Server
+
+    port = free_port()
+    s = Server(builds["fp32"], tmp_path_factory.mktemp("doors"), "--wyoming", f"tcp://127.0.0.1:{port}",
+               "--send-timeout", "2", "--ws-idle-timeout", "5", "--log-level", "INFO")
+    s.wyoming_port = port
+    yield s
+    s.stop()
+    log = s.log.read_text()
+    assert "Traceback" not in log, log[-3000:]
+
+
+@pytest.fixture(scope="module")
+def tts(builds):
+    from higgs_onnx.runtime.model import HiggsTTS
+
+    return HiggsTTS(builds["fp32"], verify=False)
+
+
+# -- each door, asked for one field: None (accepted) or (message, code) ------------------------------------------
+def at_http(server, name, value):
+    r = server.http.post("/v1/audio/speech", json={"model": "higgs-tts-3", "input": TEXT, "max_rows": 40,
+                                                   "response_format": "pcm", name: value})
+    if r.status_code == 200:
+        return None
+    assert 400 <= r.status_code < 500, r.text
+    err = r.json()["error"]
+    return err["message"], err["code"]
+
+
+async def ws_config(server, config: dict) -> dict:
+    import websockets
+
+    url = server.url.replace("http://", "ws://") + "/v1/audio/speech/stream"
+    async with websockets.connect(url, max_size=None) as ws:
+        await ws.send(json.dumps({"type": "session.config", **config}))
+        return json.loads(await asyncio.wait_for(ws.recv(), 60))
+
+
+def at_websocket(server, name, value):
+    got = asyncio.run(ws_config(server, {"response_format": "pcm", name: value}))
+    return None if got["type"] == "session.configured" else (got["message"], got["code"])
+
+
+def at_cli(builds, tmp, capsys, name, value):
+    opt = OPTIONS[name]
+    flag = opt.flag or f"--{name.replace('_', '-')}"
+    argv = ["--model-path", str(builds["fp32"]), "--text", "Hi.", "--out", str(tmp / "x.wav"), flag, str(value)]
+    if name == "takes" and value == 2:
+        argv += ["--retries", "0"]
+    try:
+        code = inference.main(argv)
+    except SystemExit as e:  # argparse's own refusal
+        code = e.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and not (tmp / "x.wav").exists(), err
+    return err.strip().removeprefix("error: "), None
+
+
+def at_corpus(tmp, name, value):
+    path = tmp / "rows.jsonl"
+    path.write_text(json.dumps({"id": "a", "text": "Hi.", name: value}) + "\n")
+    row = read_rows(path)[0]
+    return None if row.error is None else (row.error, None)
+
+
+def at_python(tts, name, value):
+    try:
+        if name == "takes":
+            tts.best_of("Hi.", value)
+        elif name in ("references", "voice"):
+            raise AssertionError("not a bound")
+        else:
+            tts.generate("Hi.", **{"max_rows": 30, name: value})
+    except (ValueError, TypeError) as e:
+        return str(e), None
+    return None
+
+
+def ask(door, name, value, server, builds, tts, tmp, capsys):
+    if door == "http":
+        return at_http(server, name, value)
+    if door == "websocket":
+        return at_websocket(server, name, value)
+    if door == "cli":
+        return at_cli(builds, tmp, capsys, name, value)
+    if door == "corpus":
+        return at_corpus(tmp, name, value)
+    if door == "python":
+        return at_python(tts, name, value)
+    raise AssertionError(door)
+
+
+def cases(kind: str) -> list:
+    """(door, field) pairs from the table: `bound` where the door honours a bounded field, `refused` where it
+    refuses one (Wyoming has no such fields at all: `absent`, asserted below)."""
+    out = []
+    for name, opt in OPTIONS.items():
+        for door in DOORS:
+            state = opt.at(door)
+            if kind == "bound" and state == "honoured" and name in BAD and door != "wyoming":
+                if not (door == "python" and name == "blend_mode"):  # a Blend's mode: test_blend_modes_refused
+                    out.append(pytest.param(door, name, id=f"{name}@{door}"))
+            if kind == "refused" and state == "refused":
+                out.append(pytest.param(door, name, id=f"{name}@{door}"))
+    return out
+
+
+def test_the_table_covers_every_field_and_door():
+    """Every field has a state at every door; Wyoming carries text and a voice name only; the docs hold the
+    table as the code makes it."""
+    assert set(DOORS) == {"cli", "http", "websocket", "wyoming", "corpus", "python"}
+    for name, opt in OPTIONS.items():
+        assert {opt.at(d) for d in DOORS} <= {"honoured", "always", "refused", "absent"}
+        assert (opt.at("wyoming") == "honoured") == (name == "voice"), name
+    for page in ("server.md", "integrations.md"):
+        assert door_table() in (ROOT / "docs" / page).read_text(), f"docs/{page}: the fields x doors table is stale"
+    assert len(cases("bound")) == 38 and len(cases("refused")) == 19
+
+
+@pytest.mark.parametrize("door, name", cases("bound"))
+def test_a_value_past_its_bound_gets_the_same_sentence_at_every_door(door, name, server, builds, tts, tmp_path,
+                                                                      capsys):
+    with pytest.raises(OptionError) as e:
+        SpeechOptions.build({name: BAD[name]}, door)
+    got = ask(door, name, BAD[name], server, builds, tts, tmp_path, capsys)
+    assert got is not None, f"{door} took {name}={BAD[name]!r}"
+    assert got[0] == e.value.message, (door, got)
+    if got[1] is not None:
+        assert got[1] == "invalid_value"
+
+
+@pytest.mark.parametrize("door, name", cases("refused"))
+def test_a_field_a_door_cannot_honour_is_refused_by_name(door, name, server, builds, tts, tmp_path, capsys):
+    got = ask(door, name, ASKS[name], server, builds, tts, tmp_path, capsys)
+    assert got is not None, f"{door} accepted {name}={ASKS[name]!r}: accepted and ignored"
+    if door == "python" or (door == "cli" and OPTIONS[name].flag is None):  # Python's / argparse's own refusal
+        assert name in got[0], got
+        return
+    with pytest.raises(OptionError) as e:
+        refuse(name, door)
+    assert got[0] == e.value.message and e.value.code == "unsupported_parameter", got
+    if got[1] is not None:
+        assert got[1] == "unsupported_parameter"
+
+
+def test_blend_modes_refused(tts):
+    from higgs_onnx.generation.blend import Blend
+
+    with pytest.raises(ValueError, match="mixture, product"):
+        Blend.make([None, None], None, "zz")
+
+
+# -- the same audio through every streaming door ---------------------------------------------------------------------
+async def ws_speak(server, config: dict, text: str) -> tuple[bytes, list]:
+    import websockets
+
+    url = server.url.replace("http://", "ws://") + "/v1/audio/speech/stream"
+    audio, got = b"", []
+    async with websockets.connect(url, max_size=None) as ws:
+        await ws.send(json.dumps({"type": "session.config", "response_format": "pcm", **config}))
+        await ws.send(json.dumps({"type": "input.text", "text": text}))
+        await ws.send(json.dumps({"type": "input.done"}))
+        try:
+            while True:
+                m = await asyncio.wait_for(ws.recv(), 120)
+                if isinstance(m, bytes):
+                    audio += m
+                    continue
+                got.append(json.loads(m))
+                if got[-1]["type"] == "session.done":
+                    break
+        except websockets.ConnectionClosed:  # a session that cannot start: its error, then the close
+            pass
+    return audio, got
+
+
+async def wyoming_speak(port: int, text: str) -> bytes:
+    async with AsyncTcpClient("127.0.0.1", port) as c:
+        await c.write_event(Synthesize(text=text).event())
+        audio = b""
+        while True:
+            e = await asyncio.wait_for(c.read_event(), 120)
+            assert e is not None and not Error.is_type(e.type), e
+            if AudioChunk.is_type(e.type):
+                audio += e.payload
+            if AudioStop.is_type(e.type):
+                return audio
+
+
+def test_one_text_gives_the_same_audio_at_every_streaming_door(server):
+    """The default sampling and seed (Wyoming has no fields), the row budget a segment gets, a lone run: HTTP,
+    the WebSocket and Wyoming give the same bytes."""
+    from higgs_onnx.longform.render import piece_rows
+    from higgs_onnx.serve.textstream import ROWS_PER_CHAR
+
+    rows = piece_rows(TEXT, None, ROWS_PER_CHAR)
+    http = server.http.post("/v1/audio/speech", json={"model": "higgs-tts-3", "input": TEXT, "response_format": "pcm",
+                                                      "max_rows": rows, "deterministic": True})
+    assert http.status_code == 200 and len(http.content) > 0
+    ws, _ = asyncio.run(ws_speak(server, {}, TEXT))
+    wy = asyncio.run(wyoming_speak(server.wyoming_port, TEXT))
+    assert ws == http.content and wy == http.content, (len(http.content), len(ws), len(wy))
+
+
+def test_the_websocket_honours_references_and_speed(server):
+    """Fields it used to accept and ignore: a reference (Boson's and sglang-omni's shapes) and speed change the
+    audio; greedy, so any change is the field's."""
+    greedy = {"temperature": 0.0, "max_rows": 60}
+    plain, _ = asyncio.run(ws_speak(server, greedy, TEXT))
+    again, _ = asyncio.run(ws_speak(server, greedy, TEXT))
+    assert plain == again and len(plain) > 0
+    for extra in ({"references": [REF]}, {"ref_audio": REF["data"], "ref_text": REF["text"]}, {"speed": 0.5}):
+        other, got = asyncio.run(ws_speak(server, {**greedy, **extra}, TEXT))
+        assert got[0]["type"] == "session.configured", got
+        assert len(other) > 0 and other != plain, extra
+    _, got = asyncio.run(ws_speak(server, {"references": [REF, REF]}, TEXT))
+    assert got[0]["code"] == "unsupported_parameter" and got[0]["param"] == "references"
+    _, got = asyncio.run(ws_speak(server, {"references": []}, TEXT))
+    assert got[0]["param"] == "references" and "empty" in got[0]["message"]
+    _, got = asyncio.run(ws_speak(server, {"colour": "blue"}, TEXT))
+    assert got[0]["code"] == "unknown_parameter" and got[0]["param"] == "colour"
+    assert server.settle()["kept"] == 0
+
+
+# -- hostile clients ---------------------------------------------------------------------------------------------
+def test_empty_references_and_overflowing_blend_weights_are_refused(server, builds, tmp_path, capsys):
+    r = server.http.post("/v1/audio/speech", json={"model": "higgs-tts-3", "input": TEXT, "references": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "references", r.text
+    r = server.http.post("/v1/audio/speech", json={"model": "higgs-tts-3", "input": TEXT,
+                                                   "voice": "default:1e308,default:1e308"})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "voice", r.text
+    for name in ("a.npz", "b.npz"):
+        (tmp_path / name).write_bytes(b"x")  # never read: the weights are refused first
+    got, _ = at_cli(builds, tmp_path, capsys, "voice", f"{tmp_path / 'a.npz'}:1e308,{tmp_path / 'b.npz'}:1e308")
+    assert "add up past the largest number" in got, got
+
+
+def ws_handshake(port: int) -> socket.socket:
+    """A raw WebSocket client with a tiny receive buffer, that will never read."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", port))
+    key = base64.b64encode(b"0123456789abcdef").decode()
+    s.sendall((f"GET /v1/audio/speech/stream HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\n"
+               f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n").encode())
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += s.recv(1)
+    assert b" 101 " in head.split(b"\r\n")[0], head
+    return s
+
+
+def ws_frame(obj: dict) -> bytes:
+    data = json.dumps(obj).encode()
+    mask = b"\x01\x02\x03\x04"
+    n = len(data)
+    size = bytes([0x80 | n]) if n < 126 else bytes([0x80 | 126]) + n.to_bytes(2, "big") if n < 65536 else \
+        bytes([0x80 | 127]) + n.to_bytes(8, "big")
+    return b"\x81" + size + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(data))
+
+
+def test_a_client_that_stops_reading_frees_its_slot_at_every_streaming_door(server):
+    """WebSocket and Wyoming: a client that sends a long text and never reads keeps nothing past the send timeout
+    (2 s here): its job is cancelled, its slot and kept context freed, one log line; /v1/audio/speech still
+    answers."""
+    port = int(server.url.rsplit(":", 1)[1])
+    long_text = " ".join(["word"] * 400) + "."
+    ws = ws_handshake(port)
+    ws.sendall(ws_frame({"type": "session.config", "response_format": "pcm"}))
+    sentences = " ".join(["Word " + "word " * 40 + "word."] * 12)  # segments of ~200 characters, ~36 s each
+    ws.sendall(ws_frame({"type": "input.text", "text": sentences + " And more. "}))
+    wy = socket.create_connection(("127.0.0.1", server.wyoming_port))
+    wy.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    body = json.dumps({"text": long_text}).encode()
+    wy.sendall(json.dumps({"type": "synthesize", "data_length": len(body)}).encode() + b"\n" + body)
+    try:
+        for _ in range(600):  # both noticed (the tiny model may finish its rows long before the sends stall)
+            log = server.log.read_text()
+            if "ws-" in log and log.count("read nothing for 2 s") >= 2:
+                break
+            time.sleep(0.05)
+        assert log.count("read nothing for 2 s") == 2, log[-2000:]
+        server.wait(lambda s: s["in_flight"] == 0 and s["kept"] == 0, "the stalled clients' work freed")
+        r = server.http.post("/v1/audio/speech", json={"model": "higgs-tts-3", "input": TEXT, "max_rows": 40,
+                                                       "response_format": "pcm"})
+        assert r.status_code == 200 and r.content
+    finally:
+        ws.close()
+        wy.close()
+    assert server.settle()["kept"] == 0
+
+
+def test_text_far_faster_than_speech_ends_the_session(server):
+    """The documented 100,000-character rule: text received and not yet spoken past it is an error and a close."""
+    chunk = "A sentence to speak. " * 3000  # 63,000 characters, under one message's limit
+    _, got = asyncio.run(ws_speak_raw(server, [chunk, chunk]))
+    errors = [m for m in got if m.get("type") == "error"]
+    assert errors and errors[-1]["code"] == "text_too_long" and "100000" in errors[-1]["message"], got[-3:]
+    assert server.settle()["kept"] == 0
+
+
+async def ws_speak_raw(server, texts: list[str]) -> tuple[bytes, list]:
+    import websockets
+
+    url = server.url.replace("http://", "ws://") + "/v1/audio/speech/stream"
+    got = []
+    async with websockets.connect(url, max_size=None) as ws:
+        await ws.send(json.dumps({"type": "session.config", "response_format": "pcm", "max_rows": 40}))
+        for t in texts:
+            await ws.send(json.dumps({"type": "input.text", "text": t}))
+        try:
+            while True:
+                m = await asyncio.wait_for(ws.recv(), 120)
+                if not isinstance(m, bytes):
+                    got.append(json.loads(m))
+        except websockets.ConnectionClosed:
+            pass
+    return b"", got
+
+
+def test_wyoming_events_without_text_get_an_error_event(server):
+    async def run():
+        async with AsyncTcpClient("127.0.0.1", server.wyoming_port) as c:
+            out = []
+            for event in (Event("synthesize", {}), Event("synthesize", {"text": 5}),
+                          Event("synthesize-start", {}), Event("synthesize-chunk", {}),
+                          Event("synthesize-chunk", {"text": ["x"]})):
+                await c.write_event(event)
+                if event.type != "synthesize-start":
+                    e = await asyncio.wait_for(c.read_event(), 30)
+                    out.append((e.type, e.data.get("code"), e.data.get("text")))
+            await c.write_event(Event("synthesize-stop", {}))  # the connection still serves
+            while not (e := await asyncio.wait_for(c.read_event(), 60)).type == "synthesize-stopped":
+                pass
+            return out
+
+    got = asyncio.run(run())
+    assert [g[:2] for g in got] == [("error", "bad_text")] * 4, got
+    assert "needs a text string, got no text" in got[0][2] and "got int 5" in got[1][2]
+
+
+def test_a_client_leaving_mid_audio_is_one_log_line(server):
+    """A client (a small receive window, so the audio cannot all be sent ahead) reads the first bytes and leaves:
+    its job is cancelled, and the log says so in one line, with no traceback."""
+    before = server.log.read_text().count("left mid-audio")
+    port = int(server.url.rsplit(":", 1)[1])
+    body = json.dumps({"model": "higgs-tts-3", "input": " ".join(["word"] * 300) + ".", "response_format": "pcm",
+                       "max_rows": 2400}).encode()
+    c = socket.socket()
+    c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    c.connect(("127.0.0.1", port))
+    c.sendall(f"POST /v1/audio/speech HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+              f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    assert c.recv(4096).startswith(b"HTTP/1.1 200")
+    c.close()
+    server.wait(lambda s: s["in_flight"] == 0, "the left request's job cancelled")
+    for _ in range(100):
+        log = server.log.read_text()
+        if log.count("left mid-audio") > before:
+            break
+        time.sleep(0.05)
+    assert log.count("left mid-audio") == before + 1 and "Traceback" not in log, log[-2000:]
+
+
+# -- SIGTERM with work in flight at every door ---------------------------------------------------------------------
+def test_sigterm_answers_every_door_as_documented(builds, tmp_path):
+    """One batch slot: a long SSE request is running, a second request waits with no audio yet, a WebSocket
+    session and a Wyoming synthesis wait too. SIGTERM: the waiting request gets the JSON 503 with Retry-After, the
+    SSE stream an error event, the WebSocket an error and close code 1012, Wyoming an error event; no traceback."""
+    import threading
+
+    import httpx2 as httpx
+    import websockets
+    from test_server import Server
+
+    port = free_port()
+    s = Server(builds["fp32"], tmp_path, "--max-batch", "1", "--wyoming", f"tcp://127.0.0.1:{port}")
+    long = {"model": "higgs-tts-3", "input": " ".join(["word"] * 300) + ".", "response_format": "pcm",
+            "max_rows": 2400}
+    out: dict = {}
+
+    def sse():
+        with httpx.stream("POST", f"{s.url}/v1/audio/speech", json={**long, "stream_format": "sse"},
+                          timeout=60) as r:
+            out["sse"] = [json.loads(line[6:])["type"] for line in r.iter_lines() if line.startswith("data: ")]
+
+    def waiting():
+        r = httpx.post(f"{s.url}/v1/audio/speech", json={**long, "max_rows": 40}, timeout=60)
+        out["queued"] = (r.status_code, r.headers.get("retry-after"), r.json())
+
+    async def ws_and_wyoming():
+        url = s.url.replace("http://", "ws://") + "/v1/audio/speech/stream"
+        async with websockets.connect(url) as ws, AsyncTcpClient("127.0.0.1", port) as wy:
+            await ws.send(json.dumps({"type": "session.config", "response_format": "pcm"}))
+            await ws.recv()
+            await ws.send(json.dumps({"type": "input.text", "text": "Waiting for a slot. "}))
+            await ws.send(json.dumps({"type": "input.done"}))
+            await wy.write_event(Synthesize(text="Waiting for a slot too.").event())
+            out["ready"] = True
+            ws_got = []
+            try:
+                while True:
+                    m = await asyncio.wait_for(ws.recv(), 60)
+                    if not isinstance(m, bytes):
+                        ws_got.append(json.loads(m))
+            except websockets.ConnectionClosed as e:
+                out["ws"] = ([m.get("code") for m in ws_got if m["type"] == "error"], e.rcvd.code if e.rcvd else None)
+            wy_got = []
+            while (e := await asyncio.wait_for(wy.read_event(), 60)) is not None:
+                wy_got.append((e.type, e.data.get("code")))
+                if e.type == "error":
+                    break
+            out["wyoming"] = wy_got
+
+    threads = [threading.Thread(target=sse), threading.Thread(target=waiting)]
+    try:
+        threads[0].start()
+        s.wait(lambda st: st["in_flight"] >= 1, "the SSE request running")
+        threads[1].start()
+        side = threading.Thread(target=lambda: asyncio.run(ws_and_wyoming()))
+        side.start()
+        s.wait(lambda st: st["in_flight"] >= 4, "four jobs in flight")
+        s.proc.send_signal(signal.SIGTERM)
+        for t in (*threads, side):
+            t.join(60)
+        assert s.proc.wait(30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it has shut down
+    finally:
+        if s.proc.poll() is None:
+            s.stop()
+    status, retry, body = out["queued"]
+    assert status == 503 and retry == "1" and body["error"]["code"] == "shutting_down", out["queued"]
+    assert out["sse"][-1] == "error", out["sse"][-3:]
+    assert out["ws"] == (["shutting_down"], 1012), out["ws"]
+    assert out["wyoming"][-1] == ("error", "shutting_down"), out["wyoming"]
+    log = s.log.read_text()
+    assert "Traceback" not in log, log[-3000:]
