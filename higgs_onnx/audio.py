@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from .outputs import set_mode
+from .outputs import atomic
 
 MAX_REF_SECONDS = 100.0  # SGO `_MAX_REF_AUDIO_SEC`
 MIN_REF_SECONDS = 1.0  # shorter clips are refused (SGO zero-pads them to this: mostly padding, no voice)
@@ -123,15 +122,8 @@ def write_audio(path: str | os.PathLike, wav: np.ndarray, sr: int) -> Path:
         raise ValueError(f"unsupported output format {path.suffix!r}; use one of {', '.join(WRITE_FORMATS)}")
     if not path.parent.is_dir():
         raise FileNotFoundError(f"output folder {path.parent} does not exist")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=path.suffix, dir=path.parent)
-    os.close(fd)
-    try:
+    with atomic(path, path.suffix) as tmp:
         sf.write(tmp, np.clip(wav, -1.0, 1.0), sr, format=fmt[0], subtype=fmt[1])
-        set_mode(tmp, path)  # mkstemp makes 0600: follow the umask (or keep an overwritten file's mode)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return path
 
 

@@ -65,6 +65,7 @@ from pathlib import Path
 
 from .cli import add_log_level, run_main
 from .memory import peak_rss
+from .outputs import write_atomic
 
 MANIFEST = "manifest.jsonl"
 ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # a plain file name: cannot leave the folder
@@ -501,9 +502,7 @@ def write_summary(args, rows: list[Row], failed: list[str], figures: dict | None
             "workers_asked": args.workers, **(figures or {"workers": []})}
     path = args.out / SUMMARY
     try:
-        tmp = args.out / (SUMMARY + ".partial")
-        tmp.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(data, indent=1) + "\n")
     except OSError as e:
         print(f"warning: cannot write {path}: {os_reason(e)}", file=sys.stderr)
 
@@ -821,12 +820,7 @@ def generate_all(args, todo: list[Row], record, stop: StopSignal | None = None) 
 
 def compact(out: Path, rows: list[Row], done: dict[str, dict]) -> None:
     """Rewrite the manifest atomically: one line per row, in input order."""
-    tmp = out / (MANIFEST + ".partial")
-    with tmp.open("w", encoding="utf-8") as f:
-        for r in rows:
-            if r.key in done:
-                f.write(json.dumps(done[r.key]) + "\n")
-    os.replace(tmp, out / MANIFEST)
+    write_atomic(out / MANIFEST, "".join(json.dumps(done[r.key]) + "\n" for r in rows if r.key in done))
 
 
 def main(argv: list[str] | None = None) -> int:

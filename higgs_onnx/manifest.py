@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .outputs import write_atomic
+
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
@@ -64,10 +66,7 @@ def manifest_digest(data: dict) -> str:
 def _dump(path: Path, data: dict) -> Path:
     """`data` with its digest, written whole or not at all (a temporary file renamed over `path`)."""
     data = {**{k: v for k, v in data.items() if k != DIGEST}, DIGEST: manifest_digest(data)}
-    tmp = path.with_name(path.name + ".partial")
-    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-    return path
+    return write_atomic(path, json.dumps(data, indent=2) + "\n")
 
 
 def link_or_copy(src: Path, dst: Path) -> None:

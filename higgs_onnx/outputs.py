@@ -16,6 +16,8 @@ import os
 import stat
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -75,6 +77,33 @@ def current_umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
+
+
+@contextmanager
+def atomic(path: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
+    """Write a file whole or not at all, the one way every writer here does it: yields a temporary path beside
+    `path` (hidden, unique, ending in `.partial` + `suffix` for writers that choose the format by the extension),
+    renamed over `path` when the block ends, with the mode `path` has (or the umask's); removed if the block fails."""
+    path = Path(path)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial" + suffix, dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        set_mode(tmp, path)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_atomic(path: str | os.PathLike, data: str | bytes) -> Path:
+    """`data` (text as UTF-8) written to `path` through `atomic`."""
+    with atomic(path) as tmp:
+        if isinstance(data, bytes):
+            tmp.write_bytes(data)
+        else:
+            tmp.write_text(data, encoding="utf-8")
+    return Path(path)
 
 
 def set_mode(tmp: str | os.PathLike, target: Path) -> None:

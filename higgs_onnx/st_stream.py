@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .outputs import atomic
+
 # safetensors dtype tag -> bytes per element
 DTYPE_SIZES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1}
 
@@ -35,8 +37,8 @@ def write_streaming(
     """Write `specs` = [(name, dtype_tag, shape)] to `path`, asking `produce(name)` for each tensor's raw bytes
     (one bytes object, or an iterable of byte chunks so that even one tensor need not sit in memory whole).
 
-    Tensors are written in the given order. The file is first written as `<path>.partial` and renamed at the end,
-    so an interrupted write never leaves a file that looks complete. Returns the data size in bytes.
+    Tensors are written in the given order, through `outputs.atomic` (a temporary file renamed at the end), so an
+    interrupted write never leaves a file that looks complete. Returns the data size in bytes.
     """
     header: dict[str, object] = {}
     if metadata:
@@ -48,8 +50,7 @@ def write_streaming(
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned
-    tmp = Path(str(path) + ".partial")
-    with open(tmp, "wb") as f:
+    with atomic(path) as tmp, open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for name, dtype, shape in specs:
@@ -64,7 +65,6 @@ def write_streaming(
                 raise ValueError(f"{name}: produced {written} bytes, expected {tensor_nbytes(dtype, shape)}")
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
     return offset
 
 

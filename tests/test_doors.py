@@ -418,10 +418,15 @@ def test_a_client_leaving_mid_audio_is_one_log_line(server):
 
 
 # -- SIGTERM with work in flight at every door ---------------------------------------------------------------------
+def _is_done(m) -> bool:
+    return not isinstance(m, bytes) and json.loads(m)["type"] == "audio.done"
+
+
 def test_sigterm_answers_every_door_as_documented(builds, tmp_path):
-    """One batch slot: a long SSE request is running, a second request waits with no audio yet, a WebSocket
-    session and a Wyoming synthesis wait too. SIGTERM: the waiting request gets the JSON 503 with Retry-After, the
-    SSE stream an error event, the WebSocket an error and close code 1012, Wyoming an error event; no traceback."""
+    """One batch slot, held by a WebSocket session between its segments (its kept context). Waiting behind it, with
+    no audio yet: a speech request, an SSE one, a second WebSocket session's segment and a Wyoming synthesis.
+    SIGTERM: both HTTP requests get the JSON 503 with Retry-After, the WebSocket an error event and close code 1012,
+    Wyoming an error event; no traceback in the log."""
     import threading
 
     import httpx2 as httpx
@@ -430,62 +435,61 @@ def test_sigterm_answers_every_door_as_documented(builds, tmp_path):
 
     port = free_port()
     s = Server(builds["fp32"], tmp_path, "--max-batch", "1", "--wyoming", f"tcp://127.0.0.1:{port}")
-    long = {"model": "higgs-tts-3", "input": " ".join(["word"] * 300) + ".", "response_format": "pcm",
-            "max_rows": 2400}
+    body = {"model": "higgs-tts-3", "input": TEXT, "response_format": "pcm", "max_rows": 40}
     out: dict = {}
 
-    def sse():
-        with httpx.stream("POST", f"{s.url}/v1/audio/speech", json={**long, "stream_format": "sse"},
-                          timeout=60) as r:
-            out["sse"] = [json.loads(line[6:])["type"] for line in r.iter_lines() if line.startswith("data: ")]
+    def post(key: str, extra: dict):
+        r = httpx.post(f"{s.url}/v1/audio/speech", json={**body, **extra}, timeout=60)
+        out[key] = (r.status_code, r.headers.get("retry-after"), r.text)
 
-    def waiting():
-        r = httpx.post(f"{s.url}/v1/audio/speech", json={**long, "max_rows": 40}, timeout=60)
-        out["queued"] = (r.status_code, r.headers.get("retry-after"), r.json())
-
-    async def ws_and_wyoming():
+    async def sessions():
         url = s.url.replace("http://", "ws://") + "/v1/audio/speech/stream"
-        async with websockets.connect(url) as ws, AsyncTcpClient("127.0.0.1", port) as wy:
-            await ws.send(json.dumps({"type": "session.config", "response_format": "pcm"}))
-            await ws.recv()
-            await ws.send(json.dumps({"type": "input.text", "text": "Waiting for a slot. "}))
-            await ws.send(json.dumps({"type": "input.done"}))
-            await wy.write_event(Synthesize(text="Waiting for a slot too.").event())
+        async with websockets.connect(url) as holder, websockets.connect(url) as waiter, \
+                AsyncTcpClient("127.0.0.1", port) as wy:
+            for ws in (holder, waiter):
+                await ws.send(json.dumps({"type": "session.config", "response_format": "pcm", "max_rows": 40}))
+                await ws.recv()
+            await holder.send(json.dumps({"type": "input.text", "text": "I hold the slot. And"}))
+            while not _is_done(await asyncio.wait_for(holder.recv(), 60)):
+                pass
+            await waiter.send(json.dumps({"type": "input.text", "text": "I wait for it. "}))
+            await waiter.send(json.dumps({"type": "input.commit"}))
+            await wy.write_event(Synthesize(text="I wait too.").event())
             out["ready"] = True
-            ws_got = []
+            got = []
             try:
                 while True:
-                    m = await asyncio.wait_for(ws.recv(), 60)
+                    m = await asyncio.wait_for(waiter.recv(), 60)
                     if not isinstance(m, bytes):
-                        ws_got.append(json.loads(m))
+                        got.append(json.loads(m))
             except websockets.ConnectionClosed as e:
-                out["ws"] = ([m.get("code") for m in ws_got if m["type"] == "error"], e.rcvd.code if e.rcvd else None)
-            wy_got = []
-            while (e := await asyncio.wait_for(wy.read_event(), 60)) is not None:
-                wy_got.append((e.type, e.data.get("code")))
-                if e.type == "error":
-                    break
-            out["wyoming"] = wy_got
+                out["ws"] = ([m.get("code") for m in got if m["type"] == "error"], e.rcvd.code if e.rcvd else None)
+            e = await asyncio.wait_for(wy.read_event(), 60)
+            out["wyoming"] = (e.type, e.data.get("code")) if e is not None else None
 
-    threads = [threading.Thread(target=sse), threading.Thread(target=waiting)]
+    side = threading.Thread(target=lambda: asyncio.run(sessions()))
+    posts = [threading.Thread(target=post, args=("http", {})),
+             threading.Thread(target=post, args=("sse", {"stream_format": "sse"}))]
     try:
-        threads[0].start()
-        s.wait(lambda st: st["in_flight"] >= 1, "the SSE request running")
-        threads[1].start()
-        side = threading.Thread(target=lambda: asyncio.run(ws_and_wyoming()))
         side.start()
-        s.wait(lambda st: st["in_flight"] >= 4, "four jobs in flight")
+        for _ in range(1200):
+            if out.get("ready"):
+                break
+            time.sleep(0.05)
+        for t in posts:
+            t.start()
+        s.wait(lambda st: st["waiting"] >= 4, "four jobs waiting behind the held slot")
         s.proc.send_signal(signal.SIGTERM)
-        for t in (*threads, side):
+        for t in (*posts, side):
             t.join(60)
         assert s.proc.wait(30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it has shut down
     finally:
         if s.proc.poll() is None:
             s.stop()
-    status, retry, body = out["queued"]
-    assert status == 503 and retry == "1" and body["error"]["code"] == "shutting_down", out["queued"]
-    assert out["sse"][-1] == "error", out["sse"][-3:]
+    for key in ("http", "sse"):
+        status, retry, text = out[key]
+        assert status == 503 and retry == "1" and json.loads(text)["error"]["code"] == "shutting_down", out[key]
     assert out["ws"] == (["shutting_down"], 1012), out["ws"]
-    assert out["wyoming"][-1] == ("error", "shutting_down"), out["wyoming"]
+    assert out["wyoming"] == ("error", "shutting_down"), out["wyoming"]
     log = s.log.read_text()
     assert "Traceback" not in log, log[-3000:]

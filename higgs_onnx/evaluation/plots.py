@@ -6,12 +6,12 @@ matplotlib is imported lazily and drawn on an Agg canvas (no pyplot, no display,
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
+from ..outputs import atomic
 from .gates import judge_divergence
 from .generation import HOP, log_spectrogram
 from .options import require_matplotlib
@@ -121,9 +121,8 @@ def write_plots(report: Report, folder: Path) -> dict[str, Path]:
         try:
             fig = _figure(*size)
             draw(fig, figures, report)
-            tmp = path.with_name(path.name + ".partial.png")
-            fig.savefig(tmp)
-            os.replace(tmp, path)
+            with atomic(path, ".png") as tmp:
+                fig.savefig(tmp)
         except Exception as e:  # a plot is an aid: the report is written without it
             log.warning("plot %s not drawn: %s: %s", file, type(e).__name__, e)
             continue

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..generation.options import GenerationOptions
+from ..outputs import write_atomic
 from . import generation, sections
 from .context import EvalContext
 from .gates import apply_gates
@@ -156,10 +157,8 @@ def manifest_checkpoint(manifest) -> str:
 
 
 def _write(path: Path, text: str) -> None:
-    """Whole file or nothing: a temporary file renamed over the target."""
-    tmp = path.with_name(path.name + ".partial")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    """Whole file or nothing (`outputs.write_atomic`)."""
+    write_atomic(path, text)
 
 
 def write_reports(report: Report, outputs: Outputs) -> str:

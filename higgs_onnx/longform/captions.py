@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..outputs import check_output_file
+from ..outputs import check_output_file, write_atomic
 from .split import TAG
 
 FORMATS = (".srt", ".vtt")
@@ -84,13 +84,7 @@ def write(path: str | os.PathLike, cues: list[Cue], sample_rate: int) -> Path:
     """Write the captions to `path` (its extension says the format) through a temporary file and a rename."""
     path = Path(path)
     text = render(cues, sample_rate, path.suffix.lower())
-    tmp = path.with_name(f".{path.name}.partial")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    write_atomic(path, text)
     return path
 
 

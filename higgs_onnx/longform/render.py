@@ -55,7 +55,7 @@ import numpy as np
 from ..generation.contract import ContractError, check_max_rows, min_rows, needed_rows
 from ..generation.options import DEFAULT_MAX_ROWS, GenerationOptions
 from ..guard import RetryPolicy
-from ..outputs import OutputError, check_output_file, probe_writable
+from ..outputs import OutputError, atomic, check_output_file, probe_writable, write_atomic
 from .split import Piece, split_text
 
 log = logging.getLogger(__name__)
@@ -519,7 +519,7 @@ class LongForm:
 
     def _write_plan(self, plan: Path) -> None:
         try:
-            _atomic_write(plan, json.dumps(self.plan, indent=1).encode())
+            write_atomic(plan, json.dumps(self.plan, indent=1).encode())
         except OSError as e:
             raise OutputError(f"cannot write {plan} ({_reason(e)}); free space in {self.work.parent} and run "
                               f"again") from None
@@ -564,11 +564,10 @@ class LongForm:
         return f"{i}:{hashlib.sha256(self.pieces[i].text.encode()).hexdigest()[:16]}"
 
     def _save(self, i: int, piece: dict) -> None:
-        tmp = self._piece_path(i).with_suffix(".partial.npz")
         try:
-            np.savez(tmp, codes=piece["codes"], rows=piece["rows"], stop=piece["stop"], retried=piece["retried"],
-                     gen=piece["gen"], plan=self.plan_id, piece=self._piece_stamp(i))
-            os.replace(tmp, self._piece_path(i))
+            with atomic(self._piece_path(i), ".npz") as tmp:
+                np.savez(tmp, codes=piece["codes"], rows=piece["rows"], stop=piece["stop"], retried=piece["retried"],
+                         gen=piece["gen"], plan=self.plan_id, piece=self._piece_stamp(i))
         except OSError as e:
             raise OutputError(f"cannot save piece {i + 1} in {self.work} ({_reason(e)}); the pieces before it are "
                               f"kept there: free space and run again with --resume") from None
@@ -938,10 +937,6 @@ def _voice_id(voice) -> str:
     return h.hexdigest()
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".partial")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def generate_long(tts, text: str, out: str | os.PathLike, voice=None, options: GenerationOptions | None = None,

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..outputs import atomic
 from . import FACTS
 
 NAME = "llm_step"
@@ -121,9 +122,8 @@ def compose(folder: Path, files: dict[str, str]) -> Path:
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in sorted(opsets.items())],
                               ir_version=max(m.ir_version for m in load.values()), producer_name="higgs-onnx")
     path = folder / FILE
-    tmp = path.with_name(path.name + ".partial")
-    onnx.save(model, str(tmp))  # the initializers keep their external-data references (nothing is loaded)
-    tmp.replace(path)
+    with atomic(path) as tmp:
+        onnx.save(model, str(tmp))  # the initializers keep their external-data references (nothing is loaded)
     return path
 
 

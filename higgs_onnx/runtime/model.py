@@ -42,6 +42,7 @@ from ..generation.scheduler import PrefillPolicy, Scheduler
 from ..generation.stream import AudioChunk
 from ..guard import GuardOptions, RetryPolicy, judge, take_record
 from ..job.options import SpeechOptions, check_takes
+from ..outputs import write_atomic
 from .backend import KV_LAYOUTS, OnnxBackend
 from .codec import OnnxCodec
 from .parts import STATEFUL_CODEC, ModelParts
@@ -465,9 +466,7 @@ def _save_takes(folder, speeches: list, records: list[dict]) -> None:
 
     for i, s in enumerate(speeches, 1):
         write_audio(folder / f"take-{i}.wav", s.waveform, s.sample_rate)
-    tmp = folder / "takes.json.partial"
-    tmp.write_text(json.dumps(records, indent=2))
-    tmp.replace(folder / "takes.json")
+    write_atomic(folder / "takes.json", json.dumps(records, indent=2))
 
 
 def retry_policy(retries: int | RetryPolicy | None) -> RetryPolicy | None:

@@ -20,6 +20,7 @@ import numpy as np
 from ..generation.contract import ContractError, min_rows
 from ..generation.engine import prompt_embeddings
 from ..generation.prompt import build_prefix
+from ..outputs import atomic
 
 VOICE_FILE = "a voice file is the .npz written by inference.py --save-voice (or HiggsTTS.make_voice(...).save(path))"
 # what np.load / reading an archive member raises on a file that is not an intact .npz
@@ -82,10 +83,9 @@ class Voice:
         """An .npz (no pickle) with the rows, the prefix ids, the KV state and the owning export's id."""
         path = Path(path)
         meta = json.dumps({"ref_text": self.ref_text, "model_id": self.model_id})
-        tmp = path.with_name(path.name + ".partial.npz")
-        np.savez(tmp, rows=self.rows, prefix=np.asarray(self.prefix, np.int64), meta=np.asarray(meta),
-                 **{f"kv:{n}": a for n, a in self.state.items()})
-        os.replace(tmp, path)
+        with atomic(path, ".npz") as tmp:
+            np.savez(tmp, rows=self.rows, prefix=np.asarray(self.prefix, np.int64), meta=np.asarray(meta),
+                     **{f"kv:{n}": a for n, a in self.state.items()})
         return path
 
     @classmethod

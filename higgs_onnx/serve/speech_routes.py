@@ -1,0 +1,125 @@
+"""`POST /v1/audio/speech`: OpenAI's speech request (and Boson's and sglang-omni's shapes)."""
+
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from pydantic import ValidationError
+
+from ..generation.contract import ContractError
+from .formats import FORMATS
+from .http import (
+    GONE,
+    ApiError,
+    JobResponse,
+    SpeechRequest,
+    media_type,
+    read_form,
+    read_json,
+    replay,
+    validation_message,
+)
+from .pieces import plan_pieces
+from .service import SpeechService
+
+log = logging.getLogger(__name__)
+
+
+def router(svc: SpeechService) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/audio/speech")
+    async def speech(request: Request):
+        from .shapes import ShapeError, normalise
+
+        if media_type(request.headers.get("content-type", ""))[0] == "multipart/form-data":
+            body = await read_form(request)
+        else:
+            body = await read_json(request)
+        try:
+            inline = normalise(body)  # Boson's and sglang-omni's fields (serve/shapes.py)
+        except ShapeError as e:
+            raise ApiError(400, str(e), e.param, e.code) from None
+        try:
+            r = SpeechRequest.model_validate(body)
+        except ValidationError as e:
+            message, param = validation_message(e)
+            raise ApiError(400, message, param, "invalid_value") from None
+        text, job_opts, tag = svc.check_speech(r)
+        options = job_opts.generation
+        if r.stream and r.stream_format == "audio" and r.response_format != "pcm":
+            raise ApiError(400, f"stream: true sends raw PCM: it needs response_format 'pcm', got "
+                           f"{r.response_format!r} (every format streams here without it)", "stream", "invalid_value")
+        if isinstance(inline, list):  # several references: a blend of them (docs/voices.md)
+            voice = await svc.inline_blend(inline, r.blend_mode)
+        else:
+            voice = await svc.inline_voice(inline) if inline is not None else \
+                await svc.resolve_voice(r.voice, r.blend_mode)
+            if inline is not None and r.blend_mode is not None:
+                raise ApiError(400, "blend_mode is for a blend of voices (several references)", "blend_mode",
+                               "invalid_value")
+        if r.model_extra:
+            log.info("ignored fields: %s", ", ".join(sorted(r.model_extra)))
+        try:  # an input beyond one request: read in pieces (serve/pieces.py); None: one request, as ever
+            pieces = await asyncio.to_thread(plan_pieces, svc.tts, svc.scheduler.slot_positions, r.input, tag, voice,
+                                             options)
+        except ContractError as e:
+            raise svc.contract_error(e, {"ref_text": "voice"}) from None
+        except ValueError as e:
+            raise ApiError(400, str(e), "input", "invalid_value") from None
+        if pieces is not None:
+            svc.check_pieces(job_opts, voice, len(pieces))
+        takes = None
+        if job_opts.takes > 1:
+            job, done, takes = await svc.best_take(text, voice, options, job_opts, request)
+            if job is None:
+                return Response(status_code=499)
+            first, chunks = (done[0] if done else None), replay(done[1:])
+        elif job_opts.retries:
+            job, done, takes = await svc.judged_takes(text, voice, options, job_opts, request)
+            if job is None:
+                return Response(status_code=499)
+            first, chunks = (done[0] if done else None), replay(done[1:])
+        elif job_opts.loudness is not None:  # measured whole: the take is collected, then sent
+            job = svc.read_pieces(pieces, voice, options, tag) if pieces else svc.start_job(text, voice, options,
+                                                                                     job_opts.deterministic)
+            done = await svc.collect(job, request)
+            if done is None:
+                return Response(status_code=499)
+            first, chunks = (done[0] if done else None), replay(done[1:])
+        else:
+            job = svc.read_pieces(pieces, voice, options, tag) if pieces else svc.start_job(text, voice, options,
+                                                                                     job_opts.deterministic)
+            chunks = aiter(job)
+            first = await svc.opening(job, chunks, request)
+            if first is GONE:
+                return Response(status_code=499)
+        if first is None:  # ended without a chunk and without an error: never a 200 with no audio
+            log.error("request %s ended without audio", job.id)
+            raise ApiError(500, "the generation ended without audio; no audio to send", None, "no_audio")
+        sse, level = r.stream_format == "sse", None
+        if job_opts.loudness is not None and first is not None:
+            done, level = svc.leveled([first, *[c async for c in chunks]], job_opts.loudness)
+            first, chunks = done[0], replay(done[1:])
+        body = svc.stream_body(job, first, chunks, r.response_format, sse, len(r.input), tag, takes, level,
+                           sglang=sse and r.stream)
+        fmt = FORMATS[r.response_format]
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": str(job.id)}
+        if r.response_format == "pcm":  # what sglang-omni's raw PCM stream says of itself
+            headers.update({"X-Sample-Rate": str(svc.sample_rate), "X-Channels": "1", "X-Bit-Depth": "16"})
+        if pieces:
+            headers["X-Pieces"] = str(len(pieces))
+        if r.model_extra:  # other servers' fields, which clients written for them send: named, never silent
+            headers["X-Ignored-Fields"] = ",".join(sorted(r.model_extra))[:512]
+        if level is not None and level.reached is not None:
+            headers["X-Loudness"] = f"{level.reached:.1f}"
+        if takes:
+            kept = next((t for t in takes if t.get("kept")), takes[-1])  # best of n: the kept one; retries: the last
+            headers.update({"X-Takes": str(len(takes)), "X-Verdict": kept["verdict"]})
+        return JobResponse(job, body, media_type="text/event-stream" if sse else fmt.media_type, headers=headers)
+
+    return router

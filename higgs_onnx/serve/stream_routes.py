@@ -1,0 +1,76 @@
+"""The text-in WebSocket `/v1/audio/speech/stream` (sglang-omni's message names; docs/integrations.md)."""
+
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import APIRouter, WebSocket
+from pydantic import ValidationError
+
+from .http import (
+    WS_FIELDS,
+    WS_ONLY,
+    ApiError,
+    SpeechRequest,
+    validation_message,
+)
+from .service import SpeechService
+
+log = logging.getLogger(__name__)
+
+
+def router(svc: SpeechService) -> APIRouter:
+    router = APIRouter()
+
+    @router.websocket("/v1/audio/speech/stream")
+    async def speech_stream(ws: WebSocket):
+        from .textstream import SpeechSession
+        from .wsproto import ConfigError, WsSession
+
+        if (e := svc.refusal(ws.headers, True)) is not None:  # closed before the session starts (code 1008)
+            await ws.close(1008, e.message[:120])
+            return
+        await ws.accept()
+
+        async def configure(cfg: dict):
+            """(format, options, voice, speed tag) from a session.config; wsproto.ConfigError for the first field
+            that is bad or that this door cannot honour (`job.options`: refused by name, never ignored)."""
+            from .shapes import ShapeError, normalise
+
+            body = {"model": svc.model_id, **{k: v for k, v in cfg.items() if k not in WS_ONLY}}
+            try:
+                unknown = sorted(set(body) - WS_FIELDS)
+                if unknown:
+                    raise ConfigError(f"{unknown[0]} is not a session.config field here; the fields are "
+                                      f"{', '.join(sorted(WS_FIELDS - {'model'}))}", unknown[0], "unknown_parameter")
+                for name, value in (("stream_format", "audio"), ("stream", False)):
+                    if body.get(name, value) != value:
+                        raise ConfigError(f"{name} is not for the text-in WebSocket: audio always comes as binary "
+                                          f"frames, as it is made", name, "unsupported_parameter")
+                inline = normalise(body)  # Boson's ref_audio/ref_text, sglang-omni's references (serve/shapes.py)
+                r = SpeechRequest.model_validate({**body, "input": "-"})
+                _, job_opts, tag = svc.check_speech(r, "websocket")
+                if isinstance(inline, list):
+                    raise ConfigError("references: a blend of several references is not supported on the text-in "
+                                      "WebSocket (it continues one KV context across segments); send one reference",
+                                      "references", "unsupported_parameter")
+                voice = await svc.inline_voice(inline) if inline is not None else await svc.resolve_voice(r.voice, None)
+                if getattr(voice, "width", 1) > 1:  # a `Blend`
+                    raise ConfigError("voice: a blend of voices is not supported on the text-in WebSocket (it "
+                                      "continues one KV context across sentences); use one voice",
+                                      "voice", "unsupported_parameter")
+                return r.response_format, job_opts.generation, voice, tag or ""
+            except ValidationError as e:
+                message, param = validation_message(e)
+                raise ConfigError(message, param, "invalid_value") from None
+            except ShapeError as e:
+                raise ConfigError(str(e), e.param, e.code) from None
+            except ApiError as e:
+                raise ConfigError(e.message, e.param, e.code) from None
+
+        await WsSession(ws, configure, lambda voice, options, prefix: SpeechSession(svc.scheduler, voice, options,
+                                                                                    prefix=prefix),
+                        svc.sample_rate, svc.ws_idle_s, svc.timeouts.send_s).run()
+
+    return router
