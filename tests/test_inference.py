@@ -128,8 +128,8 @@ def test_cli_zero_shot_clone_text_file_codes(builds, tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--text", "hi", "--ref-text", "x"], "--ref-text needs --ref-audio"),
     (["--text", "hi", "--temperature", "-1"], "temperature"),
-    (["--text", "hi", "--top-p", "1.5"], "top_p"),
-    (["--text", "hi", "--top-k", "-2"], "top_k"),
+    (["--text", "hi", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
+    (["--text", "hi", "--top-k", "-2"], "--top-k must be >= 0"),
     (["--text", "hi", "--ref-audio", "/no/such.wav"], "does not exist"),
     (["--text", "   "], "empty"),
     (["--text", "hi", "--provider", "cuda"], "built for CPUExecutionProvider"),
