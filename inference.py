@@ -23,11 +23,11 @@ from pathlib import Path
 
 from higgs_onnx.cli import add_log_level, run_main
 from higgs_onnx.generation.blend import MODES
+from higgs_onnx.generation.codec_stream import CODEC_MODES, StreamOptions
 from higgs_onnx.generation.options import DEFAULT_MAX_ROWS, GenerationOptions
 from higgs_onnx.generation.prompt import check_text
 from higgs_onnx.job.options import SpeechOptions
 from higgs_onnx.runtime.session import PROVIDERS, check_threads
-from higgs_onnx.runtime.stream import CODEC_MODES, StreamOptions
 
 log = logging.getLogger("inference")
 
@@ -316,7 +316,7 @@ def run(args: argparse.Namespace) -> int:
         from higgs_onnx.asr import Transcriber
 
         args.asr = Transcriber.load(args.asr_model)
-    from higgs_onnx.job.speak import speak_all
+    from higgs_onnx.speak import speak_all
 
     return speak_all(args)
 

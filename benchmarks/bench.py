@@ -344,9 +344,9 @@ def stream_figures(model_path: Path, seconds: float, threads: int, voice: bool, 
 def codec_schemes(tts, frames: np.ndarray) -> list[dict]:
     """Streamed codec decoding of real speech codes `frames` (T, N), pushed one frame at a time as generation
     makes them, against one one-shot decode: extra codec time and SNR per scheme and setting."""
+    from higgs_onnx.generation.codec_stream import CodecStream, StatefulCodecStream, StreamOptions
     from higgs_onnx.generation.delay import codes_for_codec
     from higgs_onnx.parity import snr_db
-    from higgs_onnx.runtime.stream import CodecStream, StatefulCodecStream, StreamOptions
 
     f = tts.facts
     codes = codes_for_codec(frames, f.codebook_size)

@@ -301,10 +301,10 @@ def throughput_phase(server: Server, args) -> dict:
 
 # -- in process: the same feed on one scheduler, and 4 requests decoded together (a child process) ---------------
 def inprocess_figures(model: Path, batch: int, rows: int, threads: int, duration: float) -> dict:
+    from higgs_onnx.generation.codec_stream import StreamOptions
     from higgs_onnx.generation.options import GenerationOptions
     from higgs_onnx.generation.scheduler import PrefillPolicy
     from higgs_onnx.runtime.model import HiggsTTS
-    from higgs_onnx.runtime.stream import StreamOptions
 
     tts = HiggsTTS(model, threads=threads, verify=False)
 

@@ -240,7 +240,7 @@ def check_audio_tokenizer(part, ref, precision: str, rng: np.random.Generator) -
 def check_audio_tokenizer_stream(part, ref, precision: str, rng: np.random.Generator) -> dict:
     """37 random frames pushed in uneven pieces (one-frame pushes included) through `StatefulCodecStream`, against
     the PyTorch one-shot decode."""
-    from .runtime.stream import StatefulCodecStream
+    from .generation.codec_stream import StatefulCodecStream
 
     f = ref.facts
     codes = rng.integers(0, f.codebook_size, (1, f.num_codebooks, 37))

@@ -50,7 +50,7 @@ def quantize_block(w: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarr
     return packed, scales
 
 
-class _DataWriter:
+class DataWriter:
     """Appends tensors to one external data file, 4 KiB aligned like onnx's own writer."""
 
     def __init__(self, path: Path):
@@ -85,7 +85,7 @@ def quantize_model_int4(src: Path, dst: Path, block_size: int = 32, accuracy_lev
     graph, base = model.graph, src.parent
     inits = {t.name: t for t in graph.initializer}
     dst.parent.mkdir(parents=True, exist_ok=True)
-    writer = _DataWriter(dst.with_name(dst.name + ".data"))
+    writer = DataWriter(dst.with_name(dst.name + ".data"))
     new_inits: list[TensorProto] = []
     new_nodes: list[onnx.NodeProto] = []
     targets = [n for n in graph.node if n.op_type == "MatMul" and n.input[1] in inits

@@ -10,7 +10,7 @@ with no words after them wait for the text they lead. Whitespace inside a segmen
 
 from __future__ import annotations
 
-from .longform.split import CLAUSE_END, PARAGRAPH_BREAK, TAG, _in_tag, _sentence_ends, _speakable, split_text
+from .longform.split import CLAUSE_END, PARAGRAPH_BREAK, TAG, in_tag, is_speakable, sentence_ends, split_text
 
 GRANULARITIES = ("sentence", "clause")
 MAX_CHARS = 600  # as long-form's pieces: about 40 s of speech
@@ -56,9 +56,9 @@ class TextSegmenter:
         if not para.strip():
             return []
         tags = [m.span() for m in TAG.finditer(para)]
-        ends = set(_sentence_ends(para, tags))
+        ends = set(sentence_ends(para, tags))
         if self.clause:
-            ends |= {m.end() for m in CLAUSE_END.finditer(para) if not _in_tag(tags, m.start())}
+            ends |= {m.end() for m in CLAUSE_END.finditer(para) if not in_tag(tags, m.start())}
         if not final:  # an end counts once the next word has begun to arrive
             ends = {e for e in ends if para[e:].strip()}
         out, start = [], 0
@@ -79,7 +79,7 @@ class TextSegmenter:
     def _lead(self, segments: list[str]) -> list[str]:
         out = []
         for s in segments:
-            if not _speakable(s):
+            if not is_speakable(s):
                 self.lead = f"{self.lead} {s}".strip()
                 continue
             out.append(f"{self.lead} {s}".strip())

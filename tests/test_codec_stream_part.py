@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from higgs_onnx.checkpoint import load_facts
+from higgs_onnx.generation.codec_stream import END_UNKNOWN, StatefulCodecStream, StreamOptions
 from higgs_onnx.generation.delay import codes_for_codec
 from higgs_onnx.parts import audio_tokenizer_stream as part
 from higgs_onnx.runtime.session import Part
-from higgs_onnx.runtime.stream import END_UNKNOWN, StatefulCodecStream, StreamOptions
 
 pytestmark = pytest.mark.slow  # exports a graph
 REL = 2e-4  # of the peak, see the module docstring

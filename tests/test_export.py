@@ -247,8 +247,8 @@ def test_tampered_files_are_caught(builds, tmp_path):
 def test_an_export_without_the_optional_stream_codec_still_loads_and_streams(builds, tmp_path):
     """Folders built before `audio_tokenizer_stream` existed: the manifest still loads, streaming falls back to
     overlapping windows, and asking for the stateful codec is a clear error."""
+    from higgs_onnx.generation.codec_stream import CodecStream, StreamOptions
     from higgs_onnx.runtime.model import HiggsTTS
-    from higgs_onnx.runtime.stream import CodecStream, StreamOptions
 
     old = tmp_path / "old"
     shutil.copytree(builds["int4"], old, symlinks=True)

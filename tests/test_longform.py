@@ -384,16 +384,16 @@ def test_stream_comes_early_and_equals_the_file(tts, tmp_path):
 
 
 def test_stream_fades_each_piece_like_the_file():
-    from higgs_onnx.longform.render import _Edges, _fade
+    from higgs_onnx.longform.render import Edges, fade_edges
 
     rng = np.random.default_rng(0)
     for size, k, cuts in ((1000, 50, [7, 300, 301, 999]), (60, 50, [10, 30]), (3, 2, [1]), (500, 0, [100])):
         wav = rng.standard_normal(size).astype(np.float32)
-        edges, out = _Edges(k), []
+        edges, out = Edges(k), []
         for part in np.split(wav, cuts):
             out.append(edges.push(part))
         out.append(edges.finish())
-        assert np.array_equal(np.concatenate(out), _fade(wav.copy(), k)), (size, k)
+        assert np.array_equal(np.concatenate(out), fade_edges(wav.copy(), k)), (size, k)
 
 
 def small_context(builds, positions: int) -> HiggsTTS:

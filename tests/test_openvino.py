@@ -11,12 +11,12 @@ import numpy as np
 import openvino  # noqa: F401 - pinned in requirements.txt: a broken install fails here, it is not skipped
 import pytest
 
+from higgs_onnx.generation.codec_stream import END_UNKNOWN
 from higgs_onnx.manifest import PART_NAMES
 from higgs_onnx.parts.kv_cache import fp32_twin
 from higgs_onnx.parts.openvino_ir import describe_ir, ir_signature, to_ir, weight_types
 from higgs_onnx.runtime.openvino import OvPart, check_supported, read_model
 from higgs_onnx.runtime.session import Part, ProviderError
-from higgs_onnx.runtime.stream import END_UNKNOWN
 
 pytestmark = pytest.mark.slow
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from higgs_onnx.generation.codec_stream import StreamOptions
 from higgs_onnx.generation.scheduler import Cancelled, PrefillPolicy
 from higgs_onnx.runtime.model import HiggsTTS
-from higgs_onnx.runtime.stream import StreamOptions
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent

@@ -19,11 +19,11 @@ from higgs_onnx.generation.contract import ContractError
 from higgs_onnx.generation.engine import GenerationStats
 from higgs_onnx.generation.options import GenerationOptions
 from higgs_onnx.generation.stream import AudioChunk
-from higgs_onnx.longform.render import _fade
+from higgs_onnx.longform.render import fade_edges
 from higgs_onnx.longform.split import Piece, split_text
 from higgs_onnx.serve import pieces as pieces_mod
 from higgs_onnx.serve.limits import MAX_INPUT_CHARS, MAX_PIECES
-from higgs_onnx.serve.pieces import ONE_REQUEST_CHARS, Cue, PieceReader, plan_pieces
+from higgs_onnx.serve.pieces import ONE_REQUEST_CHARS, PieceCue, PieceReader, plan_pieces
 from higgs_onnx.serve.scheduler import QueueFull
 
 RATE = 24000
@@ -152,7 +152,7 @@ def test_the_stream_is_the_pieces_and_pauses_and_the_cues_say_where():
     assert [t for t, _ in session.spoken] == ["<|prosody:speed_fast|>" + p.text for p in PIECES]
     pos, audio, cues = 0, [], []
     for item in items:
-        if isinstance(item, Cue):
+        if isinstance(item, PieceCue):
             assert item.start == (pos if item.end is None else item.start) and item.end in (None, pos), item
             cues.append(item)
         else:
@@ -166,12 +166,12 @@ def test_the_stream_is_the_pieces_and_pauses_and_the_cues_say_where():
     pauses = [int(0.3 * RATE), int(0.7 * RATE), int(0.3 * RATE)]  # 0.7 s after a paragraph, none after the last
     for i, c in enumerate(ends):
         assert starts[i].start == c.start and c.end - c.start == session.sizes[i]
-        assert np.array_equal(stream[c.start:c.end], _fade(session.audio[i].copy(), FADE))  # long-form's fades
+        assert np.array_equal(stream[c.start:c.end], fade_edges(session.audio[i].copy(), FADE))  # long-form's fades
         if i < 3:
             assert ends[i + 1].start - c.end == pauses[i] and not stream[c.end:ends[i + 1].start].any()
     assert ends[-1].end == stream.size  # the stream ends with the last piece
-    last = [x for x in items if not isinstance(x, Cue)][-1]
-    assert last.is_last and sum(not isinstance(x, Cue) and x.is_last for x in items) == 1
+    last = [x for x in items if not isinstance(x, PieceCue)][-1]
+    assert last.is_last and sum(not isinstance(x, PieceCue) and x.is_last for x in items) == 1
     s = last.stats
     assert s.rows == 50 + 51 + 52 + 53 and s.stop_reason == "max_rows"
     assert s.prompt_tokens == 10 + 3 * 6  # a continued piece's new prompt positions only
@@ -211,12 +211,12 @@ def test_a_cancelled_reader_stops_between_pieces():
         got = []
         async for item in reader:
             got.append(item)
-            if isinstance(item, Cue) and item.end is None:
+            if isinstance(item, PieceCue) and item.end is None:
                 reader.cancel()
         return got
 
     got = asyncio.run(run())
-    assert len(session.spoken) == 1 and not any(isinstance(c, Cue) and c.end is not None for c in got)
+    assert len(session.spoken) == 1 and not any(isinstance(c, PieceCue) and c.end is not None for c in got)
 
 
 # -- on a real server ------------------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from higgs_onnx.runtime.stream import CodecStream, StreamOptions
+from higgs_onnx.generation.codec_stream import CodecStream, StreamOptions
 
 
 @pytest.fixture(scope="module")

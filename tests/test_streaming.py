@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 import soundfile as sf
 
+from higgs_onnx.generation.codec_stream import StreamOptions
 from higgs_onnx.generation.options import GenerationOptions
 from higgs_onnx.parity import snr_db
 from higgs_onnx.runtime.decoder import BoundCache
 from higgs_onnx.runtime.model import HiggsTTS
-from higgs_onnx.runtime.stream import StreamOptions
 
 pytestmark = pytest.mark.slow
 

@@ -134,3 +134,46 @@ def test_the_runtime_facade_reexports_its_pieces():
     assert OnnxBackend is backend.OnnxBackend and Voice is voice.Voice and VoiceFileError is voice.VoiceFileError
     assert isinstance(HiggsTTS.backend, property) and isinstance(HiggsTTS.kv_memory, property)
     assert model.OnnxCodec is codec.OnnxCodec
+
+
+def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The import graph between the package's folders (`higgs_onnx.serve`, `higgs_onnx.runtime`, ...; a top-level
+    module is a node of its own, and so is a folder's `__main__`: a command's entry point, which no module imports):
+    an arrow wherever a module of one imports a module of the other."""
+    def folder(name: str) -> str:
+        return name if name.endswith(".__main__") else ".".join(name.split(".")[:2])
+
+    out: dict[str, set[str]] = {}
+    for a, targets in graph.items():
+        out.setdefault(folder(a), set())
+        for b in targets:
+            if folder(b) != folder(a) and folder(b) != "higgs_onnx":
+                out[folder(a)].add(folder(b))
+    return out
+
+
+def test_the_package_has_no_folder_import_circle():
+    """No two folders import each other, even through others (issue 34 removed five: generation <-> runtime,
+    generation <-> guard, guard <-> runtime, parts <-> runtime, serve <-> wyoming)."""
+    graph = folder_graph(import_graph())
+    assert {"higgs_onnx.serve", "higgs_onnx.runtime", "higgs_onnx.job"} <= set(graph)
+    found = cycles(graph)
+    assert not found, "folder circles: " + "; ".join(" -> ".join(c) for c in found)
+
+
+def test_the_folder_graph_sees_a_circle_through_three_folders():
+    graph = {"p.a.x": {"p.b.y"}, "p.b.y": {"p.c.z"}, "p.c.z": {"p.a.w"}, "p.a.w": set(), "p.a.__main__": {"p.c.z"}}
+    assert cycles(folder_graph(graph)) == [["p.a", "p.b", "p.c", "p.a"]]
+    del graph["p.c.z"]
+    graph["p.c.z"] = set()
+    assert cycles(folder_graph(graph)) == []
+
+
+def test_no_private_name_is_imported_from_another_module():
+    """`from .x import _name` couples a module to another's internals: such names are made public or kept home."""
+    found = []
+    for name, (path, _) in modules().items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("higgs_onnx")):
+                found += [f"{name}: {a.name}" for a in node.names if a.name.startswith("_") and a.name != "__version__"]
+    assert not found, found

@@ -20,9 +20,9 @@ about and an error code, so the server answers it as an OpenAI-style 400/413 bod
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
+from ..tags import CONTROL_TAG
 from .options import DEFAULT_MAX_ROWS
 
 # A fast reader speaks ~15 characters a second (about 200 words a minute); no natural speech gets past this many,
@@ -31,7 +31,6 @@ from .options import DEFAULT_MAX_ROWS
 FAST_CHARS_PER_S = 20.0
 LONG_FORM_HINT = "split it into shorter requests, or read it as one recording with long-form: " \
                  "python inference.py --text-file FILE --out OUT.wav"
-_TAG = re.compile(r"<\|[^<>|]*\|>")
 
 
 class ContractError(ValueError):
@@ -70,7 +69,7 @@ def min_rows(num_codebooks: int) -> int:
 
 def spoken_chars(text: str) -> int:
     """Characters that take time to say: tags removed, runs of whitespace counted once."""
-    return len(" ".join(_TAG.sub(" ", text).split()))
+    return len(" ".join(CONTROL_TAG.sub(" ", text).split()))
 
 
 def needed_rows(text: str, frame_rate: float, num_codebooks: int) -> int:

@@ -133,7 +133,7 @@ class Handle:
         """Every event in order: AudioChunks (audio="stream"), then the final result; raises the request's error."""
         while True:
             item = self._next()
-            if item is _END:
+            if item is END:
                 if self.error is not None:
                     raise self.error
                 return
@@ -159,7 +159,7 @@ class Handle:
                 item = self._events.get_nowait()
             except queue.Empty:
                 return items, ended
-            if item is _END:
+            if item is END:
                 ended = True
             else:
                 items.append(item)
@@ -210,14 +210,14 @@ class Handle:
             "cancelled" if error is not None else "done"
         self.sched._count({"done": "finished"}.get(self.state, self.state))
         self.finished.set()
-        self._emit(_END)
+        self._emit(END)
 
     def release(self) -> None:
         """Give back the cache a finished `keep=True` request holds (when it will not be continued)."""
         self.sched._release_kept(self)
 
 
-_END = object()  # the last event of every handle
+END = object()  # the last event of every handle
 
 
 class Mailbox:
@@ -392,7 +392,7 @@ class Scheduler:
         handle = Handle(self, request, audio, keep, exclusive, after, on_row, sink)
         handle.retry = retry
         if audio == "stream":
-            from ..runtime.stream import StreamOptions
+            from .codec_stream import StreamOptions
 
             codec = self.codec.codec_stream(stream_options or StreamOptions())
             handle.streamer = AudioStreamer(request, codec, self.codec.facts.sample_rate,

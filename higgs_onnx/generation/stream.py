@@ -1,7 +1,7 @@
 """Streaming: a request's audio handed out in chunks while the engine is still generating its rows.
 
 After every row the request's newly completed frames go to an incremental codec decoder (a `codec` with
-`push(frames) -> [samples, ...]` and `flush() -> samples`: `runtime.stream`), whose final samples come out as
+`push(frames) -> [samples, ...]` and `flush() -> samples`: `generation.codec_stream`), whose final samples come out as
 `AudioChunk`s. The last chunk carries the request's `GenerationStats`.
 """
 

@@ -29,8 +29,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from ..generation.contract import _TAG
-from ..job.options import check_retries
+from ..tags import CONTROL_TAG
 
 GOOD = ("eoc",)  # stop reasons of a good take (before the length and audio verdicts)
 VERDICTS = ("loop", "overlong", "short", "silence", "max_rows")  # a degenerate take, by name
@@ -120,12 +119,12 @@ def expected_seconds(text: str, options: GuardOptions = GuardOptions()) -> float
     """Seconds `text` takes at the typical rate of each of its scripts (control tags and spaces take none; a
     space between words is counted in the Latin rate)."""
     rate, counts = options.rate, {}
-    for ch in _TAG.sub(" ", text):
+    for ch in CONTROL_TAG.sub(" ", text):
         s = script_of(ch)
         if s is not None:
             counts[s] = counts.get(s, 0) + 1
     latin = counts.pop("latin", 0)
-    words = len([w for w in _TAG.sub(" ", text).split() if any(script_of(c) == "latin" for c in w)])
+    words = len([w for w in CONTROL_TAG.sub(" ", text).split() if any(script_of(c) == "latin" for c in w)])
     seconds = (latin + max(words - 1, 0)) / rate["latin"] if latin else 0.0
     return seconds + sum(n / rate[s] for s, n in counts.items())
 
@@ -242,6 +241,18 @@ def judge(rows: np.ndarray, text: str, frame_rate: float, num_codebooks: int, st
     return Verdict("good", "a clean stop at a plausible length", fig)
 
 
+MAX_RETRIES = 10  # redraws of one take: the bound of every door's `retries` (job.options)
+
+
+def check_retries(value, label: str = "retries") -> int:
+    """A retry count, whole and within 0..MAX_RETRIES; ValueError naming `label` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{label} must be a whole number, got {value!r}")
+    if not 0 <= value <= MAX_RETRIES:
+        raise ValueError(f"{label} must be from 0 to {MAX_RETRIES}, got {value!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
     """What a degenerate take gets: up to `retries` new draws, each with the seed moved by `seed_step` and the
@@ -254,7 +265,7 @@ class RetryPolicy:
     min_temperature: float = 0.3
 
     def __post_init__(self) -> None:
-        check_retries(self.retries)  # the bound every door shares (job.options)
+        check_retries(self.retries)  # the bound every door shares (job.options reads it here)
         if isinstance(self.seed_step, bool) or not isinstance(self.seed_step, int) or self.seed_step < 1:
             raise ValueError(f"seed_step must be a whole number >= 1, got {self.seed_step!r}")
         for name in ("cool", "min_temperature"):

@@ -23,6 +23,8 @@ from typing import Any
 
 from ..generation.blend import MODES
 from ..generation.options import GenerationOptions
+from ..guard import MAX_RETRIES
+from ..guard import check_retries as guard_retries
 from ..loudness import RANGE as LOUDNESS_RANGE
 from ..loudness import check_target
 
@@ -38,7 +40,6 @@ ABSENT = "absent"  # the door's protocol has no place for the field (Wyoming's e
 STREAMED = "audio is sent as it is made, segment by segment, so nothing can wait for a whole take"
 SPEED_RANGE = (0.25, 4.0)
 MAX_TAKES = 16  # takes of one request: each is a batch row (its own slot)
-MAX_RETRIES = 10
 
 
 @dataclass(frozen=True)
@@ -147,10 +148,10 @@ def check_takes(value, label: str = "takes") -> int:
 
 
 def check_retries(value, label: str = "retries") -> int:
-    v = _integer(value, label)
-    if not 0 <= v <= MAX_RETRIES:
-        raise OptionError(f"{label} must be from 0 to {MAX_RETRIES}, got {value!r}", None)
-    return v
+    try:
+        return guard_retries(value, label)  # the guard's own bound (RetryPolicy checks it too)
+    except ValueError as e:
+        raise OptionError(str(e), None) from None
 
 
 def check_loudness(value, label: str = "loudness") -> float | None:

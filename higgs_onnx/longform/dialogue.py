@@ -15,7 +15,7 @@ import json
 import os
 
 from ..generation.options import GenerationOptions
-from .render import LongForm, LongFormOptions, _voice_id
+from .render import LongForm, LongFormOptions, voice_digest
 from .script import ScriptError, Turn, check_cast, speakers
 from .split import Piece, split_text
 
@@ -67,7 +67,7 @@ class Dialogue(LongForm):
         return list(self.cast_voices), group, lanes
 
     def _plan_extra(self) -> dict:
-        return {"speakers": self.cast, "voices": [None if v is None else _voice_id(v) for v in self.cast_voices],
+        return {"speakers": self.cast, "voices": [None if v is None else voice_digest(v) for v in self.cast_voices],
                 "turns": [self._turn_of[i] for i in range(len(self.pieces))]}
 
     def _speaker(self, i: int) -> str:

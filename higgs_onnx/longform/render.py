@@ -235,9 +235,9 @@ def _reason(e: BaseException) -> str:
     return text.split(": ", 1)[-1] if text.startswith("Error ") else text
 
 
-class _Edges:
+class Edges:
     """One piece's samples as they are made: the first `k` faded in, the last `k` held back and faded out at the
-    end, the same samples `_fade` gives the whole waveform (k shrinks to half the piece for a very short one, so
+    end, the same samples `fade_edges` gives the whole waveform (k shrinks to half the piece for a very short one, so
     nothing is handed out before 2k samples exist)."""
 
     def __init__(self, k: int):
@@ -260,7 +260,7 @@ class _Edges:
     def finish(self) -> np.ndarray:
         wav = self._take(0)
         if not self.started:
-            return _fade(wav, self.k)
+            return fade_edges(wav, self.k)
         if self.k:
             wav[-self.k:] *= _ramp(self.k)[::-1]
         return wav
@@ -277,7 +277,7 @@ def _ramp(k: int) -> np.ndarray:
     return 0.5 - 0.5 * np.cos(np.linspace(0, np.pi, k, dtype=np.float32))
 
 
-def _fade(wav: np.ndarray, fade: int) -> np.ndarray:
+def fade_edges(wav: np.ndarray, fade: int) -> np.ndarray:
     """`wav` with a raised-cosine fade-in and fade-out of `fade` samples (at most half of it each)."""
     k = min(fade, wav.size // 2)
     if k:
@@ -300,7 +300,7 @@ class _Lane:
 class _Making:
     """A piece being made: its handle, and its audio so far (fades applied, the last `fade` samples held back)."""
 
-    def __init__(self, index: int, handle, attempt: int, prev, edges: _Edges):
+    def __init__(self, index: int, handle, attempt: int, prev, edges: Edges):
         self.index, self.handle, self.attempt, self.prev, self.edges = index, handle, attempt, prev, edges
         self.audio: list[np.ndarray] = []
 
@@ -344,8 +344,8 @@ class LongForm:
     def __init__(self, tts, text: str, out: str | os.PathLike, voice=None, options: GenerationOptions | None = None,
                  lf: LongFormOptions | None = None, resume: bool = False, stream_options=None,
                  lanes: int | None = None):
+        from ..generation.codec_stream import StreamOptions
         from ..generation.prompt import check_text
-        from ..runtime.stream import StreamOptions
 
         if lanes is not None and (isinstance(lanes, bool) or not isinstance(lanes, int) or lanes < 1):
             raise ValueError(f"lanes must be a whole number >= 1, got {lanes!r}")
@@ -373,7 +373,7 @@ class LongForm:
         self.anchor = [min(i for i, g in enumerate(self.group) if g == k) for k in range(len(self.voices))]
         self.stats: dict = {}  # the figures of the last run (scheduler stats, positions prefilled vs generated)
         self.plan = {"version": PLAN_VERSION, "text_sha256": hashlib.sha256(text.encode()).hexdigest(),
-                     "model_id": tts.model_id, "voice": None if voice is None else _voice_id(voice),
+                     "model_id": tts.model_id, "voice": None if voice is None else voice_digest(voice),
                      "options": dataclasses.asdict(self.options), "longform": dataclasses.asdict(self.lf),
                      "pieces": [dataclasses.asdict(p) for p in self.pieces],
                      "lanes": [[lane[0], lane[-1] + 1] for lane in self.lanes], **self._plan_extra()}
@@ -816,7 +816,7 @@ class LongForm:
         # kept when done: for the next piece to continue, or (writing a file) for a retry to cut back
         keep = self.lf.history > 0 and (self.pos[i] + 1 < lane.end or not streaming)
         handle = sched.submit(req, "stream", self.codec_options, keep=keep, after=after)
-        made[i] = lane.busy = _Making(i, handle, attempt, prev, _Edges(self._fade_samples()))
+        made[i] = lane.busy = _Making(i, handle, attempt, prev, Edges(self._fade_samples()))
 
     def _retry(self, sched, lane: _Lane, done: dict, made: dict) -> None:
         """The piece reached its row limit without EOC: make it once more with another seed, in the same context
@@ -877,7 +877,7 @@ class LongForm:
         # bounded whatever the piece's length (one call for a 28 s piece holds ~2 GB of them on the real codec)
         stream = self.tts.codec_stream(self.codec_options)
         wav = np.concatenate([*stream.push(codes), stream.flush()]) if len(codes) else np.zeros(0, np.float32)
-        wav = _fade(np.array(wav, np.float32), self._fade_samples())
+        wav = fade_edges(np.array(wav, np.float32), self._fade_samples())
         return np.concatenate([wav, self._pause(i)])
 
     def write(self, on_piece: Callable[[PieceResult], None] | None = None) -> Path:
@@ -931,7 +931,7 @@ def _quietly(fn) -> None:
         log.debug("clean-up failed", exc_info=True)
 
 
-def _voice_id(voice) -> str:
+def voice_digest(voice) -> str:
     h = hashlib.sha256(np.ascontiguousarray(voice.rows).tobytes())
     h.update(str(voice.ref_text).encode())
     return h.hexdigest()

@@ -59,7 +59,7 @@ def split_text(text: str, target_chars: int = 300, max_chars: int = 600) -> list
         para = " ".join(raw.split())
         if not para:
             continue
-        if not _speakable(para):
+        if not is_speakable(para):
             lead = f"{lead} {para}".strip()
             continue
         para, lead = f"{lead} {para}".strip(), ""
@@ -79,12 +79,12 @@ def plan_stats(pieces: list[Piece]) -> dict[str, float]:
             "max_chars": max(sizes)}
 
 
-def _speakable(s: str) -> bool:
+def is_speakable(s: str) -> bool:
     """True when `s` has a letter or digit outside control tags."""
     return any(c.isalnum() for c in TAG.sub("", s))
 
 
-def _in_tag(tags: list[Span], i: int) -> Span | None:
+def in_tag(tags: list[Span], i: int) -> Span | None:
     """The tag that strictly contains position `i` (a cut there would split it), if any."""
     return next((t for t in tags if t[0] < i < t[1]), None)
 
@@ -93,7 +93,7 @@ def _units(para: str, target: int, limit: int) -> list[Span]:
     """The sentences of `para`, those over `limit` cut smaller, wordless ones joined to a neighbour."""
     tags = [m.span() for m in TAG.finditer(para)]
     units, start = [], 0
-    for end in _sentence_ends(para, tags):
+    for end in sentence_ends(para, tags):
         units += _cut_long(para, start, end, target, limit, tags)
         start = end + (end < len(para) and para[end] == " ")
     if start < len(para):
@@ -101,7 +101,7 @@ def _units(para: str, target: int, limit: int) -> list[Span]:
     merged: list[Span] = []
     pending = None  # start of wordless units waiting for the text they lead
     for a, b in units:
-        if not _speakable(para[a:b]):
+        if not is_speakable(para[a:b]):
             pending = a if pending is None else pending
             continue
         merged.append((a if pending is None else pending, b))
@@ -111,11 +111,11 @@ def _units(para: str, target: int, limit: int) -> list[Span]:
     return merged
 
 
-def _sentence_ends(para: str, tags: list[Span]) -> list[int]:
+def sentence_ends(para: str, tags: list[Span]) -> list[int]:
     """Positions just past each sentence end in `para` (closing quotes included), the paragraph end excluded."""
     ends = []
     for m in SENTENCE_END.finditer(para):
-        if m.end() >= len(para) or _in_tag(tags, m.start()) or _in_tag(tags, m.end()):
+        if m.end() >= len(para) or in_tag(tags, m.start()) or in_tag(tags, m.end()):
             continue
         if m["end"] is not None and not _ends_sentence(para, m.start(), m["end"], m.end()):
             continue
@@ -148,15 +148,15 @@ def _cut_long(para: str, a: int, b: int, target: int, limit: int, tags: list[Spa
         window = para[a:min(b, a + limit + 1)]
         ok = range(1, min(limit, b - a - 1) + 1)  # a cut leaves something on both sides and at most `limit` before
         clauses = [m.end() for m in CLAUSE_END.finditer(window) if m.end() in ok and m.end() >= goal / 2
-                   and not _in_tag(tags, a + m.end())]
-        words = [i for i, c in enumerate(window) if c == " " and i in ok and not _in_tag(tags, a + i)]
+                   and not in_tag(tags, a + m.end())]
+        words = [i for i, c in enumerate(window) if c == " " and i in ok and not in_tag(tags, a + i)]
         untagged = [i for i in words if not window[:i].endswith("|>")]  # keep a tag with the words it leads
         options = clauses or untagged or words
         if options:
             cut = min(options, key=lambda i: (abs(i - goal), i))
         else:
             cut = min(max(round(goal), 1), limit)
-            tag = _in_tag(tags, a + cut)
+            tag = in_tag(tags, a + cut)
             cut = cut if tag is None else (tag[0] - a if tag[0] > a else tag[1] - a)
         spans.append((a, a + len(para[a:a + cut].rstrip())))
         a += cut + (para[a + cut:a + cut + 1] == " ")

@@ -18,40 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
-from ..manifest import DERIVED_PARTS, PART_NAMES
-
-
-@dataclass(frozen=True)
-class PartFacts:
-    """A part's facts that the runtime and the exporter read (torch-free)."""
-
-    name: str
-    inputs: tuple[str, ...]  # the graph's named inputs (the decoder's past_key_values.* come from the model facts)
-    outputs: tuple[str, ...]
-    sized: tuple[str, int, str] | None = None  # (io name, axis, ModelFacts field) that must agree at load
-    device_specific: bool = False  # its graph depends on the target EP: one build per device
-    extra_files: tuple[str, ...] = ()  # files the part brings besides its graph (not hashed as its own)
-    uses: tuple[str, ...] = ()  # a derived part: the built parts it is made from
-
-    @property
-    def derived(self) -> bool:
-        return bool(self.uses)
-
-
-FACTS = {f.name: f for f in (
-    PartFacts("llm_decoder", ("inputs_embeds", "attention_mask"), ("hidden_states",), ("inputs_embeds", -1, "hidden"),
-              device_specific=True, extra_files=("genai_config.json",)),
-    PartFacts("text_embed", ("input_ids",), ("embeddings",), ("embeddings", -1, "hidden")),
-    PartFacts("audio_embed", ("audio_codes",), ("embeddings",), ("audio_codes", -1, "num_codebooks")),
-    PartFacts("audio_heads", ("hidden_states",), ("logits",), ("logits", -1, "codebook_vocab")),
-    PartFacts("audio_encoder", ("waveform",), ("audio_codes",)),
-    PartFacts("audio_tokenizer", ("audio_codes",), ("waveform",), ("audio_codes", 1, "num_codebooks")),
-    PartFacts("audio_tokenizer_stream", ("audio_codes", "start", "end"), ("waveform",),  # + state_in/out.{k}
-              ("audio_codes", 1, "num_codebooks")),
-    PartFacts("llm_step", ("inputs_embeds", "audio_codes", "attention_mask"), ("hidden_states", "logits"),
-              ("logits", -1, "codebook_vocab"), uses=("llm_decoder", "audio_embed", "audio_heads")),
-)}
-assert set(FACTS) == set(PART_NAMES + DERIVED_PARTS)
+from ..part_facts import FACTS, PartFacts
 
 
 def facts(name: str) -> PartFacts:

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..reference.resample import _sinc_kernel
+from ..reference.resample import sinc_kernel
 from . import FACTS, BuildJob, olive
 from .common import checkpoint_dir, facts
 
@@ -77,7 +77,7 @@ class AudioCodecEncoder(torch.nn.Module):
         self.resample_on = sr != ssr
         g = math.gcd(sr, ssr)
         self.orig, self.new = sr // g, ssr // g
-        kernel, self.width = (_sinc_kernel(self.orig, self.new, LOWPASS_FILTER_WIDTH, ROLLOFF, RESAMPLING_METHOD,
+        kernel, self.width = (sinc_kernel(self.orig, self.new, LOWPASS_FILTER_WIDTH, ROLLOFF, RESAMPLING_METHOD,
                                            None, torch.float32, torch.device("cpu"))
                               if self.resample_on else (torch.zeros(0), 0))
         self.register_buffer("resample_kernel", kernel, persistent=False)

@@ -13,7 +13,7 @@ each conv input's position in original coordinates follows from ``start`` and th
 initial state (zeros by convention) and the stream is exact at both ends. The delays add up to ``delay_samples``
 at the output rate (9458 samples, 9.85 frames, for the real codec): the caller drops that many samples at the start
 and, at the end, pushes ``ceil(delay / hop)`` dummy frames with ``end`` = the true frame count (see
-`runtime.stream.StatefulCodecStream`). Every frame is decoded once: the total work is one one-shot decode.
+`generation.codec_stream.StatefulCodecStream`). Every frame is decoded once: the total work is one one-shot decode.
 
 Graph I/O (names are the ONNX input/output names):
 
@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..runtime.stream import END_UNKNOWN
+from ..generation.codec_stream import END_UNKNOWN
 from . import FACTS, BuildJob, olive
 from .common import checkpoint_dir, facts
 

@@ -25,9 +25,10 @@ from pathlib import Path
 import numpy as np
 
 from ..outputs import atomic
+from ..part_facts import STEP_PART
 from . import FACTS
 
-NAME = "llm_step"
+NAME = STEP_PART
 FILE = "llm_step.onnx"
 USES = FACTS[NAME].uses  # the parts it is composed from (their files hold its weights); derived, not built
 EMBEDS, CODES, HIDDEN, LOGITS = "inputs_embeds", "audio_codes", "hidden_states", "logits"

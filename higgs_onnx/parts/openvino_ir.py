@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..runtime.openvino import PRECISIONS, RT_KEY, _io, _port_names, read_model
+from ..runtime.openvino import PRECISIONS, RT_KEY, io_info, port_names, read_model
 
 
 def to_ir(onnx_path: Path, out_xml: Path, precision: str, block_size: int = 32, mode: str = "int4_sym") -> Path:
@@ -110,11 +110,11 @@ def _float_const(node) -> bool:
 def ir_signature(path: Path) -> dict:
     """Names, dtypes and (named) dims of an IR's inputs and outputs, like `export.io_signature`."""
     model, info = read_model(Path(path))
-    ins = _port_names(model.inputs, info.inputs)
-    outs = _port_names(model.outputs, info.outputs)
+    ins = port_names(model.inputs, info.inputs)
+    outs = port_names(model.outputs, info.outputs)
 
     def entry(port, name):
-        io = _io(port, name, info.dims.get(name))
+        io = io_info(port, name, info.dims.get(name))
         return {"name": name, "dtype": np.dtype(port.get_element_type().to_dtype()).name, "shape": io.shape}
 
     return {"inputs": [entry(p, n) for p, n in zip(model.inputs, ins, strict=True)],

@@ -287,7 +287,7 @@ def _write_graph(qwen3_dir: Path, path: Path, dtype: int) -> Geometry:
     import onnx
 
     from ..checkpoint import WEIGHTS, TensorFile, load_json
-    from ..quantize import _DataWriter
+    from ..quantize import DataWriter
 
     geo = Geometry.from_config(load_json(qwen3_dir / "config.json"))
     tf = TensorFile(qwen3_dir / WEIGHTS)
@@ -299,7 +299,7 @@ def _write_graph(qwen3_dir: Path, path: Path, dtype: int) -> Geometry:
         return _to_float(tf.raw(name), meta["dtype"], meta["shape"])
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    writer = _DataWriter(path.with_name(path.name + ".data"))
+    writer = DataWriter(path.with_name(path.name + ".data"))
     try:
         nodes, inits, inputs, outputs = _build_graph(geo, read, writer, dtype)
     finally:

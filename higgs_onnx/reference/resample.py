@@ -24,7 +24,7 @@ _KAISER_DEFAULT_BETA = 14.769656459379492
 _METHODS = ("sinc_interp_hann", "sinc_interp_kaiser")
 
 
-def _sinc_kernel(
+def sinc_kernel(
     orig: int,
     new: int,
     lowpass_filter_width: int,
@@ -83,7 +83,7 @@ def resample(
 
     g = math.gcd(int(orig_freq), int(new_freq))
     orig, new = int(orig_freq) // g, int(new_freq) // g
-    kernel, width = _sinc_kernel(
+    kernel, width = sinc_kernel(
         orig, new, lowpass_filter_width, rolloff, resampling_method, beta, waveform.dtype, waveform.device
     )
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import providers
+from ..part_facts import STEP_PART
 from .decoder import BoundDecoder, ConcatDecoder, SimpleDecoder, StatefulDecoder
 
 KV_LAYOUTS = ("bound", "host")  # where a request's KV cache lives (see OnnxBackend)
@@ -102,6 +103,4 @@ class OnnxBackend:
 def decoder_part(manifest, step_graph: bool = True) -> str:
     """The part whose session holds the decoder's weights at run time: the step graph where the export has one
     (and `step_graph`), else the decoder. Only one of the two is ever loaded (they share the weights' file)."""
-    from ..parts.llm_step import NAME
-
-    return NAME if step_graph and NAME in manifest.parts else "llm_decoder"
+    return STEP_PART if step_graph and STEP_PART in manifest.parts else "llm_decoder"

@@ -1,5 +1,5 @@
 """`OnnxCodec`: the export's 24 kHz neural codec: reference audio -> codes (encoder), codes -> audio (one-shot
-decoder), and incremental decoding for streams (the stateful graph, or overlapping windows; runtime.stream).
+decoder), and incremental decoding for streams (the stateful graph, or overlapping windows; generation.codec_stream).
 
     codec = OnnxCodec(parts)                         # parts: a runtime.parts.ModelParts
     codes = codec.encode_audio(codec.reference("me.wav"))      # (T, N) int64
@@ -14,8 +14,8 @@ import os
 import numpy as np
 
 from ..audio import load_reference, prepare_reference
+from ..generation.codec_stream import CodecStream, StatefulCodecStream, StreamOptions
 from .parts import STATEFUL_CODEC
-from .stream import CodecStream, StatefulCodecStream, StreamOptions
 
 
 class OnnxCodec:
@@ -46,7 +46,7 @@ class OnnxCodec:
         return self.parts.has_stateful_codec
 
     def codec_stream(self, options: StreamOptions, decode_audio=None):
-        """The incremental codec decoder for one stream (see `runtime.stream`): the stateful graph (every frame
+        """The incremental codec decoder for one stream (see `generation.codec_stream`): the stateful graph (every frame
         decoded once) unless the export predates it or `options.codec` asks for overlapping windows (decoded with
         `decode_audio`, default this codec's)."""
         f = self.facts

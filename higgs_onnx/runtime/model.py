@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from ..generation.blend import Blend, BlendRequest
+from ..generation.codec_stream import StreamOptions
 from ..generation.contract import Limits, check_max_rows
 from ..generation.engine import Request
 from ..generation.options import GenerationOptions
@@ -47,7 +48,6 @@ from .backend import KV_LAYOUTS, OnnxBackend
 from .codec import OnnxCodec
 from .parts import STATEFUL_CODEC, ModelParts
 from .session import Part
-from .stream import StreamOptions
 from .voice import VOICE_FILE, Voice, VoiceFileError, prefill_voice
 from .voice_cache import DEFAULT_VOICE_CACHE_BYTES, VoiceCache
 
@@ -180,7 +180,7 @@ class HiggsTTS:
         return self.codec.has_stateful_codec
 
     def codec_stream(self, options: StreamOptions):
-        """The incremental codec decoder for one stream (see `runtime.stream`): the stateful graph (every frame
+        """The incremental codec decoder for one stream (see `generation.codec_stream`): the stateful graph (every frame
         decoded once) unless the export predates it or `options.codec` asks for overlapping windows."""
         return self.codec.codec_stream(options, self.decode_audio)
 
@@ -325,11 +325,11 @@ class HiggsTTS:
                     decoded(i)  # may find dead air
                 if verdicts[i].good:
                     heard[i] = asr.score(text, speeches[i].waveform, f.sample_rate)
-            scores = _take_scores([r.n for r in done], [v.good for v in verdicts])
+            scores = take_scores([r.n for r in done], [v.good for v in verdicts])
             best = max(range(takes), key=lambda i: (verdicts[i].good, -_heard_rate(heard.get(i)), scores[i], -i))
             decoded(best)
         while asr is None:  # the best by its rows; its audio checked; a take with dead air gives way to the next
-            scores = _take_scores([r.n for r in done], [v.good for v in verdicts])
+            scores = take_scores([r.n for r in done], [v.good for v in verdicts])
             best = max(range(takes), key=lambda i: (scores[i], -i))
             was_good = verdicts[best].good
             decoded(best)
@@ -338,7 +338,7 @@ class HiggsTTS:
         if folder is not None:
             for i in range(takes):
                 decoded(i)
-            scores = _take_scores([r.n for r in done], [v.good for v in verdicts])
+            scores = take_scores([r.n for r in done], [v.good for v in verdicts])
         records = [{**take_record(r.options, r.n, r.stop_reason, v), "take": i + 1, "score": round(scores[i], 4),
                     **heard.get(i, {}), "kept": i == best} for i, (r, v) in enumerate(zip(done, verdicts, strict=True))]
         if folder is not None:
@@ -435,7 +435,7 @@ def _heard_rate(record: dict | None) -> float:
     return record.get("wer", record.get("cer"))
 
 
-def _take_scores(rows: list[int], good: list[bool]) -> list[float]:
+def take_scores(rows: list[int], good: list[bool]) -> list[float]:
     """A take's score: 1 for a good take, 0 for a degenerate one, less half its relative distance from the good
     takes' median length (an outlier length is the likelier failure)."""
     middle = float(np.median([n for n, ok in zip(rows, good, strict=True) if ok])) if any(good) else 0.0

@@ -216,7 +216,7 @@ class ModelMeta:
     custom_metadata_map: dict
 
 
-def _io(port, name: str, declared: list | None) -> IOInfo:
+def io_info(port, name: str, declared: list | None) -> IOInfo:
     dims = []
     for k, d in enumerate(port.get_partial_shape()):
         given = declared[k] if declared and len(declared) == len(port.get_partial_shape()) else None
@@ -227,7 +227,7 @@ def _io(port, name: str, declared: list | None) -> IOInfo:
     return IOInfo(name, dims, ORT_TYPES.get(port.get_element_type().get_type_name(), "tensor(float)"))
 
 
-def _port_names(ports, declared: list[str]) -> list[str]:
+def port_names(ports, declared: list[str]) -> list[str]:
     """The io name of each port: the ONNX-declared name it carries (a port may carry several), else any."""
     want = set(declared)
     return [next((n for n in p.get_names() if n in want), p.any_name) for p in ports]
@@ -240,10 +240,10 @@ class OvSession:
 
     def __init__(self, compiled, info: GraphInfo, device: str, state_io: tuple[list, list] = ([], [])):
         self.compiled, self.device = compiled, device
-        self.input_names = _port_names(compiled.inputs, info.inputs)
-        self.output_names = _port_names(compiled.outputs, info.outputs)
-        self._inputs = [_io(p, n, info.dims.get(n)) for p, n in zip(compiled.inputs, self.input_names, strict=True)]
-        self._outputs = [_io(p, n, info.dims.get(n)) for p, n in zip(compiled.outputs, self.output_names,
+        self.input_names = port_names(compiled.inputs, info.inputs)
+        self.output_names = port_names(compiled.outputs, info.outputs)
+        self._inputs = [io_info(p, n, info.dims.get(n)) for p, n in zip(compiled.inputs, self.input_names, strict=True)]
+        self._outputs = [io_info(p, n, info.dims.get(n)) for p, n in zip(compiled.outputs, self.output_names,
                                                                       strict=True)]
         self._state_io = state_io
         self._meta = ModelMeta(dict(info.metadata))
@@ -402,15 +402,15 @@ def _make_stateful(name: str, model, info: GraphInfo):
     (model, (the pairs' input IOInfos, output IOInfos) as declared, {past name: dtype})."""
     from openvino._offline_transformations import apply_make_stateful_transformation
 
-    inputs = _port_names(model.inputs, info.inputs)
-    outputs = _port_names(model.outputs, info.outputs)
+    inputs = port_names(model.inputs, info.inputs)
+    outputs = port_names(model.outputs, info.outputs)
     past = [(n, p) for n, p in zip(inputs, model.inputs, strict=True) if n.startswith("past_key_values.")]
     present = {n: p for n, p in zip(outputs, model.outputs, strict=True) if n.startswith("present.")}
     pairs = {n: n.replace("past_key_values.", "present.") for n, _ in past}
     if not past or set(pairs.values()) != set(present):
         raise ProviderError(f"{name}: no past_key_values.* / present.* pairs to hold as state")
-    state_io = ([_io(p, n, info.dims.get(n)) for n, p in past],
-                [_io(present[pairs[n]], pairs[n], info.dims.get(pairs[n])) for n, _ in past])
+    state_io = ([io_info(p, n, info.dims.get(n)) for n, p in past],
+                [io_info(present[pairs[n]], pairs[n], info.dims.get(pairs[n])) for n, _ in past])
     types = {n: np.dtype(p.get_element_type().to_dtype()) for n, p in past}
     # the transformation finds the ports by tensor name: the ONNX-declared names are among each port's names
     apply_make_stateful_transformation(model, {_any(p, n): _any(present[pairs[n]], pairs[n]) for n, p in past})

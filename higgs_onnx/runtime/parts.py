@@ -21,7 +21,7 @@ from .. import providers
 from ..checkpoint import ModelFacts
 from ..generation.prompt import PromptTokens
 from ..manifest import Manifest, ManifestError, load_manifest
-from ..parts import FACTS
+from ..part_facts import FACTS
 from .checks import check_threads
 from .session import Part, open_part
 

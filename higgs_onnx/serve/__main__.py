@@ -100,7 +100,7 @@ def check_args(args: argparse.Namespace) -> None:
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
     if args.wyoming is not None:
-        from ..wyoming import check_uri
+        from .wyoming_server import check_uri
 
         check_uri(args.wyoming, "--wyoming")
     if not args.ws_idle_timeout > 0:
@@ -163,7 +163,7 @@ def listen(host: str, port: int) -> socket.socket:
 
 def warm_up(tts) -> None:
     """Create every session a request needs now, so the first request does not pay for loading the model."""
-    from ..runtime.stream import StreamOptions
+    from ..generation.codec_stream import StreamOptions
 
     tts.synthesizer  # noqa: B018 - text/audio embeddings, decoder and heads
     for part in (tts.backend.decoder_part, "text_embed", "audio_embed", "audio_heads", "audio_encoder"):
@@ -180,7 +180,7 @@ def serve(args: argparse.Namespace) -> int:
 
     from ..runtime.model import HiggsTTS
     from .app import create_app
-    from .scheduler import Scheduler
+    from .scheduler import JobScheduler
 
     tts = HiggsTTS(args.model_path, provider=args.provider, threads=args.threads, verify=not args.no_verify,
                    voice_cache_bytes=args.voice_cache_mb << 20, guard=args.guard_options)
@@ -203,7 +203,7 @@ def serve(args: argparse.Namespace) -> int:
     if not loopback and args.api_key is None:
         print(f"warning: listening on {args.host} without --api-key: anyone who reaches this port can use it",
               file=sys.stderr)
-    scheduler = Scheduler(tts, max_batch=args.max_batch, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk)
+    scheduler = JobScheduler(tts, max_batch=args.max_batch, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk)
     timeouts = timeouts_of(args)
     app = create_app(tts, scheduler, voices, args.api_key, allowed_hosts=LOOPBACK_NAMES if loopback else None,
                      timeouts=timeouts, default_voice=args.default_voice,

@@ -58,7 +58,7 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
         beside = None
         try:
             if wyoming is not None:  # Home Assistant's protocol on the same scheduler (higgs_onnx.wyoming)
-                from ..wyoming import WyomingService, start
+                from .wyoming_server import WyomingService, start
 
                 beside = await start(wyoming, WyomingService(tts, scheduler, svc.store, default_voice=default_voice,
                                                                send_s=timeouts.send_s))

@@ -36,7 +36,7 @@ def router(svc: SpeechService) -> APIRouter:
     async def dialogue(request: Request):
         from ..longform.dialogue import MAX_SPEAKERS
         from ..longform.script import ScriptError, check_cast, speakers, turns_from_json
-        from .dialogue import DialogueReader, check_lines, plan_lines, speaker_options
+        from .dialogue_reader import DialogueReader, check_lines, plan_lines, speaker_options
         from .textstream import SpeechSession
 
         body = await read_json(request)

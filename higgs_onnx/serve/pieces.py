@@ -16,7 +16,7 @@ long-form's (`piece_rows`: 4 rows a character + 100, capped by the request's `ma
 
 The stream is piece 0's audio, its pause, piece 1's audio, ...: long-form's joins (`LongFormOptions`: 0.3 s of
 silence, 0.7 s after a paragraph, an 8 ms raised-cosine fade at each piece's edges; no pause after the last).
-`PieceReader` yields that stream as `AudioChunk`s, and a `Cue` when a piece's first samples are handed out (`end`
+`PieceReader` yields that stream as `AudioChunk`s, and a `PieceCue` when a piece's first samples are handed out (`end`
 None) and when its last are (`end` set): `start` is the stream position of the piece's first sample, `end` the
 position just past its last, so `[start, end)` is exactly the piece's samples and the pauses lie between the cues.
 Word-level times would need a forced aligner, which no pinned dependency ships; they are not guessed.
@@ -35,7 +35,7 @@ import numpy as np
 
 from ..generation.contract import LONG_FORM_HINT, ContractError, NoAudioError
 from ..generation.stream import AudioChunk
-from ..longform.render import LongFormOptions, _Edges, piece_rows
+from ..longform.render import Edges, LongFormOptions, piece_rows
 from ..longform.split import Piece, split_text
 from .limits import MAX_PIECES
 from .scheduler import QueueFull
@@ -98,7 +98,7 @@ def _fits_one(tts, slot: int, text: str, voice, options) -> bool:
 
 
 @dataclass(frozen=True)
-class Cue:
+class PieceCue:
     """Where piece `index` sits in the stream: samples `[start, end)`; `end` None while it is still being made."""
 
     index: int
@@ -106,7 +106,7 @@ class Cue:
     start: int
     end: int | None
     sample_rate: int
-    speaker: str | None = None  # a dialogue's (serve/dialogue.py)
+    speaker: str | None = None  # a dialogue's (serve/dialogue_reader.py)
 
     def as_dict(self) -> dict:
         sr = self.sample_rate
@@ -122,9 +122,9 @@ class Cue:
 
 class PieceReader:
     """A long input's pieces spoken in order by one `SpeechSession`, as one job: iterate it (async) for the
-    stream's `AudioChunk`s (fades and pauses in; the last carries the stats of all pieces) and a `Cue` as each piece
-    starts and ends; `cancel()` stops it and gives back the kept cache. `clone(codes, text)` makes a voice from the
-    first piece (zero-shot requests: the voice a restart starts from)."""
+    stream's `AudioChunk`s (fades and pauses in; the last carries the stats of all pieces) and a `PieceCue` as each
+    piece starts and ends; `cancel()` stops it and gives back the kept cache. `clone(codes, text)` makes a voice from
+    the first piece (zero-shot requests: the voice a restart starts from)."""
 
     def __init__(self, session, pieces: list[Piece], sample_rate: int, tag: str | None = None,
                  clone: Callable[[np.ndarray, str], Awaitable] | None = None, join: LongFormOptions = JOIN):
@@ -141,7 +141,7 @@ class PieceReader:
         self.cancelled = True
         self.session.close()
 
-    async def __aiter__(self) -> AsyncIterator[AudioChunk | Cue]:
+    async def __aiter__(self) -> AsyncIterator[AudioChunk | PieceCue]:
         sr, n = self.sample_rate, len(self.pieces)
         fade = int(self.join.fade_ms * sr / 1000)
         pos, count, stats, first, t0 = 0, 0, [], None, time.perf_counter()
@@ -151,7 +151,8 @@ class PieceReader:
             out = AudioChunk(samples, sr, count, False, pos / sr, last.elapsed_s, last.rows_done)
             pos, count = pos + samples.size, count + 1
             if final:  # the whole stream's figures on its last chunk, as a single request's
-                out = dataclasses.replace(out, is_last=True, stats=_total(stats, pos / sr, time.perf_counter() - t0))
+                out = dataclasses.replace(out, is_last=True,
+                                          stats=total_stats(stats, pos / sr, time.perf_counter() - t0))
             return out
 
         try:
@@ -163,13 +164,13 @@ class PieceReader:
                              "piece's voice", self.id, i + 1, n)
                     self.session.release()  # the slot is full: start again from the first piece's voice
                     self.session.voice = await self.clone(first.codes, self.pieces[0].text)
-                edges, start, last = _Edges(fade), None, None
+                edges, start, last = Edges(fade), None, None
                 async for c in self._speak(said, wait=i > 0):
                     last = c
                     if (out := edges.push(c.samples)).size:
                         if start is None:
                             start = pos
-                            yield Cue(i, piece.text, start, None, sr)
+                            yield PieceCue(i, piece.text, start, None, sr)
                         yield chunk(out, c)
                 if self.cancelled:
                     return
@@ -185,9 +186,9 @@ class PieceReader:
                 out = edges.finish()
                 if start is None:  # a piece shorter than its two fades: handed out whole at its end
                     start = pos
-                    yield Cue(i, piece.text, start, None, sr)
+                    yield PieceCue(i, piece.text, start, None, sr)
                 yield chunk(out, last, final=i == n - 1)
-                yield Cue(i, piece.text, start, pos, sr)
+                yield PieceCue(i, piece.text, start, pos, sr)
                 if i < n - 1:
                     pause = self.join.paragraph_pause_s if piece.paragraph_end else self.join.pause_s
                     yield chunk(np.zeros(int(pause * sr), np.float32), last)
@@ -224,7 +225,7 @@ async def speak_waiting(session, text: str, wait: bool = True) -> AsyncIterator[
         c = await anext(chunks, None)
 
 
-def _total(stats: list, audio_s: float, wall_s: float):
+def total_stats(stats: list, audio_s: float, wall_s: float):
     """One `GenerationStats` for the pieces: sums of their counts (prompt tokens: each piece's new ones) and phases,
     the first piece's latencies, the whole stream's audio (pauses included) and wall time; the stop reason is "eoc"
     unless a piece stopped otherwise."""

@@ -1,6 +1,6 @@
 """The server's side of the one scheduler: jobs from the event loop -> `generation.scheduler.Scheduler` -> chunks back.
 
-This module keeps no admit / step / retire loop of its own. `Scheduler` wraps one core scheduler
+This module keeps no admit / step / retire loop of its own. `JobScheduler` wraps one core scheduler
 (`tts.scheduler(max_batch, slot_positions, prefill)`, started in its own thread) that every speech request feeds:
 it admits waiting requests into free slots between decoder steps (continuous batching), prefills a new prompt in
 chunks interleaved with the running requests' decode steps (sized by time unless `prefill_chunk` fixes them), runs
@@ -33,14 +33,14 @@ import threading
 from collections import Counter
 from collections.abc import AsyncIterator
 
+from ..generation.codec_stream import StreamOptions
 from ..generation.contract import ContractError
 from ..generation.engine import Request
 from ..generation.options import GenerationOptions
-from ..generation.scheduler import _END, Cancelled, Handle, PrefillPolicy, QueueFull
+from ..generation.scheduler import END, Cancelled, Handle, PrefillPolicy, QueueFull
 from ..generation.stream import AudioChunk
-from ..runtime.stream import StreamOptions
 
-__all__ = ["Job", "QueueFull", "Scheduler", "ShuttingDown"]
+__all__ = ["Job", "QueueFull", "JobScheduler", "ShuttingDown"]
 
 
 class ShuttingDown(RuntimeError):
@@ -56,12 +56,12 @@ class Job:
                  stopping: threading.Event):
         self.id = next(self._ids)
         self.request, self.loop, self.exclusive = request, loop, exclusive
-        self.handle: Handle | None = None  # set by `Scheduler.submit`
+        self.handle: Handle | None = None  # set by `JobScheduler.submit`
         self.error: BaseException | None = None  # the failure, once the job ended (None: done or cancelled)
         self.outcome: str | None = None  # "finished" | "failed" | "cancelled", once ended
         self._out: asyncio.Queue = asyncio.Queue()
         self._done = done  # the scheduler's bookkeeping, called once with the job when it ends
-        self._stopping = stopping  # set by `Scheduler.stop`: what fails from then on fails for that reason
+        self._stopping = stopping  # set by `JobScheduler.stop`: what fails from then on fails for that reason
         self._ended = threading.Lock()  # taken by the first end
         self._ready = threading.Event()  # `handle` is set (the core may end a job before `submit` returns)
 
@@ -81,7 +81,7 @@ class Job:
 
     # the core's loop / codec threads -> the event loop
     def _sink(self, item) -> None:
-        if item is _END:
+        if item is END:
             if not self._ended.acquire(blocking=False):
                 return  # ended already (the core ends a handle once; this guards a race between its threads)
             self._ready.wait(timeout=10)
@@ -105,14 +105,14 @@ class Job:
     async def __aiter__(self) -> AsyncIterator[AudioChunk]:
         while True:
             item = await self._out.get()
-            if item is _END:
+            if item is END:
                 if self.error is not None:
                     raise self.error
                 return
             yield item
 
 
-class Scheduler:
+class JobScheduler:
     """The server's scheduler: `max_batch` requests share each decoder call, `max_queue` more may wait.
 
     `prefill_chunk`: prompt positions per prefill chunk while others decode (None: sized by time, about one decode

@@ -37,7 +37,7 @@ from .limits import (
     MAX_INPUT_CHARS,
     Timeouts,
 )
-from .pieces import Cue, PieceReader
+from .pieces import PieceCue, PieceReader
 from .scheduler import QueueFull, ShuttingDown
 from .voices import DEFAULT, UnknownVoice, VoiceError, VoiceStore
 
@@ -324,10 +324,10 @@ class SpeechService:
     async def best_take(self, text: str, voice, options, job_opts: SpeechOptions, request: Request):
         """(job, chunks, takes): `job_opts.takes` draws submitted together (they batch with every other request),
         each
-        judged; the best (`runtime.model._take_scores`) is sent. (None, None, takes) when the client left."""
+        judged; the best (`runtime.model.take_scores`) is sent. (None, None, takes) when the client left."""
         import dataclasses
 
-        from ..runtime.model import TAKE_SEED_STEP, _take_scores
+        from ..runtime.model import TAKE_SEED_STEP, take_scores
 
         opts = [dataclasses.replace(options, seed=options.seed + i * TAKE_SEED_STEP) for i in range(job_opts.takes)]
         jobs = []
@@ -348,7 +348,7 @@ class SpeechService:
             made.append(done)
         verdicts = [self.judged(text, d) if d else None for d in made]
         good = [v is not None and v.good for v in verdicts]
-        scores = _take_scores([len(d[-1].rows) if d else 0 for d in made], good)
+        scores = take_scores([len(d[-1].rows) if d else 0 for d in made], good)
         best = max(range(len(made)), key=lambda i: (scores[i] if made[i] else -9.0, -i))
         takes = [{**(self.take_entry(o, d, v) if d else {"seed": o.seed, "verdict": "no_audio"}), "take": i + 1,
                   "score": round(scores[i], 4), "kept": i == best}
@@ -363,20 +363,21 @@ class SpeechService:
 
         from ..loudness import normalise
 
-        audio = [c for c in done if not isinstance(c, Cue)]  # a long input's piece cues stay where they are
+        audio = [c for c in done if not isinstance(c, PieceCue)]  # a long input's piece cues stay where they are
         wav, level = normalise(np.concatenate([c.samples for c in audio]), self.sample_rate, lufs)
         ends = np.cumsum([c.samples.size for c in audio])
         made = iter([dataclasses.replace(c, samples=wav[e - c.samples.size:e])
                      for c, e in zip(audio, ends, strict=True)])
-        return [c if isinstance(c, Cue) else next(made) for c in done], level
+        return [c if isinstance(c, PieceCue) else next(made) for c in done], level
 
     async def stream_body(self, job, first, chunks: AsyncIterator, fmt: str, sse: bool, input_chars: int,
                           tag: str | None, takes: list | None = None, level=None,
                           sglang: bool = False) -> AsyncIterator[bytes]:
         """The response body. `sse`: OpenAI's speech.audio.delta / speech.audio.done events, or (`sglang`: `stream:
         true` with `stream_format: "sse"`) sglang-omni's audio.speech.chunk objects, the last with finish_reason
-        and usage, then `data: [DONE]`. A long input's `pieces.Cue`s among the chunks become `audio.speech.piece.start`
-        / `audio.speech.piece` events in both (each after the audio before it); the audio formats leave them out."""
+        and usage, then `data: [DONE]`. A long input's `pieces.PieceCue`s among the chunks become
+        `audio.speech.piece.start` / `audio.speech.piece` events in both (each after the audio before it); the audio
+        formats leave them out."""
         index = itertools.count()
 
         def event(obj: dict) -> bytes:
@@ -398,7 +399,7 @@ class SpeechService:
         enc, stats, chunk, cues = encoder(fmt, self.sample_rate), None, first, []
         try:
             while chunk is not None:
-                if isinstance(chunk, Cue):
+                if isinstance(chunk, PieceCue):
                     if sse:
                         yield event(chunk.event(f"speech-{job.id}"))
                     if chunk.end is not None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..generation.delay import codes_for_codec
+from .delay import codes_for_codec
 
 CODEC_MODES = ("auto", "stateful", "window")
 END_UNKNOWN = 2**62  # `end` of the stateful graph while the utterance's frame count is not known yet

@@ -9,7 +9,7 @@ the speakers' sessions run at once, batched with every other request. A long tur
 a long input (`longform.split`). The response is the turns in script order: each piece faded at its edges (8 ms),
 0.3 s of silence between the pieces of a turn, `turn_pause_s` (0.4 s) between turns. A piece is handed out whole
 once it is made (a later speaker's piece may be made first and waits its turn). The SSE stream carries a cue per
-piece, as a long input's does (`pieces.Cue`), with its speaker. A zero-shot speaker ("default") keeps the voice its
+piece, as a long input's does (`pieces.PieceCue`), with its speaker. A zero-shot speaker ("default") keeps the voice its
 first piece chose: a restart of its context is cloned from that piece.
 """
 
@@ -24,10 +24,10 @@ import numpy as np
 
 from ..generation.contract import LONG_FORM_HINT, ContractError, NoAudioError
 from ..generation.stream import AudioChunk
-from ..longform.render import _fade
+from ..longform.render import fade_edges
 from ..longform.script import Turn
 from ..longform.split import split_text
-from .pieces import JOIN, Cue, _total, piece_options, speak_waiting
+from .pieces import JOIN, PieceCue, piece_options, speak_waiting, total_stats
 
 SPEAKER_SEED_STEP = 7919  # speaker k's pieces are seeded seed + k * this + their index in its session
 
@@ -64,7 +64,7 @@ def check_lines(tts, slot: int, lines: list[Line], voices: dict, options, where:
 
 class DialogueReader:
     """The dialogue as one job: iterate it (async) for `AudioChunk`s in script order (the last one carries the
-    figures of every piece) and a `Cue` as each piece starts and ends; `cancel()` stops every speaker."""
+    figures of every piece) and a `PieceCue` as each piece starts and ends; `cancel()` stops every speaker."""
 
     def __init__(self, sessions: dict, lines: list[Line], sample_rate: int,
                  clone: Callable[[np.ndarray, str], Awaitable] | None = None):
@@ -119,7 +119,7 @@ class DialogueReader:
                 self.first_job = session.job
             yield c
 
-    async def __aiter__(self) -> AsyncIterator[AudioChunk | Cue]:
+    async def __aiter__(self) -> AsyncIterator[AudioChunk | PieceCue]:
         sr, n = self.sample_rate, len(self.lines)
         fade = int(JOIN.fade_ms * sr / 1000)
         loop = asyncio.get_running_loop()
@@ -130,15 +130,15 @@ class DialogueReader:
             for i, line in enumerate(self.lines):
                 audio, last = await futures[i]
                 stats.append(last.stats)
-                wav = _fade(np.array(audio, np.float32), fade)
+                wav = fade_edges(np.array(audio, np.float32), fade)
                 start = pos
-                yield Cue(i, line.text, start, None, sr, line.speaker)
+                yield PieceCue(i, line.text, start, None, sr, line.speaker)
                 pos += wav.size
                 final = i == n - 1
                 yield AudioChunk(wav, sr, count, final, start / sr, last.elapsed_s, last.rows_done,
-                                 stats=_total(stats, pos / sr, time.perf_counter() - t0) if final else None)
+                                 stats=total_stats(stats, pos / sr, time.perf_counter() - t0) if final else None)
                 count += 1
-                yield Cue(i, line.text, start, pos, sr, line.speaker)
+                yield PieceCue(i, line.text, start, pos, sr, line.speaker)
                 if not final:
                     pause = JOIN.turn_pause_s if line.turn_end else \
                         JOIN.paragraph_pause_s if line.paragraph_end else JOIN.pause_s

@@ -1,0 +1,337 @@
+"""A Wyoming server (Home Assistant's voice protocol) on the one scheduler:
+`python -m higgs_onnx.wyoming --model-path onnx/cpu_int4 [--uri tcp://127.0.0.1:10200] [--voices DIR]`, or
+`python -m higgs_onnx.serve ... --wyoming tcp://0.0.0.0:10200` beside the HTTP API, sharing its scheduler (so
+Wyoming requests batch with every other request).
+
+Events (package `wyoming`, pinned):
+- `describe` -> `info`: one TTS program, its voices ("default", zero-shot, and every saved voice in the folder),
+  `supports_synthesize_streaming` true.
+- `synthesize` -> `audio-start`, `audio-chunk`s as the audio is made (16-bit mono PCM at the model's rate),
+  `audio-stop`. A long text is spoken segment by segment, each continuing the KV context of the one before.
+- Streaming (Wyoming 1.7+; Home Assistant streams an LLM's answer this way): `synthesize-start` (voice),
+  `synthesize-chunk`s of text, `synthesize-stop` -> for each segment, as soon as its sentence is whole,
+  `audio-start` / `audio-chunk`s / `audio-stop`; then `synthesize-stopped`. The `synthesize` that clients send
+  inside a stream (the whole text, for servers without streaming) is ignored.
+- A bad request (unknown voice, special tokens, a text that cannot fit) is answered with an `error` event and the
+  connection stays; malformed or oversized frames close it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from pathlib import Path
+
+log = logging.getLogger("higgs_onnx.wyoming")
+MAX_HEADER = 65536  # one JSON header line
+MAX_DATA = 1 << 20  # a TTS client sends text: 1 MiB of event data or payload is far more than any sends
+FRAME_S = 30.0  # the rest of an event, once its header came: a client that stalls inside one is closed
+SEND_S = 30.0  # a write that waits this long (the client reads nothing): the connection is closed, its job cancelled
+DEFAULT_LANGUAGES = ("en", "zh")
+SAMPLE_WIDTH = 2
+
+
+class Frame(ValueError):
+    """A frame that breaks the protocol: the connection is closed."""
+
+
+class Stalled(ConnectionError):
+    """The client stopped reading: a write waited SEND_S."""
+
+
+def event_text(event, what: str) -> str:
+    """The `text` of a synthesize / synthesize-chunk event; ValueError when it has none or it is not a string."""
+    text = (event.data or {}).get("text")
+    if not isinstance(text, str):
+        got = "no text" if text is None else f"{type(text).__name__} {text!r:.40}"
+        raise ValueError(f"{what} needs a text string, got {got}")
+    return text
+
+
+async def read_event(reader: asyncio.StreamReader):
+    """The next event (None at the end of the stream), with every length bounded; Frame for a malformed one."""
+    from wyoming.event import Event
+
+    try:
+        line = await reader.readuntil(b"\n")
+    except asyncio.IncompleteReadError as e:
+        if e.partial.strip():
+            raise Frame("the stream ended inside an event header") from None
+        return None
+    except asyncio.LimitOverrunError:
+        raise Frame(f"an event header is longer than {MAX_HEADER} bytes") from None
+    try:
+        head = json.loads(line)
+    except ValueError as e:
+        raise Frame(f"an event header is not JSON ({e})") from None
+    if not isinstance(head, dict) or not isinstance(head.get("type"), str):
+        raise Frame('an event header is a JSON object with a "type"')
+    data = head.get("data") or {}
+    lengths = [head.get("data_length") or 0, head.get("payload_length") or 0]
+    if not isinstance(data, dict) or any(isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_DATA
+                                         for n in lengths):
+        raise Frame(f"bad event lengths or data (data and payload are at most {MAX_DATA} bytes)")
+    try:
+        if lengths[0]:
+            extra = json.loads(await asyncio.wait_for(reader.readexactly(lengths[0]), FRAME_S))
+            if not isinstance(extra, dict):
+                raise Frame("event data is not a JSON object")
+            data = {**data, **extra}
+        payload = await asyncio.wait_for(reader.readexactly(lengths[1]), FRAME_S) if lengths[1] else None
+    except asyncio.IncompleteReadError:
+        raise Frame("the stream ended inside an event") from None
+    except TimeoutError:
+        raise Frame(f"the rest of an event did not come within {FRAME_S:g} s") from None
+    except ValueError as e:
+        raise Frame(f"event data is not JSON ({e})") from None
+    return Event(type=head["type"], data=data, payload=payload)
+
+
+class WyomingService:
+    """What every connection shares: the model, the scheduler, the voices."""
+
+    def __init__(self, tts, scheduler, store, languages=DEFAULT_LANGUAGES, default_voice: str = "default",
+                 send_s: float = SEND_S):
+        self.tts, self.scheduler, self.store = tts, scheduler, store
+        self.languages, self.default_voice, self.send_s = list(languages), default_voice, send_s
+        self.rate = tts.facts.sample_rate
+
+    def info(self):
+        from wyoming.info import Attribution, Info, TtsProgram, TtsVoice
+
+        from .. import __version__
+
+        by = Attribution(name="Boson AI (Higgs Audio v3); higgs-onnx", url="https://huggingface.co/bosonai/higgs-tts-3-4b")
+        voices = [TtsVoice(name=n, attribution=by, installed=True, version=None, languages=self.languages,
+                           description="zero-shot (no reference)" if n == "default" else f"saved voice {n}")
+                  for n in ["default", *self.store.names()]]
+        program = TtsProgram(name="higgs-onnx", attribution=by, installed=True, version=__version__,
+                             description=f"Higgs Audio v3 TTS on ONNX Runtime ({Path(self.tts.manifest.folder).name})",
+                             voices=voices, supports_synthesize_streaming=True)
+        return Info(tts=[program])
+
+    def voice(self, name: str | None):
+        """The voice for a request's name (None: the default); VoiceError for an unknown or unusable one."""
+        from .voices import DEFAULT
+
+        name = name or self.default_voice
+        return None if name.lower() == DEFAULT else self.store.get(name)
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = Connection(self, writer)
+        peer = writer.get_extra_info("peername")
+        try:
+            while True:
+                event = await read_event(reader)
+                if event is None or not await conn.on(event):
+                    break
+        except Frame as e:
+            log.warning("%s: %s; connection closed", peer, e)
+            await conn.error(str(e), "bad_frame")
+        except Stalled as e:
+            log.warning("%s: %s; connection closed, its job cancelled", peer, e)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            log.info("%s: the client left", peer)
+        finally:
+            await conn.close()
+            writer.close()
+
+
+class Connection:
+    def __init__(self, service: WyomingService, writer: asyncio.StreamWriter):
+        self.service, self.writer = service, writer
+        self.segmenter = self.session = self.speaker = None
+        self.queue: asyncio.Queue | None = None
+
+    async def write(self, eventable) -> None:
+        from wyoming.event import async_write_event
+
+        try:
+            await asyncio.wait_for(async_write_event(eventable.event(), self.writer), self.service.send_s)
+        except TimeoutError:
+            raise Stalled(f"the client read nothing for {self.service.send_s:g} s") from None
+
+    async def error(self, text: str, code: str) -> None:
+        from wyoming.error import Error
+
+        try:
+            await self.write(Error(text=text, code=code))
+        except ConnectionError:
+            pass
+
+    def new_session(self, voice_name: str | None):
+        from .textstream import SpeechSession
+
+        return SpeechSession(self.service.scheduler, self.service.voice(voice_name))
+
+    async def on(self, event) -> bool:
+        from wyoming.info import Describe
+        from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop
+
+        from ..textin import TextSegmenter
+        from .voices import VoiceError
+
+        if Describe.is_type(event.type):
+            await self.write(self.service.info())
+        elif SynthesizeStart.is_type(event.type):
+            if self.session is not None:
+                await self.error("synthesize-start inside a stream: send synthesize-stop first", "bad_order")
+                return True
+            start = SynthesizeStart.from_event(event)
+            try:
+                self.session = self.new_session(start.voice.name if start.voice else None)
+            except VoiceError as e:
+                await self.error(str(e), "voice_not_found")
+                return True
+            self.segmenter, self.queue = TextSegmenter(), asyncio.Queue()
+            self.speaker = asyncio.create_task(self.speak_queue())
+        elif SynthesizeChunk.is_type(event.type):
+            if self.session is None:
+                await self.error("synthesize-chunk outside a stream: send synthesize-start first", "bad_order")
+                return True
+            try:
+                text = event_text(event, "synthesize-chunk")
+            except ValueError as e:
+                await self.error(str(e), "bad_text")
+                return True
+            try:
+                for s in self.segmenter.feed(text):
+                    self.queue.put_nowait(s)
+            except ValueError as e:
+                await self.error(str(e), "text_too_long")
+                return False
+        elif SynthesizeStop.is_type(event.type):
+            if self.session is None:
+                await self.error("synthesize-stop outside a stream", "bad_order")
+                return True
+            for s in self.segmenter.flush():
+                self.queue.put_nowait(s)
+            self.queue.put_nowait(None)
+            await self.speaker
+            await self.end_stream()
+        elif Synthesize.is_type(event.type):
+            if self.session is not None:
+                return True  # the whole text, sent for servers without streaming: spoken already
+            try:
+                text = event_text(event, "synthesize")
+            except ValueError as e:
+                await self.error(str(e), "bad_text")
+                return True
+            synth = Synthesize.from_event(event)
+            try:
+                session = self.new_session(synth.voice.name if synth.voice else None)
+            except VoiceError as e:
+                await self.error(str(e), "voice_not_found")
+                return True
+            await self.speak_whole(session, text)
+        return True  # other events (ping, ...) are not for a TTS server
+
+    async def end_stream(self) -> None:
+        from wyoming.tts import SynthesizeStopped
+
+        self.session.close()
+        self.session = self.segmenter = self.speaker = self.queue = None
+        await self.write(SynthesizeStopped())
+
+    async def speak_queue(self) -> None:
+        """A stream's segments in order, each with its own audio-start ... audio-stop."""
+        try:
+            while (text := await self.queue.get()) is not None:
+                await self.speak_segments(self.session, [text])
+        except Stalled as e:  # the reader waits on the client: cut the connection, which ends it and frees all
+            log.warning("%s: %s; connection closed, its job cancelled", self.writer.get_extra_info("peername"), e)
+            self.session.close()
+            self.writer.transport.abort()
+
+    async def speak_whole(self, session, text: str) -> None:
+        from ..textin import TextSegmenter
+
+        seg = TextSegmenter()
+        try:
+            segments = seg.feed(text) + seg.flush()
+        except ValueError as e:
+            await self.error(str(e), "text_too_long")
+            return
+        if not segments:
+            await self.error("the text is empty: nothing to speak", "empty_text")
+            return
+        try:
+            await self.speak_segments(session, segments)
+        finally:
+            session.close()
+
+    async def speak_segments(self, session, segments: list[str]) -> None:
+        """One audio-start, the audio of every segment as it is made, one audio-stop. A segment that cannot be spoken
+        is an error event (before the audio-start when it is the first)."""
+        from wyoming.audio import AudioChunk, AudioStart, AudioStop
+
+        from ..audio import pcm16
+        from ..generation.contract import ContractError, NoAudioError
+        from .scheduler import QueueFull, ShuttingDown
+
+        rate, started = self.service.rate, False
+        for text in segments:
+            try:
+                async for chunk in session.speak(text):
+                    if not started:
+                        await self.write(AudioStart(rate=rate, width=SAMPLE_WIDTH, channels=1))
+                        started = True
+                    await self.write(AudioChunk(rate=rate, width=SAMPLE_WIDTH, channels=1,
+                                                audio=pcm16(chunk.samples)))
+            except ContractError as e:
+                await self.error(str(e), e.code or "invalid_text")
+            except (ValueError, NoAudioError) as e:
+                await self.error(str(e), "invalid_text")
+            except QueueFull as e:
+                await self.error(f"{e}; try again shortly", "busy")
+            except ShuttingDown as e:  # one line, the client told; nothing more is spoken
+                log.info("a synthesis ended: %s", e)
+                await self.error(f"{e}; try again shortly", "shutting_down")
+                break
+            except ConnectionError:
+                raise
+            except Exception as e:  # noqa: BLE001 - this request fails; the connection goes on
+                log.exception("synthesis failed")
+                await self.error(f"speech generation failed ({type(e).__name__})", "server_error")
+        if started:
+            await self.write(AudioStop())
+
+    async def close(self) -> None:
+        if self.speaker is not None and not self.speaker.done():
+            self.speaker.cancel()
+            await asyncio.gather(self.speaker, return_exceptions=True)
+        if self.session is not None:
+            self.session.close()
+
+
+async def serve_wyoming(uri: str, service: WyomingService) -> None:
+    """Listen on `uri` (tcp://HOST:PORT or unix://PATH) until cancelled."""
+    server = await start(uri, service)
+    async with server:
+        await server.serve_forever()
+
+
+async def start(uri: str, service: WyomingService) -> asyncio.AbstractServer:
+    kind, where, port = parse_uri(uri)
+    if kind == "tcp":
+        return await asyncio.start_server(service.handle, where or "127.0.0.1", port, limit=MAX_HEADER)
+    return await asyncio.start_unix_server(service.handle, where, limit=MAX_HEADER)
+
+
+def parse_uri(uri: str, what: str = "--uri") -> tuple[str, str, int | None]:
+    """("tcp", host, port) or ("unix", path, None); ValueError naming `what` for anything else."""
+    kind, _, where = uri.partition("://")
+    if kind == "tcp":
+        host, _, port = where.rpartition(":")
+        if not port.isdigit() or not 0 <= int(port) <= 65535:
+            raise ValueError(f"{what} {uri!r}: the port must be a number from 0 to 65535 (tcp://HOST:PORT)")
+        return kind, host, int(port)
+    if kind == "unix" and where:
+        return kind, where, None
+    raise ValueError(f"{what} {uri!r}: use tcp://HOST:PORT or unix://PATH")
+
+
+def check_uri(uri: str, what: str = "--uri") -> str:
+    parse_uri(uri, what)
+    return uri
