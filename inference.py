@@ -190,7 +190,7 @@ def check_dialogue_args(args: argparse.Namespace) -> None:
         if value is not None:
             why = "the speakers are the lanes" if flag == "--lanes" else "each speaker's voice is in --voices-map"
             raise ValueError(f"{flag} is not for --script: {why}")
-    from higgs_onnx.longform.render import read_text_file
+    from higgs_onnx.longform.files import read_text_file
     from higgs_onnx.longform.script import check_cast, parse_script, parse_voice_map
 
     turns = parse_script(read_text_file(args.script, "--script"), str(args.script))
@@ -290,11 +290,11 @@ def check_args(args: argparse.Namespace) -> tuple[GenerationOptions, StreamOptio
                                     f"line")
         check_output_file(args.out, "--out", WRITE_FORMATS, "hello.wav")
         if args.text_file is None and args.script is None:  # a one-shot file a running long-form job would replace
-            from higgs_onnx.longform.render import check_not_locked
+            from higgs_onnx.longform.files import check_not_locked
 
             check_not_locked(args.out)
     if (args.text_file is not None or args.script is not None) and args.out is not None and str(args.out) != "-":
-        from higgs_onnx.longform.render import check_outputs
+        from higgs_onnx.longform.files import check_outputs
 
         check_outputs(args.out)  # OUT and its work folder OUT.work, before the model loads (creates nothing)
     if args.out_dir is not None:

@@ -59,7 +59,7 @@ def speak_all(args) -> int:
         return 0
     if args.script is not None:
         return speak_dialogue(tts, args)
-    from .longform.render import read_text_file
+    from .longform.files import read_text_file
 
     text = read_text_file(args.text_file)  # empty, binary and non-UTF-8 files are refused here
     if args.out is not None:

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from higgs_onnx import corpus
+from higgs_onnx import corpus, ray_local
 from higgs_onnx.generation.contract import NoAudioError
 
 
@@ -146,12 +146,12 @@ def test_leftovers_are_found_by_their_files_in_the_private_folder(tmp_path):
     outside = subprocess.Popen(["sleep", "60"], cwd=tmp_path)
     try:
         for _ in range(100):  # the child may not have reached its folder yet: poll, bounded
-            if corpus.processes_using(str(folder)):
+            if ray_local.processes_using(str(folder)):
                 break
             time.sleep(0.05)
-        assert corpus.processes_using(str(folder)) == [inside.pid]
+        assert ray_local.processes_using(str(folder)) == [inside.pid]
         named = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", str(folder)])  # names it
-        assert sorted(corpus.stop_leftovers(str(folder), grace_s=5)) == sorted([inside.pid, named.pid])
+        assert sorted(ray_local.stop_leftovers(str(folder), grace_s=5)) == sorted([inside.pid, named.pid])
         assert inside.wait(timeout=5) == -signal.SIGTERM and named.wait(timeout=5) == -signal.SIGTERM
         assert outside.poll() is None
     finally:
@@ -165,7 +165,7 @@ def test_the_private_ray_folder_is_short(monkeypatch, tmp_path):
     long = tmp_path / ("x" * 60)
     long.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(long))
-    folder = corpus.ray_temp_dir()
+    folder = ray_local.ray_temp_dir()
     try:
         # Ray's longest socket: <folder>/session_2026-12-01_09-41-37_125043_1234567/sockets/plasma_store
         assert Path(folder).name.startswith("higgs-ray-") and len(folder) + 66 <= 107, folder
@@ -175,7 +175,7 @@ def test_the_private_ray_folder_is_short(monkeypatch, tmp_path):
 
 def test_sigterm_is_handled_like_ctrl_c():
     before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
-    stop = corpus.StopSignal()
+    stop = ray_local.StopSignal()
     stop.install()
     try:
         with pytest.raises(KeyboardInterrupt):

@@ -21,7 +21,8 @@ import soundfile as sf
 from higgs_onnx.audio import GrowingAudioFile, pcm16
 from higgs_onnx.generation.contract import ContractError
 from higgs_onnx.generation.options import GenerationOptions
-from higgs_onnx.longform.render import JobLockedError, LongForm, LongFormOptions, generate_long
+from higgs_onnx.longform.files import JobLockedError
+from higgs_onnx.longform.render import LongForm, LongFormOptions, generate_long
 from higgs_onnx.outputs import OutputError
 from higgs_onnx.runtime.model import HiggsTTS
 
@@ -384,7 +385,7 @@ def test_stream_comes_early_and_equals_the_file(tts, tmp_path):
 
 
 def test_stream_fades_each_piece_like_the_file():
-    from higgs_onnx.longform.render import Edges, fade_edges
+    from higgs_onnx.longform.joins import Edges, fade_edges
 
     rng = np.random.default_rng(0)
     for size, k, cuts in ((1000, 50, [7, 300, 301, 999]), (60, 50, [10, 30]), (3, 2, [1]), (500, 0, [100])):

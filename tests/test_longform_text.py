@@ -6,7 +6,7 @@ import codecs
 
 import pytest
 
-from higgs_onnx.longform.render import read_text_file
+from higgs_onnx.longform.files import read_text_file
 
 TEXT = "Caf\u00e9 cr\u00e8me, na\u00efve \u2014 \u201cquoted\u201d. \u4f60\u597d\u3002 \U0001f600 End.\n"
 

@@ -19,7 +19,7 @@ from higgs_onnx.generation.contract import ContractError
 from higgs_onnx.generation.engine import GenerationStats
 from higgs_onnx.generation.options import GenerationOptions
 from higgs_onnx.generation.stream import AudioChunk
-from higgs_onnx.longform.render import fade_edges
+from higgs_onnx.longform.joins import fade_edges
 from higgs_onnx.longform.split import Piece, split_text
 from higgs_onnx.serve import pieces as pieces_mod
 from higgs_onnx.serve.limits import MAX_INPUT_CHARS, MAX_PIECES

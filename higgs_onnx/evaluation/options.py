@@ -66,7 +66,7 @@ def parse_thresholds(items: list[str]) -> tuple[tuple[str, float | None], ...]:
 
 def read_prompts(path: Path) -> tuple[str, ...]:
     """One prompt per non-empty line of a UTF-8 text file."""
-    from ..longform.render import read_text_file
+    from ..longform.files import read_text_file
 
     if Path(path).is_dir():
         raise IsADirectoryError(f"--prompts {path} is a folder, not a text file")

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..generation.contract import LONG_FORM_HINT, ContractError, NoAudioError
 from ..generation.stream import AudioChunk
-from ..longform.render import fade_edges
+from ..longform.joins import fade_edges
 from ..longform.script import Turn
 from ..longform.split import split_text
 from .pieces import JOIN, PieceCue, piece_options, speak_waiting, total_stats

@@ -35,7 +35,8 @@ import numpy as np
 
 from ..generation.contract import LONG_FORM_HINT, ContractError, NoAudioError
 from ..generation.stream import AudioChunk
-from ..longform.render import Edges, LongFormOptions, piece_rows
+from ..longform.joins import Edges
+from ..longform.render import LongFormOptions, piece_rows
 from ..longform.split import Piece, split_text
 from .limits import MAX_PIECES
 from .scheduler import QueueFull

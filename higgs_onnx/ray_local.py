@@ -1,0 +1,148 @@
+"""A local Ray instance's processes, for `python -m higgs_onnx.corpus`: its own temporary folder (short enough for
+Ray's socket paths), the processes still using one after a run (found and stopped, SIGTERM then SIGKILL), and
+SIGTERM taken like Ctrl-C while a run goes on."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import tempfile
+import threading
+import time
+
+log = logging.getLogger("higgs_onnx.corpus")
+RAY_TEMP_PREFIX = "higgs-ray-"
+# Ray puts its unix sockets at <temp>/session_<date>_<time>_<us>_<pid>/sockets/plasma_store (~65 bytes after
+# <temp>), and a socket path has at most 107 bytes: a longer $TMPDIR falls back to /tmp.
+MAX_RAY_TEMP_BASE = 32
+
+
+class StopSignal:
+    """SIGTERM handled like Ctrl-C (a KeyboardInterrupt), so `ray.shutdown()` runs and stops the local instance.
+
+    `install` before and again after `ray.init`, which sets SIGTERM handlers of its own (a SIGTERM while it runs is
+    Ray's SystemExit(15), which the same `finally` handles). Ctrl-C is raised by the same handler, so its signal is
+    recorded: one that lands in an at-fork hook while Ray starts its processes is swallowed there ("Exception
+    ignored in _resume_parent_after_fork"), and `check` raises it again afterwards. `shield` while shutting down: a
+    second signal is noted, not raised, so the shutdown is not cut short. `signum` says which signal stopped the job."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous: dict[int, object] = {}
+
+    @staticmethod
+    def _main_thread() -> bool:  # signals reach the main thread only; run() in a thread leaves them alone
+        return threading.current_thread() is threading.main_thread()
+
+    def _raise(self, signum, frame):
+        self.signum = signum
+        raise KeyboardInterrupt
+
+    def _note(self, signum, frame):
+        self.signum = self.signum or signum
+
+    def install(self) -> None:
+        if self._main_thread():
+            self._previous.setdefault(signal.SIGTERM, signal.getsignal(signal.SIGTERM))
+            signal.signal(signal.SIGTERM, self._raise)
+            self._previous.setdefault(signal.SIGINT, signal.getsignal(signal.SIGINT))
+            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # an ignored Ctrl-C stays ignored
+                signal.signal(signal.SIGINT, self._raise)
+
+    def check(self) -> None:
+        """Raise a signal whose KeyboardInterrupt was swallowed (see the class docstring)."""
+        if self.signum is not None:
+            raise KeyboardInterrupt
+
+    def shield(self) -> None:
+        if self._main_thread():
+            for sig in self.SIGNALS:
+                self._previous.setdefault(sig, signal.getsignal(sig))
+                if signal.getsignal(sig) is not signal.SIG_IGN:  # an ignored Ctrl-C (nohup, `&`) stays ignored
+                    signal.signal(sig, self._note)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        self._previous.clear()
+
+
+def ray_temp_dir() -> str:
+    """A private, short folder for a local Ray instance's session files (see the module docstring)."""
+    base = tempfile.gettempdir()
+    if len(base) > MAX_RAY_TEMP_BASE:
+        base = "/tmp"
+    return tempfile.mkdtemp(prefix=RAY_TEMP_PREFIX, dir=base)
+
+
+def processes_using(folder: str) -> list[int]:
+    """Pids of processes (other than this one) that name `folder` in their command line, run in it or have a file
+    open in it (Linux /proc; elsewhere none)."""
+    if not os.path.isdir("/proc"):
+        return []
+    folder = os.path.realpath(folder)
+    inside, pids = folder.rstrip("/") + "/", []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                if folder.encode() in f.read():
+                    pids.append(int(name))
+                    continue
+            links = [os.readlink(f"/proc/{name}/cwd")]
+            fds = os.listdir(f"/proc/{name}/fd")
+        except OSError:  # gone, or not ours
+            continue
+        for fd in fds:
+            try:
+                links.append(os.readlink(f"/proc/{name}/fd/{fd}"))
+            except OSError:  # this file was closed meanwhile: the process is still scanned
+                continue
+        if any(link == folder or link.startswith(inside) for link in links):
+            pids.append(int(name))
+    return pids
+
+
+def stop_leftovers(folder: str, grace_s: float = 3.0, rounds: int = 4) -> list[int]:
+    """Stop what is left of a local instance after `ray.shutdown()`: processes it did not know yet (a signal during
+    `ray.init`) or orphaned agents, found through its private `folder`. SIGTERM, then SIGKILL after `grace_s`;
+    scanned again until nothing is left (a dying raylet may just have started a worker). Returns the pids found."""
+    found: list[int] = []
+    for _ in range(rounds):
+        pids = [p for p in processes_using(folder) if _alive(p)]
+        if not pids:
+            break
+        log.info("stopping %d Ray process(es) left after ray.shutdown: %s", len(pids), pids)
+        found += pids
+        for pid in pids:
+            _signal(pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while pids and time.monotonic() < deadline:
+            time.sleep(0.05)
+            pids = [p for p in pids if _alive(p)]
+        for pid in pids:
+            _signal(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 1.0  # SIGKILL is not instant: let them go before looking again
+        while pids and time.monotonic() < deadline:
+            time.sleep(0.02)
+            pids = [p for p in pids if _alive(p)]
+    return found
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except OSError:  # gone meanwhile
+        pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"  # a zombie is gone for our purposes
+    except OSError:
+        return False
