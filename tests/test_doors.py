@@ -19,6 +19,7 @@ import socket
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from wyoming.audio import AudioChunk, AudioStop
 from wyoming.client import AsyncTcpClient
@@ -371,6 +372,54 @@ async def ws_speak_raw(server, texts: list[str]) -> tuple[bytes, list]:
         except websockets.ConnectionClosed:
             pass
     return b"", got
+
+
+def test_wyoming_text_far_faster_than_speech_is_refused(server):
+    """The same rule at Wyoming's streaming door: past 100,000 characters waiting, an error and the end."""
+    from wyoming.tts import SynthesizeChunk, SynthesizeStart
+
+    async def run():
+        async with AsyncTcpClient("127.0.0.1", server.wyoming_port) as c:
+            await c.write_event(SynthesizeStart().event())
+            chunk = "A sentence to speak. " * 3000
+            for _ in range(2):
+                await c.write_event(SynthesizeChunk(text=chunk).event())
+            while (e := await asyncio.wait_for(c.read_event(), 60)) is not None:
+                if Error.is_type(e.type):
+                    return e.data
+
+    err = asyncio.run(run())
+    assert err["code"] == "text_too_long" and "100000" in err["text"], err
+    assert server.settle()["kept"] == 0
+
+
+def test_an_sse_stream_cut_by_the_server_ends_with_an_error_event(tts, tmp_path):
+    """Audio went out, then the job failed (the server stopping): the SSE body ends with an error event naming
+    `shutting_down`, never a bare cut (the audio formats are cut, so truncated audio never looks whole)."""
+    from types import SimpleNamespace
+
+    from higgs_onnx.serve.http import StreamCut
+    from higgs_onnx.serve.limits import Timeouts
+    from higgs_onnx.serve.scheduler import ShuttingDown
+    from higgs_onnx.serve.service import SpeechService
+
+    svc = SpeechService(tts, None, tmp_path / "voices", None, Timeouts(), "default", 30.0)
+    chunk = SimpleNamespace(samples=np.zeros(2400, np.float32), is_last=False, stats=None)
+
+    async def failing():
+        yield chunk
+        raise ShuttingDown("the server is shutting down")
+
+    async def body(sse: bool) -> list[bytes]:
+        chunks = failing()
+        first = await anext(chunks)
+        return [b async for b in svc.stream_body(SimpleNamespace(id=7), first, chunks, "pcm", sse, 5, None)]
+
+    events = [json.loads(b[6:]) for b in asyncio.run(body(True)) if b.startswith(b"data: ")]
+    assert events[0]["type"] == "speech.audio.delta" and events[-1]["type"] == "error", events[-1]
+    assert events[-1]["error"]["code"] == "shutting_down"
+    with pytest.raises(StreamCut):
+        asyncio.run(body(False))
 
 
 def test_wyoming_events_without_text_get_an_error_event(server):

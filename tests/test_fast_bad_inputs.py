@@ -58,6 +58,14 @@ def test_text_and_option_rows(capsys, no_model, case, args, message):
     assert not out.exists()
 
 
+def test_takes_with_a_text_file_names_the_reason(capsys, no_model, tmp_path):
+    lines = tmp_path / "lines.txt"
+    lines.write_text("One line.\nAnother.\n")
+    code, err, out = run_inference(capsys, no_model, "--text-file", lines, "--takes", "2")
+    assert code == 2 and "--takes is for --text (one utterance" in err and "--stream" not in err, err
+    assert not out.exists()
+
+
 def output_rows(tmp_path):
     (tmp_path / "a_file").write_text("not a folder")
     return [(tmp_path / "missing" / "x.wav", f"folder {tmp_path / 'missing'} does not exist"),

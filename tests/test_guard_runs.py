@@ -88,6 +88,7 @@ def test_the_guard_command_judges_a_saved_take(builds, tmp_path):
     r = _guard(tmp_path / "loop.npy", "--text", TEXT, "--model-path", builds["int4"], "--json")
     assert r.returncode == 1 and '"name": "loop"' in r.stdout
     for args, message in ((["missing.npy", "--text", TEXT], "does not exist"),
+                          (["/dev/zero", "--text", TEXT], "is not a regular file (a device or a pipe)"),
                           ([codes, "--text", "  "], "--text is empty"),
                           ([tmp_path / "take.wav", "--text", TEXT], "not a NumPy .npy array")):
         r = _guard(*args, "--model-path", builds["int4"])

@@ -13,7 +13,7 @@ import pytest
 from higgs_onnx.generation.contract import ContractError
 from higgs_onnx.generation.options import POOL_POSITIONS, GenerationOptions
 from higgs_onnx.runtime.model import HiggsTTS
-from higgs_onnx.serve.scheduler import QueueFull, Scheduler
+from higgs_onnx.serve.scheduler import JobScheduler, QueueFull
 
 pytestmark = pytest.mark.slow
 TEXTS = [f"Request number {i} asks for its own words, {'and a few more ' * i}then stops." for i in range(6)]
@@ -46,7 +46,7 @@ async def collect(job):
 def test_concurrent_jobs_are_batched_and_independent(tts):
     options = [GenerationOptions(seed=i, max_rows=300) for i in range(len(TEXTS))]
     alone = [tts.generate(t, options=o) for t, o in zip(TEXTS, options, strict=True)]
-    sched = Scheduler(tts, max_batch=4, max_queue=8)
+    sched = JobScheduler(tts, max_batch=4, max_queue=8)
     sched.start()
     try:
         async def main():
@@ -65,7 +65,7 @@ def test_concurrent_jobs_are_batched_and_independent(tts):
 
 
 def test_full_queue_refuses_and_cancel_frees(tts):
-    sched = Scheduler(tts, max_batch=1, max_queue=1)
+    sched = JobScheduler(tts, max_batch=1, max_queue=1)
     sched.start()
     try:
         async def main():
@@ -99,7 +99,7 @@ def test_requests_are_built_for_the_pool_slot(tts, monkeypatch):
     pool = tts.backend.pool
     monkeypatch.setattr(tts.backend, "pool", lambda slots, max_len: made.append((slots, max_len)) or
                         pool(slots, max_len))
-    sched = Scheduler(tts, max_batch=2, max_queue=1)
+    sched = JobScheduler(tts, max_batch=2, max_queue=1)
     assert sched.slot_positions == min(tts.facts.max_positions, POOL_POSITIONS) == 3072
     sched.start()
     try:
@@ -125,7 +125,7 @@ def test_exclusive_job_runs_alone_and_equals_the_lone_request(tts4):
     text, opts = TEXTS[2], GenerationOptions(seed=7)
     want = tts4.generate(text, options=opts)
     want_samples = np.concatenate([c.samples for c in tts4.stream(text, options=opts)])
-    sched = Scheduler(tts4, max_batch=4, max_queue=8)
+    sched = JobScheduler(tts4, max_batch=4, max_queue=8)
     sched.start()
     try:
         async def main():
@@ -153,7 +153,7 @@ def test_exclusive_job_runs_alone_and_equals_the_lone_request(tts4):
 
 
 def test_a_cancelled_exclusive_job_does_not_hold_the_queue(tts4):
-    sched = Scheduler(tts4, max_batch=2, max_queue=4)
+    sched = JobScheduler(tts4, max_batch=2, max_queue=4)
     sched.start()
     try:
         async def main():

@@ -16,7 +16,7 @@ import pytest
 
 from higgs_onnx.runtime.model import HiggsTTS
 from higgs_onnx.serve.app import create_app
-from higgs_onnx.serve.scheduler import Scheduler
+from higgs_onnx.serve.scheduler import JobScheduler
 
 pytestmark = pytest.mark.slow
 BODY = {"model": "higgs-tts-3", "input": "Hello there world.", "response_format": "pcm", "max_rows": 60}
@@ -72,7 +72,7 @@ def run(app, scheduler, body: dict) -> tuple[int, bytes]:
 
 def test_generation_without_audio_is_an_error(tts, tmp_path, monkeypatch):
     def fresh():
-        scheduler = Scheduler(tts, max_batch=2, max_queue=2)
+        scheduler = JobScheduler(tts, max_batch=2, max_queue=2)
         return create_app(tts, scheduler, tmp_path / "voices"), scheduler
 
     status, body = run(*fresh(), BODY)
@@ -86,7 +86,7 @@ def test_generation_without_audio_is_an_error(tts, tmp_path, monkeypatch):
 
 
 def test_a_job_with_no_chunk_is_an_error(tts, tmp_path):
-    class Empty(Scheduler):
+    class Empty(JobScheduler):
         def submit(self, text, **kw):
             job = super().submit(text, **kw)
             job.cancel()  # leaves before its first chunk: the job ends with nothing
@@ -99,7 +99,7 @@ def test_a_job_with_no_chunk_is_an_error(tts, tmp_path):
 
 
 def test_a_request_after_shutdown_is_503(tts, tmp_path):
-    scheduler = Scheduler(tts, max_batch=1, max_queue=1)
+    scheduler = JobScheduler(tts, max_batch=1, max_queue=1)
     app = create_app(tts, scheduler, tmp_path / "voices")
     scheduler.start()
     scheduler.stop()

@@ -23,7 +23,7 @@ from test_server import LONG, Server
 
 from higgs_onnx.generation.options import GenerationOptions
 from higgs_onnx.runtime.model import HiggsTTS
-from higgs_onnx.serve.scheduler import Scheduler, ShuttingDown
+from higgs_onnx.serve.scheduler import JobScheduler, ShuttingDown
 
 pytestmark = pytest.mark.slow
 
@@ -52,7 +52,7 @@ async def until(check, what: str, polls: int = 1200):
     pytest.fail(f"{what}: not reached")
 
 
-def record(sched: Scheduler) -> list[tuple]:
+def record(sched: JobScheduler) -> list[tuple]:
     """Log the core engine's calls, in order: ("prefill", request, positions) and ("step", [requests advanced])."""
     log: list[tuple] = []
     engine = sched.core.engine
@@ -89,7 +89,7 @@ def test_a_clone_prompt_is_prefilled_in_chunks_while_the_streams_go_on(tts, voic
     alone = [tts.generate(t, options=running_options(i)).rows for i, t in enumerate(RUNNING)]
     alone.append(tts.generate(CLONE_TEXT, voice=voice, options=clone_opts).rows)
 
-    sched = Scheduler(tts, max_batch=4, max_queue=4, prefill_chunk=CHUNK)
+    sched = JobScheduler(tts, max_batch=4, max_queue=4, prefill_chunk=CHUNK)
     log = record(sched)
     sched.start()
     try:
@@ -127,7 +127,7 @@ def test_a_clone_prompt_is_prefilled_in_chunks_while_the_streams_go_on(tts, voic
 def test_a_job_cancelled_mid_prefill_gives_its_slot_back(tts, voice):
     """The client leaves while its prompt is being prefilled (one position per chunk: many chunks): the job ends
     cancelled at the next step, the others finish, every slot is back, and a new job still runs."""
-    sched = Scheduler(tts, max_batch=2, max_queue=2, prefill_chunk=1)
+    sched = JobScheduler(tts, max_batch=2, max_queue=2, prefill_chunk=1)
     log = record(sched)
     sched.start()
     try:
@@ -159,7 +159,7 @@ def test_a_job_cancelled_mid_prefill_gives_its_slot_back(tts, voice):
 
 def test_shutdown_with_jobs_in_flight_frees_everything(tts):
     """stop() while jobs run and wait: each ends with "shutting down", the pool is empty, no thread is left."""
-    sched = Scheduler(tts, max_batch=2, max_queue=4)
+    sched = JobScheduler(tts, max_batch=2, max_queue=4)
     sched.start()
 
     async def main():

@@ -23,6 +23,8 @@ import json
 import logging
 from pathlib import Path
 
+from .wsproto import MAX_PENDING
+
 log = logging.getLogger("higgs_onnx.wyoming")
 MAX_HEADER = 65536  # one JSON header line
 MAX_DATA = 1 << 20  # a TTS client sends text: 1 MiB of event data or payload is far more than any sends
@@ -143,6 +145,7 @@ class Connection:
         self.service, self.writer = service, writer
         self.segmenter = self.session = self.speaker = None
         self.queue: asyncio.Queue | None = None
+        self.pending = 0  # characters of a stream received and not yet spoken (wsproto.MAX_PENDING)
 
     async def write(self, eventable) -> None:
         from wyoming.event import async_write_event
@@ -198,6 +201,11 @@ class Connection:
             try:
                 for s in self.segmenter.feed(text):
                     self.queue.put_nowait(s)
+                    self.pending += len(s)
+                waiting = self.pending + len(self.segmenter.buf) + len(self.segmenter.lead)
+                if waiting > MAX_PENDING:
+                    raise ValueError(f"{waiting} characters are waiting to be spoken; at most {MAX_PENDING} may wait: "
+                                     f"send text about as fast as it is spoken")
             except ValueError as e:
                 await self.error(str(e), "text_too_long")
                 return False
@@ -238,6 +246,7 @@ class Connection:
         """A stream's segments in order, each with its own audio-start ... audio-stop."""
         try:
             while (text := await self.queue.get()) is not None:
+                self.pending -= len(text)
                 await self.speak_segments(self.session, [text])
         except Stalled as e:  # the reader waits on the client: cut the connection, which ends it and frees all
             log.warning("%s: %s; connection closed, its job cancelled", self.writer.get_extra_info("peername"), e)
