@@ -106,7 +106,8 @@ def test_best_of_takes_in_one_batch(builds, tmp_path):
     take is judged and scored, exactly one is kept, and --save-takes writes them all."""
     import json
 
-    from higgs_onnx.runtime.model import TAKE_SEED_STEP, HiggsTTS
+    from higgs_onnx.guard import TAKE_SEED_STEP
+    from higgs_onnx.runtime.model import HiggsTTS
 
     tts = HiggsTTS(builds["fp32"])
     be, calls = tts.backend, []

@@ -241,6 +241,27 @@ def judge(rows: np.ndarray, text: str, frame_rate: float, num_codebooks: int, st
     return Verdict("good", "a clean stop at a plausible length", fig)
 
 
+TAKE_SEED_STEP = 7_919  # seed of take i of a best-of: seed + i * this (not a retry's step: the two never meet)
+
+
+def take_seeds(seed: int, takes: int) -> list[int]:
+    """The seeds of a best-of's takes, the same at every door."""
+    return [seed + i * TAKE_SEED_STEP for i in range(takes)]
+
+
+def take_scores(rows: list[int], good: list[bool]) -> list[float]:
+    """A take's score: 1 for a good take, 0 for a degenerate one, less half its relative distance from the good
+    takes' median length (an outlier length is the likelier failure)."""
+    middle = float(np.median([n for n, ok in zip(rows, good, strict=True) if ok])) if any(good) else 0.0
+    return [float(ok) - abs(n - middle) / max(middle, 1.0) / 2 for n, ok in zip(rows, good, strict=True)]
+
+
+def best_take(scores: list[float], made: list[bool] | None = None) -> int:
+    """The take a best-of keeps: the highest score among those made (a take that made no audio comes last), ties
+    to the lower take. One rule for every door (`HiggsTTS.best_of`, the server's `takes`)."""
+    return max(range(len(scores)), key=lambda i: (scores[i] if made is None or made[i] else -9.0, -i))
+
+
 MAX_RETRIES = 10  # redraws of one take: the bound of every door's `retries` (job.options)
 
 

@@ -41,7 +41,7 @@ from ..generation.pipeline import Speech, Synthesizer, reference_rows, speech_fr
 from ..generation.prompt import encode_user_text
 from ..generation.scheduler import PrefillPolicy, Scheduler
 from ..generation.stream import AudioChunk
-from ..guard import GuardOptions, RetryPolicy, judge, take_record
+from ..guard import GuardOptions, RetryPolicy, best_take, judge, take_record, take_scores, take_seeds
 from ..job.options import SpeechOptions, check_takes
 from ..outputs import write_atomic
 from .backend import KV_LAYOUTS, OnnxBackend
@@ -265,7 +265,7 @@ class HiggsTTS:
                 asr=None, **keywords) -> Speech:
         """`takes` draws of one request as rows of one batch, each judged by the guard; the best is returned, with
         every take's record (seed, temperature, rows, verdict, score, kept) in `Speech.takes`. Take i draws with seed
-        `seed + i * TAKE_SEED_STEP`. The prompt is prefilled once: every take starts from its saved state and last
+        `seed + i * guard.TAKE_SEED_STEP`. The prompt is prefilled once: every take starts from its saved state and last
         hidden state (a voice's prefix included), so the takes cost what batching the rows costs; only the takes the
         choice needs are decoded (the best by its rows, checked for dead air; all with `save_takes`). Best: a good take
         before a degenerate one, then the one whose length is nearest the good takes' median (an outlier length is the
@@ -299,8 +299,8 @@ class HiggsTTS:
         shared = (len(prompt), be.snapshot(cache))
         del cache
         kw = {} if voice is None else {"ref_rows": voice.rows, "ref_text": voice.ref_text}
-        reqs = [self.synthesizer.request(text, dataclasses.replace(options, seed=options.seed + i * TAKE_SEED_STEP),
-                                         prefix=shared, slot=positions, **kw) for i in range(takes)]
+        reqs = [self.synthesizer.request(text, dataclasses.replace(options, seed=seed), prefix=shared, slot=positions,
+                                         **kw) for seed in take_seeds(options.seed, takes)]
         for r in reqs:
             r.start_hidden = hidden  # the prompt's last hidden state: each take samples its first row from it
         with self.scheduler(takes, positions) as sched:
@@ -330,7 +330,7 @@ class HiggsTTS:
             decoded(best)
         while asr is None:  # the best by its rows; its audio checked; a take with dead air gives way to the next
             scores = take_scores([r.n for r in done], [v.good for v in verdicts])
-            best = max(range(takes), key=lambda i: (scores[i], -i))
+            best = best_take(scores)
             was_good = verdicts[best].good
             decoded(best)
             if verdicts[best].good or not was_good:
@@ -425,7 +425,6 @@ class HiggsTTS:
         return self.voices.forget(voice) > 0
 
 
-TAKE_SEED_STEP = 7_919  # seed of take i: seed + i * this (other than a retry's step, so the two never meet)
 
 
 def _heard_rate(record: dict | None) -> float:
@@ -433,13 +432,6 @@ def _heard_rate(record: dict | None) -> float:
     if record is None:
         return float("inf")
     return record.get("wer", record.get("cer"))
-
-
-def take_scores(rows: list[int], good: list[bool]) -> list[float]:
-    """A take's score: 1 for a good take, 0 for a degenerate one, less half its relative distance from the good
-    takes' median length (an outlier length is the likelier failure)."""
-    middle = float(np.median([n for n, ok in zip(rows, good, strict=True) if ok])) if any(good) else 0.0
-    return [float(ok) - abs(n - middle) / max(middle, 1.0) / 2 for n, ok in zip(rows, good, strict=True)]
 
 
 def _takes_folder(path):

@@ -324,12 +324,13 @@ class SpeechService:
     async def best_take(self, text: str, voice, options, job_opts: SpeechOptions, request: Request):
         """(job, chunks, takes): `job_opts.takes` draws submitted together (they batch with every other request),
         each
-        judged; the best (`runtime.model.take_scores`) is sent. (None, None, takes) when the client left."""
+        judged; the best (`guard.best_take`) is sent. (None, None, takes) when the client left."""
         import dataclasses
 
-        from ..runtime.model import TAKE_SEED_STEP, take_scores
+        from ..guard import best_take as choose
+        from ..guard import take_scores, take_seeds
 
-        opts = [dataclasses.replace(options, seed=options.seed + i * TAKE_SEED_STEP) for i in range(job_opts.takes)]
+        opts = [dataclasses.replace(options, seed=seed) for seed in take_seeds(options.seed, job_opts.takes)]
         jobs = []
         try:
             for o in opts:
@@ -349,7 +350,7 @@ class SpeechService:
         verdicts = [self.judged(text, d) if d else None for d in made]
         good = [v is not None and v.good for v in verdicts]
         scores = take_scores([len(d[-1].rows) if d else 0 for d in made], good)
-        best = max(range(len(made)), key=lambda i: (scores[i] if made[i] else -9.0, -i))
+        best = choose(scores, [bool(d) for d in made])
         takes = [{**(self.take_entry(o, d, v) if d else {"seed": o.seed, "verdict": "no_audio"}), "take": i + 1,
                   "score": round(scores[i], 4), "kept": i == best}
                  for i, (o, d, v) in enumerate(zip(opts, made, verdicts, strict=True))]

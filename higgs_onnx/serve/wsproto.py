@@ -26,25 +26,20 @@ import itertools
 import json
 import logging
 
-from ..generation.contract import ContractError, NoAudioError
 from ..textin import GRANULARITIES, TextSegmenter
 from .formats import encoder
 from .limits import MAX_JSON_BYTES
-from .scheduler import QueueFull, ShuttingDown
+from .scheduler import ShuttingDown
+from .segments import SegmentQueue, Stalled, buffered, segment_failure, send_within
 
 log = logging.getLogger(__name__)
 CONFIG_S = 10.0
 MAX_MESSAGE_CHARS = 65536  # one input.text; an LLM sends tokens
-MAX_PENDING = 100_000  # characters received and not yet spoken: more is a client that sends far faster than speech
 _ids = itertools.count(1)
 
 
 class Close(Exception):
     """End the session after an error message."""
-
-
-class Stalled(Exception):
-    """The client stopped reading: a send waited past the send timeout."""
 
 
 class ConfigError(ValueError):
@@ -62,19 +57,15 @@ class WsSession:
         reading) ends the session: its job is cancelled and its slot and kept context are freed."""
         self.ws, self.configure, self.make_session = ws, configure, make_session
         self.sample_rate, self.idle_s, self.send_s = sample_rate, idle_s, send_s
-        self.pending = 0  # characters received and not yet spoken (MAX_PENDING)
         self.id = f"ws-{next(_ids)}"
         self.send_lock = asyncio.Lock()
         self.busy = False  # a segment is queued or being spoken
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.segments = SegmentQueue()  # what is cut and not yet spoken (at most segments.MAX_PENDING characters)
 
     async def send(self, obj: dict | bytes) -> None:
         async with self.send_lock:
             sending = self.ws.send_bytes(obj) if isinstance(obj, bytes) else self.ws.send_text(json.dumps(obj))
-            try:
-                await asyncio.wait_for(sending, self.send_s)
-            except TimeoutError:
-                raise Stalled(f"the client read nothing for {self.send_s:g} s") from None
+            await send_within(sending, self.send_s)
 
     async def error(self, message: str, error_type: str = "invalid_request_error", param: str | None = None,
                     code: str | None = None) -> None:
@@ -189,7 +180,7 @@ class WsSession:
             try:
                 msg = await self.receive(self.idle_s)
             except TimeoutError:
-                if self.busy or not self.queue.empty():
+                if self.busy or not self.segments.empty():
                     continue  # speaking: the client waits for audio, it is not idle
                 await self.error(f"idle for {self.idle_s:g} s with nothing to speak", code="idle_timeout")
                 raise Close from None
@@ -201,13 +192,13 @@ class WsSession:
                     if not isinstance(msg.get("text"), str):
                         await self.error("input.text needs a string text", param="text", code="invalid_value")
                         continue
-                    self.put(segmenter.feed(msg["text"]), segmenter)
+                    self.segments.put(segmenter.feed(msg["text"]), buffered(segmenter))
                 elif kind == "input.commit":
-                    self.put(segmenter.flush(), segmenter)
+                    self.segments.put(segmenter.flush())
                     await self.send({"type": "input.committed", "session_id": self.id})
                 elif kind == "input.done":
-                    self.put(segmenter.flush(), segmenter)
-                    self.queue.put_nowait(None)
+                    self.segments.put(segmenter.flush())
+                    self.segments.end()
                     return
                 elif kind == "session.config":
                     await self.error("the session is configured already", code="already_configured")
@@ -220,21 +211,12 @@ class WsSession:
             if speaker.done():  # it ended on an error of its own
                 return
 
-    def put(self, segments: list[str], segmenter: TextSegmenter) -> None:
-        for s in segments:
-            self.queue.put_nowait(s)
-            self.pending += len(s)
-        waiting = self.pending + len(segmenter.buf) + len(segmenter.lead)
-        if waiting > MAX_PENDING:
-            raise ValueError(f"{waiting} characters are waiting to be spoken; at most {MAX_PENDING} may wait: send "
-                             f"text about as fast as it is spoken")
-
     async def speak(self, session) -> None:
         from fastapi import WebSocketDisconnect
 
         index = 0
-        while (text := await self.queue.get()) is not None:
-            self.busy, self.pending = True, self.pending - len(text)
+        while (text := await self.segments.next()) is not None:
+            self.busy = True
             seg = f"{self.id}-{index}"
             await self.send({"type": "audio.start", "id": seg, "sentence_index": index, "sentence_text": text,
                              "format": self.fmt, "sample_rate": self.sample_rate})
@@ -249,25 +231,19 @@ class WsSession:
                 if data := enc.finish():
                     await self.send(data)
                     total += len(data)
-            except ContractError as e:  # special tokens, a segment that cannot fit: this segment fails
-                failed = True
-                await self.error(str(e), param="input", code=e.code)
-            except (ValueError, NoAudioError) as e:
-                failed = True
-                await self.error(str(e), param="input", code="invalid_value")
-            except QueueFull as e:  # the server is full: this segment is not spoken
-                failed = True
-                await self.error(f"{e}; try again shortly", "server_error", code="rate_limit_exceeded")
-            except ShuttingDown as e:  # the server is stopping: the session ends (close code 1012)
-                await self.error(f"{e}; try again shortly", "server_error", code="shutting_down")
+            except WebSocketDisconnect:
                 raise
-            except (Stalled, ConnectionError, WebSocketDisconnect):
-                raise
-            except Exception as e:  # noqa: BLE001 - the segment fails, the session says so and goes on
-                log.exception("%s: segment %d failed", self.id, index)
+            except Exception as e:  # noqa: BLE001 - this segment fails (segments.segment_failure says how)
+                kind, message, code = segment_failure(e, f"{self.id} segment {index}")
+                if kind == "stopping":  # the server is stopping: the session ends (close code 1012)
+                    await self.error(message, "server_error", code="shutting_down")
+                    raise
                 failed = True
-                await self.error(f"speech generation failed ({type(e).__name__}); the server log has the details",
-                                 "server_error", code="server_error")
+                if kind == "client":  # special tokens, a segment that cannot fit: the session goes on
+                    await self.error(message, param="input", code=code or "invalid_value")
+                else:
+                    await self.error(message, "server_error", code="rate_limit_exceeded" if kind == "busy" else
+                                     "server_error")
             await self.send({"type": "audio.done", "id": seg, "sentence_index": index, "total_bytes": total,
                              "error": failed, "stop_reason": stop, "continued": session.last_continued})
             index += 1

@@ -23,7 +23,7 @@ import json
 import logging
 from pathlib import Path
 
-from .wsproto import MAX_PENDING
+from .segments import SegmentQueue, Stalled, buffered, segment_failure, send_within
 
 log = logging.getLogger("higgs_onnx.wyoming")
 MAX_HEADER = 65536  # one JSON header line
@@ -36,10 +36,6 @@ SAMPLE_WIDTH = 2
 
 class Frame(ValueError):
     """A frame that breaks the protocol: the connection is closed."""
-
-
-class Stalled(ConnectionError):
-    """The client stopped reading: a write waited SEND_S."""
 
 
 def event_text(event, what: str) -> str:
@@ -144,16 +140,12 @@ class Connection:
     def __init__(self, service: WyomingService, writer: asyncio.StreamWriter):
         self.service, self.writer = service, writer
         self.segmenter = self.session = self.speaker = None
-        self.queue: asyncio.Queue | None = None
-        self.pending = 0  # characters of a stream received and not yet spoken (wsproto.MAX_PENDING)
+        self.segments: SegmentQueue | None = None  # a stream's segments not yet spoken (segments.MAX_PENDING)
 
     async def write(self, eventable) -> None:
         from wyoming.event import async_write_event
 
-        try:
-            await asyncio.wait_for(async_write_event(eventable.event(), self.writer), self.service.send_s)
-        except TimeoutError:
-            raise Stalled(f"the client read nothing for {self.service.send_s:g} s") from None
+        await send_within(async_write_event(eventable.event(), self.writer), self.service.send_s)
 
     async def error(self, text: str, code: str) -> None:
         from wyoming.error import Error
@@ -187,7 +179,7 @@ class Connection:
             except VoiceError as e:
                 await self.error(str(e), "voice_not_found")
                 return True
-            self.segmenter, self.queue = TextSegmenter(), asyncio.Queue()
+            self.segmenter, self.segments = TextSegmenter(), SegmentQueue()
             self.speaker = asyncio.create_task(self.speak_queue())
         elif SynthesizeChunk.is_type(event.type):
             if self.session is None:
@@ -199,13 +191,7 @@ class Connection:
                 await self.error(str(e), "bad_text")
                 return True
             try:
-                for s in self.segmenter.feed(text):
-                    self.queue.put_nowait(s)
-                    self.pending += len(s)
-                waiting = self.pending + len(self.segmenter.buf) + len(self.segmenter.lead)
-                if waiting > MAX_PENDING:
-                    raise ValueError(f"{waiting} characters are waiting to be spoken; at most {MAX_PENDING} may wait: "
-                                     f"send text about as fast as it is spoken")
+                self.segments.put(self.segmenter.feed(text), buffered(self.segmenter))
             except ValueError as e:
                 await self.error(str(e), "text_too_long")
                 return False
@@ -213,9 +199,8 @@ class Connection:
             if self.session is None:
                 await self.error("synthesize-stop outside a stream", "bad_order")
                 return True
-            for s in self.segmenter.flush():
-                self.queue.put_nowait(s)
-            self.queue.put_nowait(None)
+            self.segments.put(self.segmenter.flush())
+            self.segments.end()
             await self.speaker
             await self.end_stream()
         elif Synthesize.is_type(event.type):
@@ -239,14 +224,13 @@ class Connection:
         from wyoming.tts import SynthesizeStopped
 
         self.session.close()
-        self.session = self.segmenter = self.speaker = self.queue = None
+        self.session = self.segmenter = self.speaker = self.segments = None
         await self.write(SynthesizeStopped())
 
     async def speak_queue(self) -> None:
         """A stream's segments in order, each with its own audio-start ... audio-stop."""
         try:
-            while (text := await self.queue.get()) is not None:
-                self.pending -= len(text)
+            while (text := await self.segments.next()) is not None:
                 await self.speak_segments(self.session, [text])
         except Stalled as e:  # the reader waits on the client: cut the connection, which ends it and frees all
             log.warning("%s: %s; connection closed, its job cancelled", self.writer.get_extra_info("peername"), e)
@@ -276,8 +260,6 @@ class Connection:
         from wyoming.audio import AudioChunk, AudioStart, AudioStop
 
         from ..audio import pcm16
-        from ..generation.contract import ContractError, NoAudioError
-        from .scheduler import QueueFull, ShuttingDown
 
         rate, started = self.service.rate, False
         for text in segments:
@@ -288,21 +270,12 @@ class Connection:
                         started = True
                     await self.write(AudioChunk(rate=rate, width=SAMPLE_WIDTH, channels=1,
                                                 audio=pcm16(chunk.samples)))
-            except ContractError as e:
-                await self.error(str(e), e.code or "invalid_text")
-            except (ValueError, NoAudioError) as e:
-                await self.error(str(e), "invalid_text")
-            except QueueFull as e:
-                await self.error(f"{e}; try again shortly", "busy")
-            except ShuttingDown as e:  # one line, the client told; nothing more is spoken
-                log.info("a synthesis ended: %s", e)
-                await self.error(f"{e}; try again shortly", "shutting_down")
-                break
-            except ConnectionError:
-                raise
-            except Exception as e:  # noqa: BLE001 - this request fails; the connection goes on
-                log.exception("synthesis failed")
-                await self.error(f"speech generation failed ({type(e).__name__})", "server_error")
+            except Exception as e:  # noqa: BLE001 - this request fails (segments.segment_failure says how)
+                kind, message, code = segment_failure(e, "a synthesis")
+                await self.error(message, {"client": code or "invalid_text", "busy": "busy",
+                                           "stopping": "shutting_down"}.get(kind, "server_error"))
+                if kind == "stopping":
+                    break
         if started:
             await self.write(AudioStop())
 

@@ -1,0 +1,94 @@
+"""What the streaming doors share (the text-in WebSocket and Wyoming's streaming synthesis): text arriving in pieces,
+cut into segments, spoken one after the other by one `SpeechSession`, and the lifecycle around it.
+
+- `SegmentQueue`: the segments waiting to be spoken, with the one bound on them: at most MAX_PENDING characters
+  received and not yet spoken (a client sending far faster than speech is refused with `TextTooLong`).
+- `send_within`: every send a door makes waits at most its send timeout (the server's --send-timeout); past it the
+  client is taken to have stopped reading (`Stalled`) and the door ends the session, which cancels its job and
+  frees its slot and kept context.
+- `segment_failure`: why one segment could not be spoken, as one line and a kind (`client`: the segment's own
+  fault, the session goes on; `busy`: the server was full; `stopping`: the server is shutting down, the session
+  ends; `server`: a failure of the server itself, logged once with its traceback). Each door words the kind in its
+  own protocol's codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable
+
+from ..generation.contract import ContractError, NoAudioError
+from .scheduler import QueueFull, ShuttingDown
+
+log = logging.getLogger(__name__)
+MAX_PENDING = 100_000  # characters received and not yet spoken: more is a client that sends far faster than speech
+
+
+class Stalled(ConnectionError):
+    """The client stopped reading: a send waited past the send timeout."""
+
+
+class TextTooLong(ValueError):
+    """More than MAX_PENDING characters are waiting to be spoken."""
+
+
+async def send_within(sending: Awaitable, seconds: float) -> None:
+    """`sending`, or Stalled once it has waited `seconds` (the client reads nothing)."""
+    try:
+        await asyncio.wait_for(sending, seconds)
+    except TimeoutError:
+        raise Stalled(f"the client read nothing for {seconds:g} s") from None
+
+
+class SegmentQueue:
+    """Segments in the order they were cut, then None (the input is over)."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.pending = 0  # characters queued and not yet taken
+
+    def put(self, segments: list[str], buffered: int = 0) -> None:
+        """Queue `segments`; `buffered`: characters the segmenter still holds. TextTooLong past MAX_PENDING."""
+        for s in segments:
+            self.queue.put_nowait(s)
+            self.pending += len(s)
+        waiting = self.pending + buffered
+        if waiting > MAX_PENDING:
+            raise TextTooLong(f"{waiting} characters are waiting to be spoken; at most {MAX_PENDING} may wait: "
+                              f"send text about as fast as it is spoken")
+
+    def end(self) -> None:
+        self.queue.put_nowait(None)
+
+    def empty(self) -> bool:
+        return self.queue.empty()
+
+    async def next(self) -> str | None:
+        text = await self.queue.get()
+        if text is not None:
+            self.pending -= len(text)
+        return text
+
+
+def buffered(segmenter) -> int:
+    """Characters a `textin.TextSegmenter` holds that are not yet a segment."""
+    return len(segmenter.buf) + len(segmenter.lead)
+
+
+def segment_failure(e: Exception, where: str) -> tuple[str, str, str | None]:
+    """(kind, message, code) for a segment that failed with `e` (`where`: the session, for the log). Raises what is
+    not the segment's failure (the client gone or stalled)."""
+    if isinstance(e, (Stalled, ConnectionError)):
+        raise e
+    if isinstance(e, ContractError):  # special tokens, a segment that cannot fit
+        return "client", str(e), e.code
+    if isinstance(e, (ValueError, NoAudioError)):
+        return "client", str(e), None
+    if isinstance(e, QueueFull):
+        return "busy", f"{e}; try again shortly", None
+    if isinstance(e, ShuttingDown):
+        log.info("%s: ended, the server is shutting down", where)
+        return "stopping", f"{e}; try again shortly", None
+    log.error("%s: a segment failed", where, exc_info=e)
+    return "server", f"speech generation failed ({type(e).__name__}); the server log has the details", None
