@@ -1,6 +1,5 @@
 """`POST /v1/audio/dialogue`: several voices, one response (docs/dialogue.md)."""
 
-
 from __future__ import annotations
 
 import asyncio

@@ -3,7 +3,6 @@
 streaming `JobResponse` (its job cancelled however it ends, one log line for a client that leaves) and the Host
 guard."""
 
-
 from __future__ import annotations
 
 import base64

@@ -1,6 +1,5 @@
 """Models, control tags, health and the web page."""
 
-
 from __future__ import annotations
 
 import logging

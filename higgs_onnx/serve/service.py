@@ -1,6 +1,5 @@
 """The speech server's shared job layer (`SpeechService`), used by every route module."""
 
-
 from __future__ import annotations
 
 import asyncio

@@ -1,6 +1,5 @@
 """`POST /v1/audio/speech`: OpenAI's speech request (and Boson's and sglang-omni's shapes)."""
 
-
 from __future__ import annotations
 
 import asyncio

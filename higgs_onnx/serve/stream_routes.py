@@ -1,6 +1,5 @@
 """The text-in WebSocket `/v1/audio/speech/stream` (sglang-omni's message names; docs/integrations.md)."""
 
-
 from __future__ import annotations
 
 import logging

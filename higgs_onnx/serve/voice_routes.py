@@ -1,6 +1,5 @@
 """Saved voices: OpenAI-style `/v1/voices`, Boson's `/v1/audio/voices`, and Open WebUI's list."""
 
-
 from __future__ import annotations
 
 import asyncio
