@@ -1,9 +1,10 @@
 """Pin what every door says for a fixed set of requests, to compare two trees (before and after a refactor):
 `python scripts/pin_doors.py TREE MODEL_PATH` starts `python -m higgs_onnx.serve` from TREE (its own higgs_onnx)
 with Wyoming beside it, and prints a JSON object of sha256 prefixes: HTTP (greedy, seeded, takes, retries,
-loudness, speed, deterministic, a long input in pieces), one WebSocket session and one Wyoming synthesis. Run it on
-both trees against the same export; equal objects mean nothing audible changed (docs/testing.md). The command line
-is pinned the same way by running `inference.py` from each tree and hashing its files."""
+loudness, speed, deterministic, a long input in pieces, a dialogue), one WebSocket session and one Wyoming
+synthesis. Run it on both trees against the same export; equal objects mean nothing audible changed
+(docs/testing.md). The command line is pinned the same way by running `inference.py` from each tree and hashing
+its files."""
 
 from __future__ import annotations
 
@@ -82,6 +83,12 @@ def main(tree: str, model: str) -> dict:
                 body = {k: v for k, v in body.items() if v is not None}
                 r = httpx.post(url + "/v1/audio/speech", json=body, timeout=600)
                 out[f"http {name}"] = f"{r.status_code} {digest(r.content)}"
+            turns = [{"speaker": "a", "text": "Hello there, how are you today?"},
+                     {"speaker": "b", "text": "Fine, thank you. And you?"}, {"speaker": "a", "text": "Well."}]
+            r = httpx.post(url + "/v1/audio/dialogue", json={"model": "higgs-tts-3", "turns": turns, "seed": 6,
+                                                             "voices": {"a": "default", "b": "default"},
+                                                             "response_format": "pcm"}, timeout=600)
+            out["http dialogue"] = f"{r.status_code} {digest(r.content)}"
             out["websocket"] = digest(asyncio.run(websocket(url)))
             out["wyoming"] = digest(asyncio.run(wyoming(wy_port)))
             return out

@@ -17,17 +17,16 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import numpy as np
 
-from ..generation.contract import LONG_FORM_HINT, ContractError, NoAudioError
+from ..generation.contract import LONG_FORM_HINT, ContractError
 from ..generation.stream import AudioChunk
 from ..longform.joins import fade_edges
 from ..longform.script import Turn
 from ..longform.split import split_text
-from .pieces import JOIN, PieceCue, piece_options, speak_waiting, total_stats
+from .pieces import JOIN, PieceCue, Timeline, no_audio, pause_after, piece_options, restart_when_full, speak_waiting
 
 SPEAKER_SEED_STEP = 7919  # speaker k's pieces are seeded seed + k * this + their index in its session
 
@@ -91,16 +90,14 @@ class DialogueReader:
         try:
             for n, i in enumerate(mine):
                 text = self.lines[i].text
-                if n and first is not None and self.clone is not None and session.voice is None \
-                        and not session.would_continue(text):
-                    session.release()  # the slot is full: start again from the speaker's first piece's voice
-                    session.voice = await self.clone(first.codes, self.lines[mine[0]].text)
+                if n:  # the slot is full: start again from the speaker's first piece's voice
+                    await restart_when_full(session, text, first, self.lines[mine[0]].text, self.clone)
                 audio, last = [], None
                 async for c in self._speak(session, text):
                     audio.append(c.samples)
                     last = c
                 if last is None or not last.is_last:
-                    raise NoAudioError(f"piece {i + 1} of {len(self.lines)} ({name}) ended without audio")
+                    raise no_audio(i, len(self.lines), f" ({name})")
                 first = first or last
                 futures[i].set_result((np.concatenate(audio) if audio else np.zeros(0, np.float32), last))
         except BaseException as e:
@@ -125,26 +122,19 @@ class DialogueReader:
         loop = asyncio.get_running_loop()
         futures = {i: loop.create_future() for i in range(n)}
         self._tasks = [asyncio.ensure_future(self._speaker(name, futures)) for name in self.sessions]
-        pos, count, stats, t0 = 0, 0, [], time.perf_counter()
+        timeline = Timeline(sr)
         try:
             for i, line in enumerate(self.lines):
                 audio, last = await futures[i]
-                stats.append(last.stats)
+                timeline.stats.append(last.stats)
                 wav = fade_edges(np.array(audio, np.float32), fade)
-                start = pos
+                start = timeline.pos
                 yield PieceCue(i, line.text, start, None, sr, line.speaker)
-                pos += wav.size
                 final = i == n - 1
-                yield AudioChunk(wav, sr, count, final, start / sr, last.elapsed_s, last.rows_done,
-                                 stats=total_stats(stats, pos / sr, time.perf_counter() - t0) if final else None)
-                count += 1
-                yield PieceCue(i, line.text, start, pos, sr, line.speaker)
+                yield timeline.chunk(wav, last, final)
+                yield PieceCue(i, line.text, start, timeline.pos, sr, line.speaker)
                 if not final:
-                    pause = JOIN.turn_pause_s if line.turn_end else \
-                        JOIN.paragraph_pause_s if line.paragraph_end else JOIN.pause_s
-                    silence = np.zeros(int(pause * sr), np.float32)
-                    yield AudioChunk(silence, sr, count, False, pos / sr, last.elapsed_s, last.rows_done)
-                    pos, count = pos + silence.size, count + 1
+                    yield timeline.pause(last, pause_after(JOIN, line.paragraph_end, line.turn_end))
         finally:
             for t in self._tasks:
                 t.cancel()

@@ -121,6 +121,49 @@ class PieceCue:
         return {"type": kind, "object": kind, "id": request_id, **self.as_dict()}
 
 
+class Timeline:
+    """A stream made of pieces, as its chunks are handed out: stream positions, chunk numbers, and the whole
+    stream's figures (`total_stats` of every piece's) on its last chunk. Both readers of pieces (`PieceReader`,
+    `dialogue_reader.DialogueReader`) make their chunks here."""
+
+    def __init__(self, sample_rate: int):
+        self.sample_rate, self.pos, self.count, self.stats = sample_rate, 0, 0, []
+        self.t0 = time.perf_counter()
+
+    def chunk(self, samples: np.ndarray, last: AudioChunk, final: bool = False) -> AudioChunk:
+        sr = self.sample_rate
+        out = AudioChunk(samples, sr, self.count, False, self.pos / sr, last.elapsed_s, last.rows_done)
+        self.pos, self.count = self.pos + samples.size, self.count + 1
+        if final:  # the whole stream's figures on its last chunk, as a single request's
+            out = dataclasses.replace(out, is_last=True,
+                                      stats=total_stats(self.stats, self.pos / sr, time.perf_counter() - self.t0))
+        return out
+
+    def pause(self, last: AudioChunk, seconds: float) -> AudioChunk:
+        """The silence between two pieces."""
+        return self.chunk(np.zeros(int(seconds * self.sample_rate), np.float32), last)
+
+
+def pause_after(join: LongFormOptions, paragraph_end: bool, turn_end: bool = False) -> float:
+    """The silence after a piece: a turn's end (a dialogue), a paragraph's, or a sentence's."""
+    return join.turn_pause_s if turn_end else join.paragraph_pause_s if paragraph_end else join.pause_s
+
+
+async def restart_when_full(session, text: str, first: AudioChunk | None, first_text: str, clone) -> bool:
+    """Long-form's rule, for a zero-shot session: when its slot would not hold `text` after the context it keeps,
+    it starts again from a voice made of its first piece's own codes (`first`), so the recording keeps the voice
+    that piece chose. True when it did."""
+    if first is None or clone is None or session.voice is not None or session.would_continue(text):
+        return False
+    session.release()
+    session.voice = await clone(first.codes, first_text)
+    return True
+
+
+def no_audio(i: int, n: int, who: str = "") -> NoAudioError:
+    return NoAudioError(f"piece {i + 1} of {n}{who} ended without audio")
+
+
 class PieceReader:
     """A long input's pieces spoken in order by one `SpeechSession`, as one job: iterate it (async) for the
     stream's `AudioChunk`s (fades and pauses in; the last carries the stats of all pieces) and a `PieceCue` as each
@@ -145,54 +188,40 @@ class PieceReader:
     async def __aiter__(self) -> AsyncIterator[AudioChunk | PieceCue]:
         sr, n = self.sample_rate, len(self.pieces)
         fade = int(self.join.fade_ms * sr / 1000)
-        pos, count, stats, first, t0 = 0, 0, [], None, time.perf_counter()
-
-        def chunk(samples: np.ndarray, last: AudioChunk, final: bool = False) -> AudioChunk:
-            nonlocal pos, count
-            out = AudioChunk(samples, sr, count, False, pos / sr, last.elapsed_s, last.rows_done)
-            pos, count = pos + samples.size, count + 1
-            if final:  # the whole stream's figures on its last chunk, as a single request's
-                out = dataclasses.replace(out, is_last=True,
-                                          stats=total_stats(stats, pos / sr, time.perf_counter() - t0))
-            return out
-
+        line, first = Timeline(sr), None
         try:
             for i, piece in enumerate(self.pieces):
                 said = self.tag + piece.text
-                if i and first is not None and self.clone is not None and self.session.voice is None \
-                        and not self.session.would_continue(said):
-                    log.info("request %s: the context is full at piece %d of %d: starting again from the first "
+                if i and await restart_when_full(self.session, said, first, self.pieces[0].text, self.clone):
+                    log.info("request %s: the context is full at piece %d of %d: started again from the first "
                              "piece's voice", self.id, i + 1, n)
-                    self.session.release()  # the slot is full: start again from the first piece's voice
-                    self.session.voice = await self.clone(first.codes, self.pieces[0].text)
                 edges, start, last = Edges(fade), None, None
                 async for c in self._speak(said, wait=i > 0):
                     last = c
                     if (out := edges.push(c.samples)).size:
                         if start is None:
-                            start = pos
+                            start = line.pos
                             yield PieceCue(i, piece.text, start, None, sr)
-                        yield chunk(out, c)
+                        yield line.chunk(out, c)
                 if self.cancelled:
                     return
                 if last is None or not last.is_last:
-                    raise NoAudioError(f"piece {i + 1} of {n} ended without audio")
+                    raise no_audio(i, n)
                 # a continued piece's prompt holds the pieces before it, already in the cache: only its new
                 # positions count, so the usage is the prompt tokens of the whole input once
                 req = self.piece_job.request
                 new = len(req.prompt) - req.cached if self.session.last_continued else len(req.prompt)
-                stats.append(dataclasses.replace(last.stats, prompt_tokens=new))
+                line.stats.append(dataclasses.replace(last.stats, prompt_tokens=new))
                 if first is None:
                     first = last
                 out = edges.finish()
                 if start is None:  # a piece shorter than its two fades: handed out whole at its end
-                    start = pos
+                    start = line.pos
                     yield PieceCue(i, piece.text, start, None, sr)
-                yield chunk(out, last, final=i == n - 1)
-                yield PieceCue(i, piece.text, start, pos, sr)
+                yield line.chunk(out, last, final=i == n - 1)
+                yield PieceCue(i, piece.text, start, line.pos, sr)
                 if i < n - 1:
-                    pause = self.join.paragraph_pause_s if piece.paragraph_end else self.join.pause_s
-                    yield chunk(np.zeros(int(pause * sr), np.float32), last)
+                    yield line.pause(last, pause_after(self.join, piece.paragraph_end))
         finally:
             self.session.close()
 
