@@ -11,7 +11,19 @@ import sys
 import time
 from pathlib import Path
 
+from .audio import GrowingAudioFile, pcm16, write_audio
+from .generation.contract import ContractError
+from .generation.delay import read_code_rows
 from .generation.options import DEFAULT_MAX_ROWS
+from .generation.scheduler import choose_batch, measure_batch_gain
+from .job.options import speed_tag
+from .longform import captions
+from .longform.dialogue import Dialogue
+from .longform.files import read_text_file
+from .longform.render import LongForm, LongFormOptions
+from .loudness import normalise
+from .outputs import OutputError, write_or_keep
+from .runtime.model import HiggsTTS, Voice
 
 log = logging.getLogger("inference")
 CAPTION_CHARS = 150  # the pieces (cues) of a job with --captions: ~10 s, whole sentences
@@ -20,7 +32,6 @@ CAPTION_CHARS = 150  # the pieces (cues) of a job with --captions: ~10 s, whole 
 def speak_all(args) -> int:
     """What the command line asked for, its flags checked (`inference.check_args`): load the model, make the voice,
     and speak the text, the lines, the long text or the script, or decode the codes."""
-    from .runtime.model import HiggsTTS
 
     tts = HiggsTTS(args.model_path, provider=args.provider, threads=args.threads, verify=not args.no_verify)
     if args.selftest:
@@ -59,7 +70,6 @@ def speak_all(args) -> int:
         return 0
     if args.script is not None:
         return speak_dialogue(tts, args)
-    from .longform.files import read_text_file
 
     text = read_text_file(args.text_file)  # empty, binary and non-UTF-8 files are refused here
     if args.out is not None:
@@ -72,7 +82,6 @@ def speak_all(args) -> int:
 
 def speed_prefix(tts, args) -> str:
     """`--speed` as the model's prosody tag to put before the text ("" at about 1, or where the model has none)."""
-    from .job.options import speed_tag
 
     speed = args.job.speed
     tag = speed_tag(speed, tts.tokens.control_tags)
@@ -111,8 +120,6 @@ def speak(tts, text: str, out: Path, args, voice) -> object:
 
 def speak_once(tts, text: str, out: Path, args, voice, progress):
 
-    from .audio import write_audio
-    from .outputs import write_or_keep
 
     if getattr(args, "takes", 1) > 1:
         speech = tts.best_of(text, args.takes, voice=voice, options=args.options, save_takes=args.save_takes,
@@ -132,7 +139,6 @@ def level(wav, sample_rate: int, args, out: Path):
     """`wav` at `--loudness` (unchanged without it), with one line on what was done."""
     if getattr(args, "loudness", None) is None:
         return wav
-    from .loudness import normalise
 
     wav, lv = normalise(wav, sample_rate, args.loudness)
     if lv.measured is None:
@@ -149,7 +155,6 @@ def level_file(path: Path, args) -> None:
     """A written recording brought to `--loudness` in place (atomically: a temp file renamed over it)."""
     import soundfile as sf
 
-    from .audio import write_audio
 
     wav, sr = sf.read(path, dtype="float32")
     write_audio(path, level(wav, sr, args, path), sr)
@@ -173,7 +178,6 @@ def report_takes(out: Path, speech) -> None:
 def save_codes(path: Path, rows, codes) -> None:
     import numpy as np
 
-    from .outputs import OutputError
 
     try:
         np.save(path, rows)
@@ -185,7 +189,6 @@ def save_codes(path: Path, rows, codes) -> None:
 
 def speak_streaming(tts, text: str, out: Path, args, voice, progress):
     """Audio written as each chunk is final: PCM to stdout, or a file growing under a partial name."""
-    from .audio import GrowingAudioFile, pcm16
 
     to_stdout = str(out) == "-"
     sink = None if to_stdout else GrowingAudioFile(out, tts.facts.sample_rate)
@@ -218,10 +221,6 @@ def speak_streaming(tts, text: str, out: Path, args, voice, progress):
 def speak_lines(tts, lines: list[str], args, voice) -> int:
     """One file per line, the lines generated together through one scheduler (`--lanes` at a time, one decoder
     call for all of them). Every line is checked against the request contract before any work."""
-    from .audio import GrowingAudioFile, write_audio
-    from .generation.contract import ContractError
-    from .generation.scheduler import choose_batch, measure_batch_gain
-    from .outputs import write_or_keep
 
     slot, prefix = tts.slot_positions, speed_prefix(tts, args)
     requests = []
@@ -292,7 +291,6 @@ def speak_lines(tts, lines: list[str], args, voice) -> int:
 
 def long_options(args):
     """LongFormOptions from the flags: --history, and with --captions pieces cut near --caption-chars."""
-    from .longform.render import LongFormOptions
 
     if args.captions is None:
         return LongFormOptions(history=args.history)
@@ -301,7 +299,6 @@ def long_options(args):
 
 def speak_long(tts, text: str, args, voice) -> int:
     """The whole text as one recording: pieces in one voice, each saved to OUT.work/ as it finishes."""
-    from .longform.render import LongForm
 
     def job(out: Path):
         return LongForm(tts, text, out, voice, args.options, long_options(args), resume=args.resume,
@@ -312,8 +309,6 @@ def speak_long(tts, text: str, args, voice) -> int:
 
 def speak_dialogue(tts, args) -> int:
     """A dialogue script as one recording: each speaker a lane continuing its own context, turns in script order."""
-    from .longform.dialogue import Dialogue
-    from .runtime.model import Voice
 
     loaded: dict[Path, object] = {}
     voices = {}
@@ -339,10 +334,6 @@ def run_job(make, args, label: str) -> int:
 
 
 def _run_job(make, args, label: str, tmp: Path) -> int:
-    from .audio import pcm16
-    from .generation.contract import ContractError
-    from .longform import captions
-    from .outputs import OutputError
 
     to_stdout = str(args.out) == "-"
     job = make(tmp / "stdout.wav" if to_stdout else args.out)
@@ -410,8 +401,6 @@ def _run_job(make, args, label: str, tmp: Path) -> int:
 def decode_codes(tts, path: Path, out: Path, args=None) -> int:
     import numpy as np
 
-    from .audio import write_audio
-    from .generation.delay import read_code_rows
 
     rows = read_code_rows(path, tts.facts.num_codebooks, tts.facts.codebook_vocab)
     n = tts.facts.num_codebooks

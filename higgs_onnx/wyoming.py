@@ -10,6 +10,9 @@ import sys
 from pathlib import Path
 
 from .cli import add_log_level, run_main
+from .runtime.model import HiggsTTS
+from .serve.scheduler import JobScheduler
+from .serve.voices import VoiceError, VoiceStore
 from .serve.wyoming_server import DEFAULT_LANGUAGES, WyomingService, check_uri, start
 
 
@@ -35,9 +38,6 @@ def run(args: argparse.Namespace) -> int:
     languages = [x.strip() for x in args.languages.split(",") if x.strip()]
     if not languages:
         raise ValueError("--languages needs at least one language code, e.g. en")
-    from .runtime.model import HiggsTTS
-    from .serve.scheduler import JobScheduler
-    from .serve.voices import VoiceError, VoiceStore
 
     tts = HiggsTTS(args.model_path, threads=args.threads, verify=not args.no_verify)
     store = VoiceStore(args.voices or Path(args.model_path) / "voices", tts.model_id)

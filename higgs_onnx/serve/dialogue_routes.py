@@ -10,6 +10,9 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 
 from ..generation.contract import ContractError
+from ..longform.dialogue import MAX_SPEAKERS
+from ..longform.script import ScriptError, check_cast, speakers, turns_from_json
+from .dialogue_reader import DialogueReader, check_lines, plan_lines, speaker_options
 from .formats import FORMATS
 from .http import (
     GONE,
@@ -24,6 +27,7 @@ from .limits import (
     MAX_PIECES,
 )
 from .service import SpeechService
+from .textstream import SpeechSession
 
 log = logging.getLogger(__name__)
 
@@ -33,10 +37,6 @@ def router(svc: SpeechService) -> APIRouter:
 
     @router.post("/audio/dialogue")
     async def dialogue(request: Request):
-        from ..longform.dialogue import MAX_SPEAKERS
-        from ..longform.script import ScriptError, check_cast, speakers, turns_from_json
-        from .dialogue_reader import DialogueReader, check_lines, plan_lines, speaker_options
-        from .textstream import SpeechSession
 
         body = await read_json(request)
         try:

@@ -15,9 +15,13 @@ from urllib.parse import urlsplit
 
 from fastapi import Request
 
+from ..generation.blend import Blend, normalise_weights, parse_members
 from ..generation.contract import ContractError, NoAudioError
 from ..generation.options import GenerationOptions
+from ..guard import GuardOptions, RetryPolicy, judge, take_record, take_scores, take_seeds
+from ..guard import best_take as choose
 from ..job.options import SAMPLING, OptionError, SpeechOptions, speed_tag
+from ..loudness import normalise
 from .formats import FORMATS, encoder
 from .http import (
     ALIASES,
@@ -38,6 +42,7 @@ from .limits import (
 )
 from .pieces import PieceCue, PieceReader
 from .scheduler import QueueFull, ShuttingDown
+from .textstream import SpeechSession
 from .voices import DEFAULT, UnknownVoice, VoiceError, VoiceStore
 
 log = logging.getLogger(__name__)
@@ -90,7 +95,6 @@ class SpeechService:
 
     async def voice_blend(self, voice: str | list, mode: str | None):
         """A blend in the `voice` field (docs/voices.md): each name resolved as a voice of its own."""
-        from ..generation.blend import Blend, normalise_weights, parse_members
 
         try:
             pairs = parse_members(voice, "voice")
@@ -137,7 +141,6 @@ class SpeechService:
 
     async def inline_blend(self, refs: list, mode: str | None):
         """sglang-omni's `references` with several entries: each made a voice, blended by their `weight`."""
-        from ..generation.blend import Blend
 
         voices = [await self.inline_voice(ref) for ref in refs]
         weights = None if all(ref.weight is None for ref in refs) else [ref.weight for ref in refs]
@@ -250,7 +253,6 @@ class SpeechService:
     def read_pieces(self, pieces: list, voice, options, tag: str | None) -> PieceReader:
         """The job of an input read in pieces: one `SpeechSession` speaking them in order (`pieces.PieceReader`).
         Zero-shot, a restart of the context speaks in the first piece's voice (made from its codes)."""
-        from .textstream import SpeechSession
 
         return PieceReader(SpeechSession(self.scheduler, voice, options), pieces, self.sample_rate, tag,
                            self.clone_voice if voice is None else None)
@@ -273,7 +275,6 @@ class SpeechService:
     async def judged_takes(self, text: str, voice, options, job_opts: SpeechOptions, request: Request):
         """(job, chunks, takes): whole takes, each judged by the guard, until a good one or the retries run out
         (the same `guard.RetryPolicy` as everywhere). (None, None, takes) when the client left meanwhile."""
-        from ..guard import RetryPolicy
 
         policy, takes = RetryPolicy(retries=job_opts.retries), []
         while True:
@@ -309,14 +310,12 @@ class SpeechService:
         """The guard's verdict of a whole take."""
         import numpy as np
 
-        from ..guard import GuardOptions, judge
 
         f, last = self.tts.facts, done[-1]
         return judge(last.rows, text, f.frame_rate, f.num_codebooks, last.stats.stop_reason,
                      np.concatenate([c.samples for c in done]), f.hop, self.tts.guard or GuardOptions())
 
     def take_entry(self, options, done: list, v) -> dict:
-        from ..guard import take_record
 
         return take_record(options, len(done[-1].rows), done[-1].stats.stop_reason, v)
 
@@ -326,8 +325,6 @@ class SpeechService:
         judged; the best (`guard.best_take`) is sent. (None, None, takes) when the client left."""
         import dataclasses
 
-        from ..guard import best_take as choose
-        from ..guard import take_scores, take_seeds
 
         opts = [dataclasses.replace(options, seed=seed) for seed in take_seeds(options.seed, job_opts.takes)]
         jobs = []
@@ -361,7 +358,6 @@ class SpeechService:
 
         import numpy as np
 
-        from ..loudness import normalise
 
         audio = [c for c in done if not isinstance(c, PieceCue)]  # a long input's piece cues stay where they are
         wav, level = normalise(np.concatenate([c.samples for c in audio]), self.sample_rate, lufs)

@@ -24,6 +24,7 @@ from .http import (
 )
 from .pieces import plan_pieces
 from .service import SpeechService
+from .shapes import ShapeError, normalise
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,6 @@ def router(svc: SpeechService) -> APIRouter:
 
     @router.post("/audio/speech")
     async def speech(request: Request):
-        from .shapes import ShapeError, normalise
 
         if media_type(request.headers.get("content-type", ""))[0] == "multipart/form-data":
             body = await read_form(request)

@@ -15,6 +15,9 @@ from .http import (
     validation_message,
 )
 from .service import SpeechService
+from .shapes import ShapeError, normalise
+from .textstream import SpeechSession
+from .wsproto import ConfigError, WsSession
 
 log = logging.getLogger(__name__)
 
@@ -24,8 +27,6 @@ def router(svc: SpeechService) -> APIRouter:
 
     @router.websocket("/v1/audio/speech/stream")
     async def speech_stream(ws: WebSocket):
-        from .textstream import SpeechSession
-        from .wsproto import ConfigError, WsSession
 
         if (e := svc.refusal(ws.headers, True)) is not None:  # closed before the session starts (code 1008)
             await ws.close(1008, e.message[:120])
@@ -35,7 +36,6 @@ def router(svc: SpeechService) -> APIRouter:
         async def configure(cfg: dict):
             """(format, options, voice, speed tag) from a session.config; wsproto.ConfigError for the first field
             that is bad or that this door cannot honour (`job.options`: refused by name, never ignored)."""
-            from .shapes import ShapeError, normalise
 
             body = {"model": svc.model_id, **{k: v for k, v in cfg.items() if k not in WS_ONLY}}
             try:

@@ -25,6 +25,7 @@ from .limits import (
 )
 from .service import SpeechService
 from .shapes import InlineReference as InlineRef
+from .shapes import ShapeError, decode_audio_field
 from .voices import DEFAULT, UnknownVoice, VoiceError, VoiceExists, check_name
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,6 @@ def router(svc: SpeechService) -> APIRouter:
         id (201 when new, 200 when it exists)."""
         import hashlib
 
-        from .shapes import ShapeError, decode_audio_field
 
         body = await read_json(request)
         ref_text, description = body.get("ref_text"), body.get("description")

@@ -23,7 +23,12 @@ import json
 import logging
 from pathlib import Path
 
+from .. import __version__
+from ..audio import pcm16
+from ..textin import TextSegmenter
 from .segments import SegmentQueue, Stalled, buffered, segment_failure, send_within
+from .textstream import SpeechSession
+from .voices import DEFAULT, VoiceError
 
 log = logging.getLogger("higgs_onnx.wyoming")
 MAX_HEADER = 65536  # one JSON header line
@@ -98,7 +103,6 @@ class WyomingService:
     def info(self):
         from wyoming.info import Attribution, Info, TtsProgram, TtsVoice
 
-        from .. import __version__
 
         by = Attribution(name="Boson AI (Higgs Audio v3); higgs-onnx", url="https://huggingface.co/bosonai/higgs-tts-3-4b")
         voices = [TtsVoice(name=n, attribution=by, installed=True, version=None, languages=self.languages,
@@ -111,7 +115,6 @@ class WyomingService:
 
     def voice(self, name: str | None):
         """The voice for a request's name (None: the default); VoiceError for an unknown or unusable one."""
-        from .voices import DEFAULT
 
         name = name or self.default_voice
         return None if name.lower() == DEFAULT else self.store.get(name)
@@ -156,7 +159,6 @@ class Connection:
             pass
 
     def new_session(self, voice_name: str | None):
-        from .textstream import SpeechSession
 
         return SpeechSession(self.service.scheduler, self.service.voice(voice_name))
 
@@ -164,8 +166,6 @@ class Connection:
         from wyoming.info import Describe
         from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop
 
-        from ..textin import TextSegmenter
-        from .voices import VoiceError
 
         if Describe.is_type(event.type):
             await self.write(self.service.info())
@@ -238,7 +238,6 @@ class Connection:
             self.writer.transport.abort()
 
     async def speak_whole(self, session, text: str) -> None:
-        from ..textin import TextSegmenter
 
         seg = TextSegmenter()
         try:
@@ -259,7 +258,6 @@ class Connection:
         is an error event (before the audio-start when it is the first)."""
         from wyoming.audio import AudioChunk, AudioStart, AudioStop
 
-        from ..audio import pcm16
 
         rate, started = self.service.rate, False
         for text in segments:
