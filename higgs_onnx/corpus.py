@@ -505,8 +505,9 @@ def write_summary(args, rows: list[Row], failed: list[str], figures: dict | None
 
 def remove_partials(out: Path, ids: set[str], fmt: str) -> None:
     """Remove the temp files a killed worker may have left while writing one of these rows, about to be made again
-    (`.<id>.XXXXXXXX.wav` from write_audio's mkstemp: hidden, and never taken for a made row)."""
-    pattern = re.compile(rf"^\.(.+)\.[a-z0-9_]{{8}}\.{re.escape(fmt)}$")
+    (`.<id>.wav.XXXXXXXX.partial.wav` from `outputs.atomic`: hidden, and never taken for a made row)."""
+    ext = re.escape(fmt)
+    pattern = re.compile(rf"^\.(.+)\.{ext}\.[a-z0-9_]{{8}}\.partial\.{ext}$")
     for path in out.iterdir():
         m = pattern.match(path.name)
         if m and m.group(1) in ids and path.is_file():

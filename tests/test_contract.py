@@ -171,12 +171,12 @@ def test_side_outputs_are_checked_too(capsys, model, tmp_path, flag, name):
 
 
 def test_a_failing_final_write_keeps_the_audio(capsys, model, tmp_path, monkeypatch):
-    import higgs_onnx.audio
+    import higgs_onnx.speak
 
     def full_disk(path, wav, sr):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(higgs_onnx.audio, "write_audio", full_disk)
+    monkeypatch.setattr(higgs_onnx.speak, "write_audio", full_disk)  # the CLI's job writes through it
     out = tmp_path / "a.wav"
     code, _, err = run_cli(capsys, "--model-path", model, "--text", "Hello.", "--max-rows", 20, "--out", out)
     assert code == 1 and f"cannot write {out} (No space left on device)" in err and err.count("\n") == 1

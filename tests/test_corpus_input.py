@@ -289,11 +289,13 @@ def test_the_batch_trace_counts_the_steps_while_a_batch_of_rows_remained():
 
 
 def test_a_killed_workers_temp_files_are_removed_for_the_rows_made_again(tmp_path):
-    names = [".r01.abcd_123.wav", ".r01.abcd_123.flac", ".r02.zzzzzzzz.wav", "r01.wav", ".r01.wav", "summary.json"]
+    # outputs.atomic's temp names: .<name>.<8 of mkstemp's>.partial<suffix>
+    names = [".r01.wav.abcd_123.partial.wav", ".r01.flac.abcd_123.partial.flac", ".r02.wav.zzzzzzzz.partial.wav",
+             "r01.wav", ".r01.wav", ".r01.wav.abcd_123.wav", "summary.json"]
     for n in names:
         (tmp_path / n).write_bytes(b"x")
     corpus.remove_partials(tmp_path, {"r01"}, "wav")
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(set(names) - {".r01.abcd_123.wav"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(set(names) - {".r01.wav.abcd_123.partial.wav"})
 
 
 def test_a_dead_workers_reason_is_one_short_line():
