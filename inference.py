@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--asr-model", type=Path, metavar="DIR", help="with --takes: also hear every good take with this "
                     "local faster-whisper model and keep the one with the lowest word (character) error rate "
                     "(needs `pip install faster-whisper`; nothing is downloaded)")
+    ap.add_argument("--dry-run", action="store_true", help="--text, or the lines of --text-file: print what the "
+                    "model would read and its prompt positions (one JSON object per line), each request checked as "
+                    "for real; nothing is generated or written and no part of the model is loaded")
     ap.add_argument("--save-codes", type=Path, help="save the delayed rows to FILE.npy and raw codes to FILE.raw.npy")
     ap.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the model files")
     add_log_level(ap)
@@ -246,7 +249,7 @@ def check_args(args: argparse.Namespace) -> tuple[GenerationOptions, StreamOptio
         raise ValueError("--save-voice needs --ref-audio (the voice to save)")
     args.voice_files = voice_files(args)
     check_dialogue_args(args)
-    if args.text_file is not None and (args.out_dir is None) == (args.out is None):
+    if args.text_file is not None and (args.out_dir is None) == (args.out is None) and not args.dry_run:
         raise ValueError("--text-file needs one of --out FILE (the whole text as one recording) or --out-dir DIR "
                          "(one file per line)" + (", not both" if args.out is not None else ""))
     if args.resume and (args.text_file is None and args.script is None or args.out is None or str(args.out) == "-"):
@@ -278,6 +281,9 @@ def check_args(args: argparse.Namespace) -> tuple[GenerationOptions, StreamOptio
         raise ValueError("--save-codes is for single utterances")
     if (args.text_file is not None or args.script is not None) and args.out is not None and args.save_codes is not None:
         raise ValueError("--save-codes is for single utterances (long-form keeps each piece's codes in OUT.work/)")
+    if args.dry_run:
+        check_dry_run(args)
+        return options, stream
     if (args.text is not None or args.codes is not None) and args.out is None:
         raise ValueError("--out is required (e.g. --out hello.wav)")
     from higgs_onnx.audio import WRITE_FORMATS
@@ -308,6 +314,22 @@ def check_args(args: argparse.Namespace) -> tuple[GenerationOptions, StreamOptio
     if args.ref_text is not None:
         check_text(args.ref_text, "--ref-text")
     return options, stream
+
+
+def check_dry_run(args: argparse.Namespace) -> None:
+    """What `--dry-run` reads (--text, or the lines of --text-file) and the flags that would make it do work."""
+    if args.text is None and args.text_file is None:
+        raise ValueError("--dry-run is for --text or --text-file (each line): it shows what the model would read")
+    for flag, value in (("--ref-audio", args.ref_audio), ("--save-voice", args.save_voice), ("--out", args.out),
+                        ("--out-dir", args.out_dir), ("--save-codes", args.save_codes),
+                        ("--save-takes", args.save_takes), ("--asr-model", args.asr_model),
+                        ("--captions", args.captions), ("--stream", args.stream or None)):
+        if value is not None:
+            why = ("a reference would be encoded and prefilled by the model: save it once with --save-voice and "
+                   "use --voice") if flag == "--ref-audio" else "a dry run writes nothing; leave it out"
+            raise ValueError(f"{flag} is not for --dry-run: {why}")
+    if args.text is not None:
+        check_text(args.text, "--text")
 
 
 def run(args: argparse.Namespace) -> int:

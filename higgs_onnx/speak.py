@@ -5,6 +5,7 @@ the thin door; this is its job."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -15,6 +16,7 @@ from .audio import GrowingAudioFile, pcm16, write_audio
 from .generation.contract import ContractError
 from .generation.delay import read_code_rows
 from .generation.options import DEFAULT_MAX_ROWS
+from .generation.prompt import encode_user_text
 from .generation.scheduler import choose_batch, measure_batch_gain
 from .job.options import speed_tag
 from .longform import captions
@@ -65,6 +67,8 @@ def speak_all(args) -> int:
         say(f"voice: reference encoded and prefilled in {time.perf_counter() - t0:.2f} s (reused for every line)")
         if args.save_voice:
             say(f"voice saved to {voice.save(args.save_voice)}")
+    if args.dry_run:
+        return dry_run(tts, args, voice)
     if args.text is not None:
         speak(tts, speed_prefix(tts, args) + args.text, args.out, args, voice)
         return 0
@@ -78,6 +82,32 @@ def speak_all(args) -> int:
     if not lines:
         raise ValueError(f"{args.text_file} has no non-empty lines")
     return speak_lines(tts, lines, args, voice)
+
+
+def dry_run(tts, args, voice) -> int:
+    """`--dry-run`: for the text (or each line of the text file), what the model would read and the prompt it would
+    get, one JSON object per line on stdout. Each request is built and checked by the contract as for real (a line
+    in a batching slot, as `--out-dir` runs it); nothing is generated, and no part of the model is loaded."""
+    if args.text is not None:
+        texts, slot = [args.text], None
+    else:
+        texts = [ln.strip() for ln in read_text_file(args.text_file).splitlines() if ln.strip()]
+        slot = tts.slot_positions
+        if not texts:
+            raise ValueError(f"{args.text_file} has no non-empty lines")
+    prefix = speed_prefix(tts, args)
+    for i, text in enumerate(texts, 1):
+        read = prefix + text
+        req = tts.request(read, voice=voice, options=args.options, slot=slot)
+        members = getattr(req, "members", [req])  # a blend: a request per voice
+        ids = encode_user_text(tts.tokenizer, tts.tokens, read)
+        print(json.dumps({"line": i, "text": text, "read": read, "text_tokens": len(ids),
+                          "prompt_positions": len(members[0].prompt), "voice_positions": members[0].cached,
+                          "max_rows": members[0].max_rows, "voices": len(members)}, ensure_ascii=False))
+    loaded = ", ".join(sorted(tts.ran_on())) or "none"
+    print(f"dry run: {len(texts)} request{'s' if len(texts) > 1 else ''} checked, nothing generated; model parts "
+          f"loaded: {loaded}", file=sys.stderr)
+    return 0
 
 
 def speed_prefix(tts, args) -> str:

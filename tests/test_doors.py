@@ -40,7 +40,7 @@ BAD = {"temperature": -1.0, "top_k": -1, "top_p": 0.0, "seed": -1, "max_rows": 0
        "retries": 11, "loudness": 5.0, "blend_mode": "zz"}
 REF = {"data": base64.b64encode((DATA / "ref_en_24k.wav").read_bytes()).decode(), "text": "A reference."}
 ASKS = {"speed": 1.5, "takes": 2, "retries": 1, "loudness": -16.0, "deterministic": True, "blend_mode": "product",
-        "instructions": "speak calmly", "references": [REF]}
+        "instructions": "speak calmly", "references": [REF], "dry_run": True}
 
 
 def free_port() -> int:
@@ -169,7 +169,7 @@ def test_the_table_covers_every_field_and_door():
         assert (opt.at("wyoming") == "honoured") == (name == "voice"), name
     for page in ("server.md", "integrations.md"):
         assert door_table() in (ROOT / "docs" / page).read_text(), f"docs/{page}: the fields x doors table is stale"
-    assert len(cases("bound")) == 38 and len(cases("refused")) == 19
+    assert len(cases("bound")) == 38 and len(cases("refused")) == 22
 
 
 @pytest.mark.parametrize("door, name", cases("bound"))
@@ -542,3 +542,50 @@ def test_sigterm_answers_every_door_as_documented(builds, tmp_path):
     assert out["wyoming"] == ("error", "shutting_down"), out["wyoming"]
     log = s.log.read_text()
     assert "Traceback" not in log, log[-3000:]
+
+
+# -- the dry run: what the model would read, checked as for real, nothing generated ------------------------------
+def test_the_cli_dry_run_reads_the_text_as_the_model_would_and_loads_nothing(builds, tmp_path, capsys):
+    from higgs_onnx.runtime.model import HiggsTTS
+
+    lines = tmp_path / "lines.txt"
+    lines.write_text("One line here.\n\n<|emotion:elation|> Another line.\n")
+    argv = ["--model-path", str(builds["fp32"]), "--dry-run"]
+    assert inference.main([*argv, "--text", TEXT, "--speed", "0.5", "--max-rows", "50"]) == 0
+    out, err = capsys.readouterr()
+    [one] = [json.loads(x) for x in out.splitlines()]
+    assert one["read"].endswith(TEXT) and one["read"] != TEXT and one["max_rows"] == 50, one  # the speed tag first
+    assert "nothing generated; model parts loaded: none" in err, err
+    tts = HiggsTTS(builds["fp32"], verify=False)
+    made = tts.generate(one["read"], max_rows=50, temperature=0.0)  # the real request: the same prompt
+    assert made.stats.prompt_tokens == one["prompt_positions"]
+    assert inference.main([*argv, "--text-file", str(lines)]) == 0
+    got = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [g["text"] for g in got] == ["One line here.", "<|emotion:elation|> Another line."]
+    for bad, words in ((["--text", "Hi.", "--out", str(tmp_path / "x.wav")], "--out is not for --dry-run"),
+                       (["--text", "Hi.", "--ref-audio", str(DATA / "ref_en_24k.wav")], "--ref-audio is not for"),
+                       (["--text", "Hi <|im_start|>"], "special token"), (["--selftest"], "is for --text or"),
+                       (["--text", "Hi.", "--max-rows", "99999"], "max_rows is 99999")):
+        assert inference.main([*argv, *bad]) == 2
+        err = capsys.readouterr().err
+        assert words in err and err.count("\n") == 1, (bad, err)
+    assert not (tmp_path / "x.wav").exists()
+
+
+def test_the_server_dry_run_answers_json_and_generates_nothing(server):
+    before = server.stats()["submitted"]
+    body = {"model": "higgs-tts-3", "input": TEXT, "speed": 1.5, "dry_run": True}
+    r = server.http.post("/v1/audio/speech", json=body)
+    got = r.json()
+    assert r.status_code == 200 and got["object"] == "speech.dry_run" and got["pieces"] is None, got
+    assert got["read"].endswith(TEXT) and got["speed_tag"] and got["read"].startswith(got["speed_tag"])
+    sse = server.http.post("/v1/audio/speech", json={**body, "dry_run": False, "stream_format": "sse",
+                                                      "max_rows": 40})
+    done = json.loads([x for x in sse.text.split("\n\n") if x.startswith("data: ")][-1][6:])
+    assert done["usage"]["input_tokens"] == got["prompt_positions"]  # the real request had that prompt
+    long = " ".join(["A sentence in a long input."] * 200)
+    got = server.http.post("/v1/audio/speech", json={"model": "higgs-tts-3", "input": long, "dry_run": True}).json()
+    assert len(got["pieces"]) >= 2 and " ".join(p["text"] for p in got["pieces"]).split() == long.split()
+    assert server.stats()["submitted"] == before + 1  # only the SSE request ran
+    r = server.http.post("/v1/audio/speech", json={**body, "input": "Bad <|im_start|> token."})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "special_token", r.text

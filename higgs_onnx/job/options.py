@@ -105,6 +105,11 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
            always={"cli": "every run is one job", "python": "a call runs in a scheduler of its own"},
            refused={"websocket": "each segment continues the one before in the shared batch", "wyoming": ABSENT,
                     "corpus": "rows are batched by design; a lone row is one inference.py run"}),
+    Option("dry_run", "what the model would read and its prompt, checked as for real; nothing is generated",
+           "true or false", "--dry-run",
+           refused={"websocket": "a session speaks its text as it arrives; ask POST /v1/audio/speech with dry_run",
+                    "wyoming": ABSENT, "corpus": "check the rows' texts with inference.py --dry-run --text-file",
+                    "python": "HiggsTTS.request(text) builds and checks the request without generating"}),
     Option("instructions", "OpenAI's style instructions", "", None,
            refused={d: "this model takes inline control tags in the text instead, e.g. '<|emotion:elation|>Hello!' "
                     "(GET /v1/tags lists them)" for d in DOORS if d != "wyoming"} | {"wyoming": ABSENT}),
@@ -174,7 +179,7 @@ def check_bool(value, label: str) -> bool:
 
 
 CHECKS = {"speed": check_speed, "takes": check_takes, "retries": check_retries, "loudness": check_loudness,
-          "blend_mode": check_blend_mode, "deterministic": check_bool}
+          "blend_mode": check_blend_mode, "deterministic": check_bool, "dry_run": check_bool}
 
 
 @dataclass(frozen=True)
@@ -188,6 +193,7 @@ class SpeechOptions:
     loudness: float | None = None
     deterministic: bool = False
     blend_mode: str | None = None
+    dry_run: bool = False
 
     @property
     def whole_take(self) -> bool:
@@ -245,7 +251,7 @@ def _is_default(name: str, value) -> bool:
     instructions) is let through: there is nothing the door would have to ignore."""
     if name == "instructions":
         return isinstance(value, str) and not value.strip()
-    if name == "deterministic":
+    if name in ("deterministic", "dry_run"):
         return value is False
     neutral = {"takes": 1, "retries": 0, "speed": 1.0}
     return name in neutral and not isinstance(value, bool) and value == neutral[name]

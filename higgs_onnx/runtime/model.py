@@ -82,6 +82,7 @@ class HiggsTTS:
         self.voices = VoiceCache(voice_cache_bytes)  # voices made from references, LRU by bytes
         self._backend: OnnxBackend | None = None
         self._synth: Synthesizer | None = None
+        self._prompts: Synthesizer | None = None
         self._lock = threading.Lock()  # the backend and the synthesizer are made once, whichever thread asks first
 
     # -- the parts -------------------------------------------------------------------------------------------
@@ -135,7 +136,7 @@ class HiggsTTS:
         model's context or `POOL_POSITIONS`, whichever is smaller; twice that with an int8 KV cache."""
         from ..generation.options import POOL_POSITIONS, POOL_POSITIONS_INT8
 
-        int8 = self.kv_cache_dtype == np.int8
+        int8 = self.manifest.kv_cache == "int8"  # the manifest says it: no decoder session is needed
         return min(self.facts.max_positions, POOL_POSITIONS_INT8 if int8 else POOL_POSITIONS)
 
     @property
@@ -143,6 +144,17 @@ class HiggsTTS:
         """What the decoder's KV cache holds: float32 (or float16), or int8 (`optimize.py --kv-cache int8`)."""
         types = self.backend.decoder.part.input_types
         return np.dtype(next(t for n, t in types.items() if n.startswith("past_key_values.")))
+
+    @property
+    def prompts(self) -> Synthesizer:
+        """The prompt side alone (text + voice -> a checked `Request`), with no backend: building and checking a
+        request loads no part (`inference.py --dry-run`, the server's `dry_run`); running it needs the backend."""
+        if self._prompts is None:
+            with self._lock:
+                if self._prompts is None:
+                    self._prompts = Synthesizer(None, self, self.tokenizer, self.tokens, self.facts)
+                    self._prompts.guard = self.guard
+        return self._prompts
 
     @property
     def synthesizer(self) -> Synthesizer:
@@ -219,7 +231,7 @@ class HiggsTTS:
         voice_s = time.perf_counter() - started
         kwargs = {} if voice is None else {"ref_rows": voice.rows, "ref_text": voice.ref_text,
                                            "prefix": (len(voice.prefix), voice.state)}
-        return self.synthesizer.request(text, options, voice_s=voice_s, started=time.perf_counter(),
+        return self.prompts.request(text, options, voice_s=voice_s, started=time.perf_counter(),
                                         history=list(history), slot=slot, continues=continues, **kwargs)
 
     def blend_request(self, text: str, blend: Blend, options: GenerationOptions | None = None, *,

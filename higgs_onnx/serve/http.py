@@ -108,6 +108,8 @@ class SpeechRequest(OutputFields):
     loudness: StrictFloat | None = None
     # Boson's and sglang-omni's raw PCM stream (needs response_format "pcm"; every format streams without it)
     stream: StrictBool = False
+    # what the model would read and its prompt, as JSON; the request is checked as for real, nothing is generated
+    dry_run: StrictBool = False
 
 
 class DialogueRequest(OutputFields):
@@ -118,8 +120,9 @@ class DialogueRequest(OutputFields):
     voices: dict[StrictStr, StrictStr]  # speaker -> a saved voice's name, or "default" (zero-shot)
 
 
+# the body's fields that are `job.options.OPTIONS` (references: `shapes.normalise`)
 JOB_FIELDS = ("voice", "blend_mode", *SAMPLING, "speed", "takes", "retries", "loudness", "deterministic",
-              "instructions")  # the body's fields that are `job.options.OPTIONS` (references: `shapes.normalise`)
+              "dry_run", "instructions")
 # what a session.config may hold beyond WS_ONLY: the speech fields (refused by name where the WebSocket cannot
 # honour them), the reference shapes and the output format
 WS_FIELDS = {"model", *JOB_FIELDS, "response_format", "stream_format", "stream", "ref_audio", "ref_text", "references",

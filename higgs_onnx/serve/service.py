@@ -235,6 +235,35 @@ class SpeechService:
         param = (params or {}).get(e.param, e.param)
         return ApiError(e.status, str(e), param, e.code)
 
+    async def dry_run(self, given: str, text: str, tag: str | None, voice, options, pieces) -> dict:
+        """`"dry_run": true`: what the model would read and each request's prompt, checked by the contract as the
+        real request is (a piece as a request of its own), as JSON; nothing is generated."""
+        from ..generation.prompt import encode_user_text
+        from .pieces import piece_options
+
+        def one(read: str, opts) -> dict:
+            try:
+                req = self.tts.request(read, voice=voice, options=opts, slot=self.scheduler.slot_positions)
+            except ContractError as e:
+                raise self.contract_error(e, {"ref_text": "voice"}) from None
+            except ValueError as e:
+                raise ApiError(400, str(e), "input", "invalid_value") from None
+            first = getattr(req, "members", [req])[0]
+            return {"read": read, "text_tokens": len(encode_user_text(self.tts.tokenizer, self.tts.tokens, read)),
+                    "prompt_positions": len(first.prompt), "voice_positions": first.cached,
+                    "max_rows": first.max_rows}
+
+        lead = tag or ""
+        parts = None
+        if pieces is not None:
+            parts = [{"index": i, "text": p.text, **await asyncio.to_thread(one, lead + p.text,
+                                                                             piece_options(options, lead + p.text))}
+                     for i, p in enumerate(pieces)]
+            whole = {"read": text}
+        else:
+            whole = await asyncio.to_thread(one, text, options)
+        return {"object": "speech.dry_run", "input": given, "speed_tag": tag, **whole, "pieces": parts}
+
     def check_pieces(self, job_opts: SpeechOptions, voice, n: int) -> None:
         """What an input read in pieces cannot be combined with: a 400 that says why."""
         why = f"this input is read in {n} pieces (it does not fit one request), each continuing the one before"

@@ -72,6 +72,8 @@ def router(svc: SpeechService) -> APIRouter:
             raise ApiError(400, str(e), "input", "invalid_value") from None
         if pieces is not None:
             svc.check_pieces(job_opts, voice, len(pieces))
+        if job_opts.dry_run:
+            return await svc.dry_run(r.input, text, tag, voice, options, pieces)
         takes = None
         if job_opts.takes > 1:
             job, done, takes = await svc.best_take(text, voice, options, job_opts, request)
