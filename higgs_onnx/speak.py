@@ -149,8 +149,6 @@ def speak(tts, text: str, out: Path, args, voice) -> object:
 
 
 def speak_once(tts, text: str, out: Path, args, voice, progress):
-
-
     if getattr(args, "takes", 1) > 1:
         speech = tts.best_of(text, args.takes, voice=voice, options=args.options, save_takes=args.save_takes,
                              asr=getattr(args, "asr", None))
@@ -185,7 +183,6 @@ def level_file(path: Path, args) -> None:
     """A written recording brought to `--loudness` in place (atomically: a temp file renamed over it)."""
     import soundfile as sf
 
-
     wav, sr = sf.read(path, dtype="float32")
     write_audio(path, level(wav, sr, args, path), sr)
 
@@ -207,7 +204,6 @@ def report_takes(out: Path, speech) -> None:
 
 def save_codes(path: Path, rows, codes) -> None:
     import numpy as np
-
 
     try:
         np.save(path, rows)
@@ -364,7 +360,6 @@ def run_job(make, args, label: str) -> int:
 
 
 def _run_job(make, args, label: str, tmp: Path) -> int:
-
     to_stdout = str(args.out) == "-"
     job = make(tmp / "stdout.wav" if to_stdout else args.out)
     n = len(job.pieces)
@@ -430,7 +425,6 @@ def _run_job(make, args, label: str, tmp: Path) -> int:
 
 def decode_codes(tts, path: Path, out: Path, args=None) -> int:
     import numpy as np
-
 
     rows = read_code_rows(path, tts.facts.num_codebooks, tts.facts.codebook_vocab)
     n = tts.facts.num_codebooks

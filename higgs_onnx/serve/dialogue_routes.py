@@ -37,7 +37,6 @@ def router(svc: SpeechService) -> APIRouter:
 
     @router.post("/audio/dialogue")
     async def dialogue(request: Request):
-
         body = await read_json(request)
         try:
             r = DialogueRequest.model_validate(body)

@@ -339,13 +339,11 @@ class SpeechService:
         """The guard's verdict of a whole take."""
         import numpy as np
 
-
         f, last = self.tts.facts, done[-1]
         return judge(last.rows, text, f.frame_rate, f.num_codebooks, last.stats.stop_reason,
                      np.concatenate([c.samples for c in done]), f.hop, self.tts.guard or GuardOptions())
 
     def take_entry(self, options, done: list, v) -> dict:
-
         return take_record(options, len(done[-1].rows), done[-1].stats.stop_reason, v)
 
     async def best_take(self, text: str, voice, options, job_opts: SpeechOptions, request: Request):
@@ -353,7 +351,6 @@ class SpeechService:
         each
         judged; the best (`guard.best_take`) is sent. (None, None, takes) when the client left."""
         import dataclasses
-
 
         opts = [dataclasses.replace(options, seed=seed) for seed in take_seeds(options.seed, job_opts.takes)]
         jobs = []
@@ -386,7 +383,6 @@ class SpeechService:
         import dataclasses
 
         import numpy as np
-
 
         audio = [c for c in done if not isinstance(c, PieceCue)]  # a long input's piece cues stay where they are
         wav, level = normalise(np.concatenate([c.samples for c in audio]), self.sample_rate, lufs)

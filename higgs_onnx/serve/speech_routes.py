@@ -34,7 +34,6 @@ def router(svc: SpeechService) -> APIRouter:
 
     @router.post("/audio/speech")
     async def speech(request: Request):
-
         if media_type(request.headers.get("content-type", ""))[0] == "multipart/form-data":
             body = await read_form(request)
         else:

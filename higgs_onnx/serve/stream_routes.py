@@ -27,7 +27,6 @@ def router(svc: SpeechService) -> APIRouter:
 
     @router.websocket("/v1/audio/speech/stream")
     async def speech_stream(ws: WebSocket):
-
         if (e := svc.refusal(ws.headers, True)) is not None:  # closed before the session starts (code 1008)
             await ws.close(1008, e.message[:120])
             return

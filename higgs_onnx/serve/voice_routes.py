@@ -51,7 +51,6 @@ def router(svc: SpeechService) -> APIRouter:
         id (201 when new, 200 when it exists)."""
         import hashlib
 
-
         body = await read_json(request)
         ref_text, description = body.get("ref_text"), body.get("description")
         try:

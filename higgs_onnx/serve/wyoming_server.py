@@ -103,7 +103,6 @@ class WyomingService:
     def info(self):
         from wyoming.info import Attribution, Info, TtsProgram, TtsVoice
 
-
         by = Attribution(name="Boson AI (Higgs Audio v3); higgs-onnx", url="https://huggingface.co/bosonai/higgs-tts-3-4b")
         voices = [TtsVoice(name=n, attribution=by, installed=True, version=None, languages=self.languages,
                            description="zero-shot (no reference)" if n == "default" else f"saved voice {n}")
@@ -159,13 +158,11 @@ class Connection:
             pass
 
     def new_session(self, voice_name: str | None):
-
         return SpeechSession(self.service.scheduler, self.service.voice(voice_name))
 
     async def on(self, event) -> bool:
         from wyoming.info import Describe
         from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop
-
 
         if Describe.is_type(event.type):
             await self.write(self.service.info())
@@ -238,7 +235,6 @@ class Connection:
             self.writer.transport.abort()
 
     async def speak_whole(self, session, text: str) -> None:
-
         seg = TextSegmenter()
         try:
             segments = seg.feed(text) + seg.flush()
@@ -257,7 +253,6 @@ class Connection:
         """One audio-start, the audio of every segment as it is made, one audio-stop. A segment that cannot be spoken
         is an error event (before the audio-start when it is the first)."""
         from wyoming.audio import AudioChunk, AudioStart, AudioStop
-
 
         rate, started = self.service.rate, False
         for text in segments:
