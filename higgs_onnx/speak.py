@@ -16,7 +16,6 @@ from .audio import GrowingAudioFile, pcm16, write_audio
 from .generation.contract import ContractError
 from .generation.delay import read_code_rows
 from .generation.options import DEFAULT_MAX_ROWS
-from .generation.prompt import encode_user_text
 from .generation.scheduler import choose_batch, measure_batch_gain
 from .job.options import speed_tag
 from .longform import captions
@@ -99,11 +98,7 @@ def dry_run(tts, args, voice) -> int:
     for i, text in enumerate(texts, 1):
         read = prefix + text
         req = tts.request(read, voice=voice, options=args.options, slot=slot)
-        members = getattr(req, "members", [req])  # a blend: a request per voice
-        ids = encode_user_text(tts.tokenizer, tts.tokens, read)
-        print(json.dumps({"line": i, "text": text, "read": read, "text_tokens": len(ids),
-                          "prompt_positions": len(members[0].prompt), "voice_positions": members[0].cached,
-                          "max_rows": members[0].max_rows, "voices": len(members)}, ensure_ascii=False))
+        print(json.dumps({"line": i, "text": text, **tts.prompt_figures(read, req)}, ensure_ascii=False))
     loaded = ", ".join(sorted(tts.ran_on())) or "none"
     print(f"dry run: {len(texts)} request{'s' if len(texts) > 1 else ''} checked, nothing generated; model parts "
           f"loaded: {loaded}", file=sys.stderr)

@@ -234,6 +234,16 @@ class HiggsTTS:
         return self.prompts.request(text, options, voice_s=voice_s, started=time.perf_counter(),
                                         history=list(history), slot=slot, continues=continues, **kwargs)
 
+    def prompt_figures(self, text: str, req) -> dict:
+        """What a dry run shows of a built request for `text` (`request`): the text, its own tokens, the prompt's
+        positions (`voice_positions` of them a saved voice's), the row budget and the voices (a blend: a request
+        per voice, the first one's figures)."""
+        members = getattr(req, "members", [req])
+        first = members[0]
+        return {"read": text, "text_tokens": len(encode_user_text(self.tokenizer, self.tokens, text)),
+                "prompt_positions": len(first.prompt), "voice_positions": first.cached, "max_rows": first.max_rows,
+                "voices": len(members)}
+
     def blend_request(self, text: str, blend: Blend, options: GenerationOptions | None = None, *,
                       slot: int | None = None, history=(), continues: Request | None = None) -> BlendRequest:
         """The request for `text` in a mix of voices: one request per voice (each checked by the contract like any

@@ -84,6 +84,19 @@ class SpeechService:
             return ApiError(401, "incorrect API key", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         return None
 
+    async def job_voice(self, inline, r):
+        """The voice a body asks for (`inline`: `shapes.normalise`'s references): several references blended, one
+        reference, or the `voice` field (a saved voice, a blend of them, the default); what is refused is refused
+        before any reference is encoded."""
+        if isinstance(inline, list):  # several references: a blend of them (docs/voices.md)
+            return await self.inline_blend(inline, r.blend_mode)
+        if inline is None:
+            return await self.resolve_voice(r.voice, r.blend_mode)
+        if r.blend_mode is not None:
+            raise ApiError(400, "blend_mode is for a blend of voices (several references)", "blend_mode",
+                           "invalid_value")
+        return await self.inline_voice(inline)
+
     async def resolve_voice(self, voice: str | VoiceRef | list | None, mode: str | None = None):
         """The `voice` field -> a saved voice, None (zero-shot) or a `Blend` of them (`voice_blend`)."""
         if isinstance(voice, list) or isinstance(voice, str) and ("," in voice or ":" in voice):
@@ -238,7 +251,6 @@ class SpeechService:
     async def dry_run(self, given: str, text: str, tag: str | None, voice, options, pieces) -> dict:
         """`"dry_run": true`: what the model would read and each request's prompt, checked by the contract as the
         real request is (a piece as a request of its own), as JSON; nothing is generated."""
-        from ..generation.prompt import encode_user_text
         from .pieces import piece_options
 
         def one(read: str, opts) -> dict:
@@ -248,10 +260,7 @@ class SpeechService:
                 raise self.contract_error(e, {"ref_text": "voice"}) from None
             except ValueError as e:
                 raise ApiError(400, str(e), "input", "invalid_value") from None
-            first = getattr(req, "members", [req])[0]
-            return {"read": read, "text_tokens": len(encode_user_text(self.tts.tokenizer, self.tts.tokens, read)),
-                    "prompt_positions": len(first.prompt), "voice_positions": first.cached,
-                    "max_rows": first.max_rows}
+            return self.tts.prompt_figures(read, req)
 
         lead = tag or ""
         parts = None

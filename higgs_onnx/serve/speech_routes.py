@@ -52,14 +52,7 @@ def router(svc: SpeechService) -> APIRouter:
         if r.stream and r.stream_format == "audio" and r.response_format != "pcm":
             raise ApiError(400, f"stream: true sends raw PCM: it needs response_format 'pcm', got "
                            f"{r.response_format!r} (every format streams here without it)", "stream", "invalid_value")
-        if isinstance(inline, list):  # several references: a blend of them (docs/voices.md)
-            voice = await svc.inline_blend(inline, r.blend_mode)
-        else:
-            voice = await svc.inline_voice(inline) if inline is not None else \
-                await svc.resolve_voice(r.voice, r.blend_mode)
-            if inline is not None and r.blend_mode is not None:
-                raise ApiError(400, "blend_mode is for a blend of voices (several references)", "blend_mode",
-                               "invalid_value")
+        voice = await svc.job_voice(inline, r)
         if r.model_extra:
             log.info("ignored fields: %s", ", ".join(sorted(r.model_extra)))
         try:  # an input beyond one request: read in pieces (serve/pieces.py); None: one request, as ever

@@ -53,7 +53,7 @@ def router(svc: SpeechService) -> APIRouter:
                     raise ConfigError("references: a blend of several references is not supported on the text-in "
                                       "WebSocket (it continues one KV context across segments); send one reference",
                                       "references", "unsupported_parameter")
-                voice = await svc.inline_voice(inline) if inline is not None else await svc.resolve_voice(r.voice, None)
+                voice = await svc.job_voice(inline, r)  # blend_mode: refused by the table above
                 if getattr(voice, "width", 1) > 1:  # a `Blend`
                     raise ConfigError("voice: a blend of voices is not supported on the text-in WebSocket (it "
                                       "continues one KV context across sentences); use one voice",

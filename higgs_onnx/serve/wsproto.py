@@ -116,9 +116,8 @@ class WsSession:
                 await speaker
         except Close:
             code = 1008
-        except ShuttingDown:
+        except ShuttingDown:  # logged once, by segments.segment_failure
             code = 1012  # service restart: the client may reconnect
-            log.info("%s: ended, the server is shutting down", self.id)
         except Stalled as e:
             code = None
             log.warning("%s: %s; session ended, its slot freed", self.id, e)
