@@ -140,12 +140,6 @@ class HiggsTTS:
         return min(self.facts.max_positions, POOL_POSITIONS_INT8 if int8 else POOL_POSITIONS)
 
     @property
-    def kv_cache_dtype(self) -> np.dtype:
-        """What the decoder's KV cache holds: float32 (or float16), or int8 (`optimize.py --kv-cache int8`)."""
-        types = self.backend.decoder.part.input_types
-        return np.dtype(next(t for n, t in types.items() if n.startswith("past_key_values.")))
-
-    @property
     def prompts(self) -> Synthesizer:
         """The prompt side alone (text + voice -> a checked `Request`), with no backend: building and checking a
         request loads no part (`inference.py --dry-run`, the server's `dry_run`); running it needs the backend."""
@@ -321,8 +315,8 @@ class HiggsTTS:
         shared = (len(prompt), be.snapshot(cache))
         del cache
         kw = {} if voice is None else {"ref_rows": voice.rows, "ref_text": voice.ref_text}
-        reqs = [self.synthesizer.request(text, dataclasses.replace(options, seed=seed), prefix=shared, slot=positions,
-                                         **kw) for seed in take_seeds(options.seed, takes)]
+        reqs = [self.prompts.request(text, dataclasses.replace(options, seed=seed), prefix=shared, slot=positions,
+                                     **kw) for seed in take_seeds(options.seed, takes)]
         for r in reqs:
             r.start_hidden = hidden  # the prompt's last hidden state: each take samples its first row from it
         with self.scheduler(takes, positions) as sched:
