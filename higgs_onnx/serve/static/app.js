@@ -20,10 +20,12 @@ function setStatus(text, kind, bytes) {
 
 async function api(path, init = {}) {
   const headers = new Headers(init.headers || {});
-  if (state.key) headers.set("Authorization", `Bearer ${state.key}`);
+  const key = state.key; // a late answer to a key since replaced says nothing about the current one
+  if (key) headers.set("Authorization", `Bearer ${key}`);
   const res = await fetch(path, { ...init, headers });
-  if (res.status === 401) await askForKey(res.clone());
-  else if (res.ok && state.key) showKeyStatus("", "idle");
+  if (key !== state.key) return res;
+  if (res.status === 401) await askForKey(res.clone(), key);
+  else if (res.ok && key) showKeyStatus("", "idle");
   return res;
 }
 
@@ -33,10 +35,11 @@ function showKeyStatus(text, kind) {
   el.dataset.state = kind;
 }
 
-async function askForKey(res) {
+async function askForKey(res, key) {
   // 401: no key, or the wrong one. Say which, keep the box open, and put the cursor in it.
   $("key-box").hidden = false;
   const why = await errorText(res);
+  if (key !== state.key) return; // a new key was entered meanwhile
   showKeyStatus(state.key ? `the API key was refused (${why}); enter the right key` :
     "this server needs an API key: enter it and press Use key", "error");
   $("api-key").focus();
