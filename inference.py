@@ -26,7 +26,7 @@ from higgs_onnx.generation.blend import MODES
 from higgs_onnx.generation.codec_stream import CODEC_MODES, StreamOptions
 from higgs_onnx.generation.options import DEFAULT_MAX_ROWS, GenerationOptions
 from higgs_onnx.generation.prompt import check_text
-from higgs_onnx.job.options import SpeechOptions
+from higgs_onnx.job.options import TEXT, SpeechOptions, add_text_flags, text_values
 from higgs_onnx.runtime.session import PROVIDERS, check_threads
 
 log = logging.getLogger("inference")
@@ -75,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="most code rows to generate: one per decoder step, 25 per second of audio, plus "
                     f"codebooks - 1 at the start (default: {DEFAULT_MAX_ROWS} or what fits after the prompt; a text "
                     "too long for that is refused; --max-frames is its old name)")
+    add_text_flags(ap)
     ap.add_argument("--speed", type=float, default=None, help="--text, or --text-file with --out-dir: the model's "
                     "prosody speed tag for this speed (it has no continuous speed control; 0.25 to 4, as the server's "
                     "`speed`; about 1 = no tag)")
@@ -233,7 +234,7 @@ def check_args(args: argparse.Namespace) -> tuple[GenerationOptions, StreamOptio
     args.job = SpeechOptions.build({"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
                                     "seed": args.seed, "max_rows": args.max_rows, "speed": args.speed,
                                     "takes": args.takes, "retries": args.retries, "loudness": args.loudness,
-                                    "blend_mode": args.blend_mode}, "cli")
+                                    "blend_mode": args.blend_mode, **text_values(args)}, "cli")
     options = args.job.generation
     stream = StreamOptions(first_frames=args.first_frames, chunk_frames=args.chunk_frames, codec=args.stream_codec)
     if args.out is not None and str(args.out) == "-":
@@ -265,6 +266,9 @@ def check_args(args: argparse.Namespace) -> tuple[GenerationOptions, StreamOptio
     if args.takes > 1 and args.stream:
         raise ValueError("--takes is for --text without --stream (a stream's audio is out before the takes are "
                          "judged)")
+    given = [f"--{n.replace('_', '-')}" for n in TEXT if getattr(args, n) is not None]
+    if given and (args.codes is not None or args.selftest or args.script is not None):
+        raise ValueError(f"{given[0]} is for --text or --text-file (a script's turns are read as written)")
     if args.speed is not None and (args.codes is not None or args.selftest or args.script is not None or
                                    args.text_file is not None and args.out is not None):
         raise ValueError("--speed is for --text, or --text-file with --out-dir (a tag before each line); in a long "

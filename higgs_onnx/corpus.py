@@ -102,6 +102,7 @@ class Row:
     voice: str | None = None
     options: dict | None = None
     error: str | None = None  # set for a row that cannot run (recorded, not generated)
+    text_options: dict | None = None  # the row's text steps (job.options.TEXT: normalize, markdown, ...)
 
     @property
     def key(self) -> str:
@@ -134,7 +135,7 @@ def row_id(value) -> str | None:
 
 def read_rows(path: Path) -> list[Row]:
     """Every non-blank line as a Row; a malformed one becomes a Row with its error. Duplicate ids are refused."""
-    from .job.options import OPTIONS, OptionError, SpeechOptions
+    from .job.options import OPTIONS, TEXT, OptionError, SpeechOptions
 
     rows, seen = [], {}
     # lines end at "\n" only: str.splitlines would also split inside a JSON string at U+2028, U+0085, ...
@@ -173,7 +174,9 @@ def read_rows(path: Path) -> list[Row]:
                 SpeechOptions.build({k: obj[k] for k in OPTIONS if k in obj and k != "voice"}, "corpus")
             except OptionError as e:
                 error = e.message
-        rows.append(Row(id=rid, line=n, text=text, voice=voice, options=options, error=error))
+        text_options = {k: obj[k] for k in TEXT if k in obj} or None
+        rows.append(Row(id=rid, line=n, text=text, voice=voice, options=options, error=error,
+                        text_options=text_options))
     return rows
 
 
@@ -324,6 +327,16 @@ class Worker:
                 "seconds": time.perf_counter() - t0, "worker": self.name,
                 "worker_peak_rss_mb": peak_rss() / 2**20, "error": None}
 
+    def said(self, row: dict) -> str:
+        """What the model reads of the row's text: its text steps (docs/text.md), the instructions' tags first."""
+        fields = row.get("text_options")
+        if not fields:
+            return row["text"]
+        from .job.options import SpeechOptions
+
+        job, tags = SpeechOptions.build(fields, "corpus"), self.tts.tokens.control_tags
+        return job.lead(tags) + job.read(row["text"], tags).text
+
     def run(self, rows: list[dict]) -> list[dict]:
         """Make `rows` on this worker's scheduler (called from several threads at once); their manifest entries."""
         from .generation.options import GenerationOptions
@@ -334,7 +347,7 @@ class Worker:
             with self._lock:
                 self.first_at = self.first_at or t0
             try:  # built for the pool's slot: a request that does not fit is refused (the contract), not cut
-                req = self.tts.request(row["text"], voice=self._voice(row["voice"]),
+                req = self.tts.request(self.said(row), voice=self._voice(row["voice"]),
                                        options=GenerationOptions.make(None, **row["options"]), slot=self.slot)
                 submitted.append((row, self.sched.submit(req, audio="speech", retry=self.retry), t0))
             except Exception as e:  # noqa: BLE001 - the row is recorded as failed, the others go on
@@ -579,7 +592,8 @@ def generate_all(args, todo: list[Row], record, stop: StopSignal | None = None) 
 
         lanes = [new_lane() for _ in range(args.workers)]
         spare = MAX_REPLACEMENTS * args.workers  # new workers for ones that die
-        waiting = deque({"id": r.id, "text": r.text, "voice": r.voice, "options": r.options}
+        waiting = deque({"id": r.id, "text": r.text, "voice": r.voice, "options": r.options,
+                         "text_options": r.text_options}
                         for r in sorted(todo, key=expected_rows, reverse=True))  # the longest first: a short tail
         deaths: dict[str, int] = {}  # row id -> workers that died while it was in flight on them
         pending: dict = {}  # call -> its lane

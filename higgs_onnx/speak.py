@@ -5,6 +5,7 @@ the thin door; this is its job."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -25,6 +26,7 @@ from .longform.render import LongForm, LongFormOptions
 from .loudness import normalise
 from .outputs import OutputError, write_or_keep
 from .runtime.model import HiggsTTS, Voice
+from .tags import CONTROL_TAG
 
 log = logging.getLogger("inference")
 CAPTION_CHARS = 150  # the pieces (cues) of a job with --captions: ~10 s, whole sentences
@@ -69,18 +71,18 @@ def speak_all(args) -> int:
     if args.dry_run:
         return dry_run(tts, args, voice)
     if args.text is not None:
-        speak(tts, speed_prefix(tts, args) + args.text, args.out, args, voice)
+        speak(tts, speed_prefix(tts, args) + read(tts, args, args.text).text, args.out, args, voice)
         return 0
     if args.script is not None:
         return speak_dialogue(tts, args)
 
     text = read_text_file(args.text_file)  # empty, binary and non-UTF-8 files are refused here
     if args.out is not None:
-        return speak_long(tts, text, args, voice)
+        return speak_long(tts, speed_prefix(tts, args, long=True) + read(tts, args, text).text, args, voice)
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     if not lines:
         raise ValueError(f"{args.text_file} has no non-empty lines")
-    return speak_lines(tts, lines, args, voice)
+    return speak_lines(tts, [read(tts, args, line).text for line in lines], args, voice)
 
 
 def dry_run(tts, args, voice) -> int:
@@ -96,23 +98,41 @@ def dry_run(tts, args, voice) -> int:
             raise ValueError(f"{args.text_file} has no non-empty lines")
     prefix = speed_prefix(tts, args)
     for i, text in enumerate(texts, 1):
-        read = prefix + text
-        req = tts.request(read, voice=voice, options=args.options, slot=slot)
-        print(json.dumps({"line": i, "text": text, **tts.prompt_figures(read, req)}, ensure_ascii=False))
+        reading = read(tts, args, text)
+        said = prefix + reading.text
+        req = tts.request(said, voice=voice, options=args.options, slot=slot)
+        steps = [{"step": name, "text": after} for name, after in reading.steps]
+        print(json.dumps({"line": i, "text": text, "lead": prefix or None, "steps": steps,
+                          **tts.prompt_figures(said, req)}, ensure_ascii=False))
     loaded = ", ".join(sorted(tts.ran_on())) or "none"
     print(f"dry run: {len(texts)} request{'s' if len(texts) > 1 else ''} checked, nothing generated; model parts "
           f"loaded: {loaded}", file=sys.stderr)
     return 0
 
 
-def speed_prefix(tts, args) -> str:
-    """`--speed` as the model's prosody tag to put before the text ("" at about 1, or where the model has none)."""
+def read(tts, args, text: str):
+    """The text steps the flags ask for (docs/text.md) on `text`: a `text.pipeline.Reading`. An empty result is an
+    error (a text of only markdown, directions or emoji)."""
+    reading = args.job.read(text, tts.tokens.control_tags)
+    if reading.steps and not CONTROL_TAG.sub("", reading.text).strip():
+        raise ValueError(f"the text has nothing to speak after {', '.join(s for s, _ in reading.steps)}: "
+                         f"{text[:60]!r}")
+    return reading
 
+
+def speed_prefix(tts, args, long: bool = False) -> str:
+    """What every request starts with: `--instructions` as the model's tags, then `--speed` as its prosody tag
+    ("" when neither, at about 1, or where the model has none). `long`: a long text's lead, put before its first
+    piece (--instructions only: --speed is refused there)."""
+    tags = tts.tokens.control_tags
+    lead = dataclasses.replace(args.job, speed=1.0).lead(tags)  # the instructions' tags
+    if long:
+        return lead
     speed = args.job.speed
-    tag = speed_tag(speed, tts.tokens.control_tags)
+    tag = speed_tag(speed, tags)
     if tag is None and not 0.9 <= speed <= 1.1:
         log.warning("--speed %g: this model has no prosody speed tag for it; the text is spoken at its own pace", speed)
-    return tag or ""
+    return lead + (tag or "")
 
 
 def speak(tts, text: str, out: Path, args, voice) -> object:

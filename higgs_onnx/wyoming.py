@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from .cli import add_log_level, run_main
+from .job.options import SpeechOptions, add_text_flags, text_values
 from .runtime.model import HiggsTTS
 from .serve.scheduler import JobScheduler
 from .serve.voices import VoiceError, VoiceStore
@@ -27,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--languages", default=",".join(DEFAULT_LANGUAGES), help="languages the voices are listed with "
                     "(Home Assistant offers a voice for these; default %(default)s)")
     ap.add_argument("--max-batch", type=int, default=4, help="requests generated together (default %(default)s)")
+    add_text_flags(ap, "every text")
     ap.add_argument("--threads", type=int, default=0, help="intra-op threads (0 = one per core)")
     ap.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the model files")
     add_log_level(ap)
@@ -35,13 +37,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     check_uri(args.uri)
+    base = SpeechOptions.build(text_values(args), "cli")  # the text steps (docs/text.md), before the model loads
     languages = [x.strip() for x in args.languages.split(",") if x.strip()]
     if not languages:
         raise ValueError("--languages needs at least one language code, e.g. en")
 
     tts = HiggsTTS(args.model_path, threads=args.threads, verify=not args.no_verify)
     store = VoiceStore(args.voices or Path(args.model_path) / "voices", tts.model_id)
-    service = WyomingService(tts, JobScheduler(tts, max_batch=args.max_batch), store, languages, args.default_voice)
+    service = WyomingService(tts, JobScheduler(tts, max_batch=args.max_batch), store, languages, args.default_voice,
+                             read=base.reader(tts.tokens.control_tags))
     try:
         service.voice(None)
     except VoiceError as e:

@@ -35,12 +35,15 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data"
 TEXT = "Hello there from every door."
+ODD = "zyxwv"  # a word the server's lexicon respells "hello"
 # a value past each bounded field's bound, and a value that asks for something (for the doors that refuse it)
 BAD = {"temperature": -1.0, "top_k": -1, "top_p": 0.0, "seed": -1, "max_rows": 0, "speed": 9.0, "takes": 17,
-       "retries": 11, "loudness": 5.0, "blend_mode": "zz"}
+       "retries": 11, "loudness": 5.0, "blend_mode": "zz", "normalize": "fr", "emoji": "smile",
+       "stage_directions": "shout"}
 REF = {"data": base64.b64encode((DATA / "ref_en_24k.wav").read_bytes()).decode(), "text": "A reference."}
 ASKS = {"speed": 1.5, "takes": 2, "retries": 1, "loudness": -16.0, "deterministic": True, "blend_mode": "product",
-        "instructions": "speak calmly", "references": [REF], "dry_run": True}
+        "instructions": "speak calmly", "references": [REF], "dry_run": True, "normalize": True, "markdown": True,
+        "emoji": "name", "stage_directions": "tags", "lexicon": {"Ann": "Anne"}}
 
 
 def free_port() -> int:
@@ -54,7 +57,9 @@ def server(builds, tmp_path_factory):
     from test_server import Server
 
     port = free_port()
-    s = Server(builds["fp32"], tmp_path_factory.mktemp("doors"), "--wyoming", f"tcp://127.0.0.1:{port}",
+    folder = tmp_path_factory.mktemp("doors")
+    (folder / "lexicon.tsv").write_text(f"{ODD}\thello\n", encoding="utf-8")  # the server's own: every door's
+    s = Server(builds["fp32"], folder, "--wyoming", f"tcp://127.0.0.1:{port}", "--lexicon", str(folder / "lexicon.tsv"),
                "--send-timeout", "2", "--ws-idle-timeout", "5", "--log-level", "INFO")
     s.wyoming_port = port
     yield s
@@ -169,7 +174,7 @@ def test_the_table_covers_every_field_and_door():
         assert (opt.at("wyoming") == "honoured") == (name == "voice"), name
     for page in ("server.md", "integrations.md"):
         assert door_table() in (ROOT / "docs" / page).read_text(), f"docs/{page}: the fields x doors table is stale"
-    assert len(cases("bound")) == 38 and len(cases("refused")) == 22
+    assert len(cases("bound")) == 50 and len(cases("refused")) == 23
 
 
 @pytest.mark.parametrize("door, name", cases("bound"))
@@ -578,7 +583,7 @@ def test_the_server_dry_run_answers_json_and_generates_nothing(server):
     r = server.http.post("/v1/audio/speech", json=body)
     got = r.json()
     assert r.status_code == 200 and got["object"] == "speech.dry_run" and got["pieces"] is None, got
-    assert got["read"].endswith(TEXT) and got["speed_tag"] and got["read"].startswith(got["speed_tag"])
+    assert got["read"].endswith(TEXT) and got["lead"] and got["read"].startswith(got["lead"])
     sse = server.http.post("/v1/audio/speech", json={**body, "dry_run": False, "stream_format": "sse",
                                                       "max_rows": 40})
     done = json.loads([x for x in sse.text.split("\n\n") if x.startswith("data: ")][-1][6:])
@@ -589,3 +594,50 @@ def test_the_server_dry_run_answers_json_and_generates_nothing(server):
     assert server.stats()["submitted"] == before + 1  # only the SSE request ran
     r = server.http.post("/v1/audio/speech", json={**body, "input": "Bad <|im_start|> token."})
     assert r.status_code == 400 and r.json()["error"]["code"] == "special_token", r.text
+
+
+def test_the_text_steps_are_honoured_at_every_door(server, builds, tts, tmp_path, capsys):
+    """Greedy speech of a text through a step equals the speech of what the step makes of it: the server's lexicon
+    at HTTP, the WebSocket and Wyoming; a request's `normalize` at HTTP and the WebSocket; the CLI's and a corpus
+    row's read the same; the dry runs show each step."""
+    from types import SimpleNamespace
+
+    from higgs_onnx.corpus import Worker
+    from higgs_onnx.longform.render import piece_rows
+    from higgs_onnx.serve.textstream import ROWS_PER_CHAR
+
+    rows = piece_rows(TEXT, None, ROWS_PER_CHAR)
+
+    def http(text, **fields):
+        r = server.http.post("/v1/audio/speech", json={"model": "higgs-tts-3", "input": text, "response_format": "pcm",
+                                                       "max_rows": rows, "deterministic": True, **fields})
+        assert r.status_code == 200 and r.content, r.text
+        return r.content
+
+    odd = TEXT.replace("Hello", ODD.title())
+    plain = http(TEXT)
+    assert http(odd) == plain  # the server's lexicon (serve --lexicon), with the capital kept
+    assert asyncio.run(ws_speak(server, {}, odd))[0] == plain
+    assert asyncio.run(wyoming_speak(server.wyoming_port, odd)) == plain
+    assert http(odd, lexicon={ODD: "goodbye"}) != plain  # a request's entry over the server's
+    said = "I have three cats and two dogs."
+    rows = piece_rows(said, None, ROWS_PER_CHAR)
+    assert http("I have 3 cats and 2 dogs.", normalize=True) == http(said)
+    ws = asyncio.run(ws_speak(server, {"normalize": "en"}, "I have 3 cats and 2 dogs."))[0]
+    assert ws == asyncio.run(ws_speak(server, {}, said))[0]
+    got = server.http.post("/v1/audio/speech", json={"model": "higgs-tts-3", "input": "[laughs] I have 3 cats.",
+                                                     "normalize": "en", "stage_directions": "tags",
+                                                     "instructions": "sadly", "dry_run": True}).json()
+    assert got["read"] == "<|emotion:sadness|><|sfx:laughter|>I have three cats.", got
+    assert [s["step"] for s in got["steps"]] == ["stage_directions=tags", "lexicon", "normalize=en"], got
+    argv = ["--model-path", str(builds["fp32"]), "--dry-run", "--text", "[laughs] I have 3 cats."]
+    assert inference.main([*argv, "--normalize", "--stage-directions", "tags", "--instructions", "sadly"]) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert one["read"] == got["read"] and [s["step"] for s in one["steps"]] == ["stage_directions=tags",
+                                                                                "normalize=auto"]
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"id": "a", "text": "[laughs] I have 3 cats.", "normalize": "en",
+                                "stage_directions": "tags", "instructions": "sadly"}) + "\n")
+    [row] = read_rows(path)
+    assert row.error is None
+    assert Worker.said(SimpleNamespace(tts=tts), {"text": row.text, "text_options": row.text_options}) == got["read"]

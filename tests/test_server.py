@@ -384,7 +384,12 @@ BAD = [
     ({"speed": 0.2}, 400, "speed"),
     ({"speed": 4.5}, 400, "speed"),
     ({"speed": "fast"}, 400, "speed"),
-    ({"instructions": "Speak cheerfully."}, 400, "instructions"),
+    ({"instructions": "Speak like a pirate."}, 400, "instructions"),  # a word the tags table cannot map
+    ({"instructions": 5}, 400, "instructions"),
+    ({"normalize": "fr"}, 400, "normalize"),
+    ({"lexicon": {"Ann": 5}}, 400, "lexicon"),
+    ({"lexicon": ["Ann"]}, 400, "lexicon"),
+    ({"markdown": "yes"}, 400, "markdown"),
     ({"voice": "nosuchvoice"}, 400, "voice"),
     ({"voice": "../../etc/passwd"}, 400, "voice"),
     ({"voice": 5}, 400, "voice"),

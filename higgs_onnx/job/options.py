@@ -27,6 +27,10 @@ from ..guard import MAX_RETRIES
 from ..guard import check_retries as guard_retries
 from ..loudness import RANGE as LOUDNESS_RANGE
 from ..loudness import check_target
+from ..text.directions import MODES as DIRECTION_MODES
+from ..text.directions import check_mode
+from ..text.lexicon import MAX_ENTRIES, Lexicon, LexiconError
+from ..text.pipeline import EMOJI, Reading, TextOptions, check_emoji, check_normalize
 
 DOORS = {
     "cli": "inference.py",
@@ -38,6 +42,7 @@ DOORS = {
 }
 ABSENT = "absent"  # the door's protocol has no place for the field (Wyoming's events carry text and a voice name)
 STREAMED = "audio is sent as it is made, segment by segment, so nothing can wait for a whole take"
+PREPARE = "prepare the text first: HiggsTTS.read_text(text, normalize=..., markdown=...) returns what to pass"
 SPEED_RANGE = (0.25, 4.0)
 MAX_TAKES = 16  # takes of one request: each is a batch row (its own slot)
 
@@ -110,11 +115,22 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
            refused={"websocket": "a session speaks its text as it arrives; ask POST /v1/audio/speech with dry_run",
                     "wyoming": ABSENT, "corpus": "check the rows' texts with inference.py --dry-run --text-file",
                     "python": "HiggsTTS.request(text) builds and checks the request without generating"}),
-    Option("instructions", "OpenAI's style instructions", "", None,
-           refused={d: "this model takes inline control tags in the text instead, e.g. '<|emotion:elation|>Hello!' "
-                    "(GET /v1/tags lists them)" for d in DOORS if d != "wyoming"} | {"wyoming": ABSENT}),
+    Option("instructions", "OpenAI's style instructions, mapped to the model's tags (docs/text.md)",
+           "words of docs/text.md's table", "--instructions", refused={"wyoming": ABSENT, "python": PREPARE}),
+    Option("normalize", "numbers, dates, money, units, URLs ... read out as words", "true, false, auto, en or zh",
+           "--normalize", refused={"wyoming": ABSENT, "python": PREPARE}),
+    Option("markdown", "chat text: markdown read as prose", "true or false", "--markdown",
+           refused={"wyoming": ABSENT, "python": PREPARE}),
+    Option("emoji", "emoji dropped, named or kept (drop with markdown, else keep)", " or ".join(EMOJI), "--emoji",
+           refused={"wyoming": ABSENT, "python": PREPARE}),
+    Option("stage_directions", "[laughs], (sighs), *whispers*: made the model's tags, removed or kept",
+           " or ".join(DIRECTION_MODES), "--stage-directions", refused={"wyoming": ABSENT, "python": PREPARE}),
+    Option("lexicon", "words respelled the way the model should say them", f"at most {MAX_ENTRIES:,} words", None,
+           "--lexicon FILE", refused={"wyoming": ABSENT, "python": PREPARE}),
 )}
 SAMPLING = ("temperature", "top_k", "top_p", "seed", "max_rows")
+TEXT = ("normalize", "markdown", "emoji", "stage_directions", "lexicon", "instructions")
+MAX_INSTRUCTIONS = 1000
 
 
 class OptionError(ValueError):
@@ -178,6 +194,33 @@ def check_bool(value, label: str) -> bool:
     return value
 
 
+def _text_check(check):
+    def run(value, label):
+        try:
+            return check(value, label)
+        except ValueError as e:
+            raise OptionError(str(e), None) from None
+    return run
+
+
+def check_lexicon(value, label: str = "lexicon") -> Lexicon:
+    try:
+        return value if isinstance(value, Lexicon) else Lexicon(value)
+    except LexiconError as e:
+        raise OptionError(str(e).replace("lexicon", label, 1), None) from None
+
+
+def check_instructions(value, label: str = "instructions") -> str:
+    if not isinstance(value, str):
+        raise OptionError(f"{label} must be a string, got {value!r:.40}", None)
+    if len(value) > MAX_INSTRUCTIONS:
+        raise OptionError(f"{label} is {len(value)} characters long; the limit is {MAX_INSTRUCTIONS}", None)
+    return value
+
+
+TEXT_CHECKS = {"normalize": _text_check(check_normalize), "markdown": check_bool,
+               "emoji": _text_check(check_emoji), "stage_directions": _text_check(check_mode),
+               "lexicon": check_lexicon, "instructions": check_instructions}
 CHECKS = {"speed": check_speed, "takes": check_takes, "retries": check_retries, "loudness": check_loudness,
           "blend_mode": check_blend_mode, "deterministic": check_bool, "dry_run": check_bool}
 
@@ -194,6 +237,26 @@ class SpeechOptions:
     deterministic: bool = False
     blend_mode: str | None = None
     dry_run: bool = False
+    text: TextOptions = TextOptions()
+
+    def read(self, text: str, tags) -> Reading:
+        """What the model reads of `text` (the text steps; `tags`: the tokenizer's control tags), without the lead."""
+        return dataclasses.replace(self.text, instructions=None).read(text, tags)
+
+    def reader(self, tags):
+        """The text steps as text -> text, for a stream's segments (None: it has none)."""
+        if self.text.plain:
+            return None
+        return lambda text: self.read(text, tags).text
+
+    def lead(self, tags) -> str:
+        """What every request of the job starts with: the instructions' tags, then the speed tag.
+        DirectionError for instructions the table cannot map."""
+        from ..text.directions import instruction_tags
+
+        said = "".join(instruction_tags(self.text.instructions, tags)) if (self.text.instructions or "").strip() \
+            else ""
+        return said + (speed_tag(self.speed, tags) or "")
 
     @property
     def whole_take(self) -> bool:
@@ -222,6 +285,17 @@ class SpeechOptions:
                     changes[name] = check(got[name], OPTIONS[name].label(door))
                 except OptionError as e:
                     raise OptionError(e.message, name) from None
+        text = {}
+        for name, check in TEXT_CHECKS.items():
+            if name in got:
+                try:
+                    text[name] = check(got[name], OPTIONS[name].label(door))
+                except OptionError as e:
+                    raise OptionError(e.message, name) from None
+        if "lexicon" in text and base.text.lexicon is not None:  # a job's words over the door's (a server's) own
+            text["lexicon"] = base.text.lexicon.over(text["lexicon"].entries)
+        if text:
+            changes["text"] = dataclasses.replace(base.text, **text)
         sampling = {k: got[k] for k in SAMPLING if k in got}
         if sampling:
             try:
@@ -251,8 +325,12 @@ def _is_default(name: str, value) -> bool:
     instructions) is let through: there is nothing the door would have to ignore."""
     if name == "instructions":
         return isinstance(value, str) and not value.strip()
-    if name in ("deterministic", "dry_run"):
+    if name in ("deterministic", "dry_run", "normalize", "markdown"):
         return value is False
+    if name in ("emoji", "stage_directions"):
+        return value == "keep"
+    if name == "lexicon":
+        return value == {}
     neutral = {"takes": 1, "retries": 0, "speed": 1.0}
     return name in neutral and not isinstance(value, bool) and value == neutral[name]
 
@@ -291,3 +369,30 @@ def speed_tag(speed: float, tags) -> str | None:
             "speed_fast" if speed < 1.6 else "speed_very_fast")
     tag = f"<|prosody:{name}|>" if name else None
     return tag if tag in tags else None
+
+
+def add_text_flags(ap, where: str = "the text") -> None:
+    """The text steps' command-line flags (inference.py, and the servers' defaults for every request)."""
+    ap.add_argument("--normalize", nargs="?", const=True, default=None, metavar="LANG",
+                    help=f"read numbers, dates, money, units, URLs ... in {where} as words: en, zh, or auto (the "
+                    "default when LANG is left out) (docs/text.md)")
+    ap.add_argument("--markdown", action="store_const", const=True, default=None,
+                    help=f"{where} is chat text: read its markdown as prose (lists, tables, links; code dropped)")
+    ap.add_argument("--emoji", metavar="MODE", help="drop, name or keep emoji (default: drop with --markdown, else "
+                    "keep)")
+    ap.add_argument("--stage-directions", metavar="MODE", help="[laughs], (sighs), *whispers*: tags (the model's "
+                    "own, where it has one; else removed), remove, or keep (the default)")
+    ap.add_argument("--lexicon", metavar="FILE", help="respellings, one 'word<TAB>respelling' or 'word = "
+                    "respelling' a line (or a JSON object): whole words, never inside tags")
+    ap.add_argument("--instructions", metavar="TEXT", help="OpenAI-style instructions ('cheerful, slowly'), "
+                    "mapped to the model's tags; a word it cannot map is refused")
+
+
+def text_values(args) -> dict:
+    """The text flags as option values (a lexicon file is read here: LexiconError for a bad one)."""
+    from ..text.lexicon import load
+
+    values = {name: getattr(args, name, None) for name in TEXT}
+    if values["lexicon"] is not None:
+        values["lexicon"] = load(values["lexicon"])
+    return values

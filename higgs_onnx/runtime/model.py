@@ -228,6 +228,21 @@ class HiggsTTS:
         return self.prompts.request(text, options, voice_s=voice_s, started=time.perf_counter(),
                                         history=list(history), slot=slot, continues=continues, **kwargs)
 
+    def read_text(self, text: str, **fields) -> str:
+        """What the model should read of `text`, through the text steps the keywords ask for (`normalize`, `markdown`,
+        `emoji`, `stage_directions`, `lexicon` (a dict or `text.lexicon.Lexicon`), `instructions`; docs/text.md), with
+        the bounds of every door; pass the result to `generate`, `stream` or `best_of`. With no keywords the text is
+        returned as it is."""
+        from ..job.options import TEXT, SpeechOptions
+
+        unknown = sorted(set(fields) - set(TEXT))
+        if unknown:
+            raise TypeError(f"read_text() got an unexpected keyword argument {unknown[0]!r}; it takes "
+                            f"{', '.join(TEXT)}")
+        job = SpeechOptions.build(fields, "http")  # the fields' own names in its messages (the python door's are
+        tags = self.tokens.control_tags            # refused by generate: the text is prepared here instead)
+        return job.lead(tags) + job.read(text, tags).text
+
     def prompt_figures(self, text: str, req) -> dict:
         """What a dry run shows of a built request for `text` (`request`): the text, its own tokens, the prompt's
         positions (`voice_positions` of them a saved voice's), the row budget and the voices (a blend: a request

@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 
 from ..cli import add_log_level, run_main
+from ..job.options import SpeechOptions, add_text_flags, text_values
 from ..runtime.session import PROVIDERS
 from ..runtime.voice_cache import DEFAULT_VOICE_CACHE_BYTES
 from .limits import MAX_HEADER_BYTES, Timeouts, guarded_protocol
@@ -61,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "with nothing to speak and no message for this long is closed (default %(default)s)")
     ap.add_argument("--api-key", default=os.environ.get("HIGGS_API_KEY"), help="require 'Authorization: Bearer "
                     "KEY' on /v1 (default: $HIGGS_API_KEY, which keeps the key out of the process list)")
+    add_text_flags(ap, "every request's text (a request's own fields are laid over these)")
     ap.add_argument("--threads", type=int, default=0, help="intra-op threads (0 = one per core)")
     ap.add_argument("--provider", choices=sorted(PROVIDERS), help="execution provider (default: the one the "
                     "folder was built for)")
@@ -110,6 +112,7 @@ def check_args(args: argparse.Namespace) -> None:
                          f"chunks by time)")
     timeouts_of(args)
     check_threads(args.threads)
+    args.base = SpeechOptions.build(text_values(args), "cli")  # the text steps' defaults: the bounds of every door
     from ..guard import GuardOptions
 
     args.guard_options = GuardOptions.parse(args.guard) if args.guard else None
@@ -207,7 +210,7 @@ def serve(args: argparse.Namespace) -> int:
     timeouts = timeouts_of(args)
     app = create_app(tts, scheduler, voices, args.api_key, allowed_hosts=LOOPBACK_NAMES if loopback else None,
                      timeouts=timeouts, default_voice=args.default_voice,
-                     ws_idle_s=args.ws_idle_timeout, wyoming=args.wyoming)
+                     ws_idle_s=args.ws_idle_timeout, wyoming=args.wyoming, base=args.base)
     port = sock.getsockname()[1]
     shown = f"[{args.host}]" if ":" in args.host else args.host
     banner = (f"higgs-onnx speech server: http://{shown}:{port}/ (model {Path(tts.manifest.folder).name}, "

@@ -29,6 +29,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from ..job.options import SpeechOptions
 from . import dialogue_routes, info_routes, speech_routes, stream_routes, voice_routes
 from .http import STATIC, ApiError, HostGuard, LoggedCut, client_of, error_response, validation_message
 from .limits import BodyDeadline, BodyTimeout, ClientGone, Timeouts
@@ -40,17 +41,19 @@ log = logging.getLogger(__name__)
 
 def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = None, *,
                allowed_hosts: list[str] | None = None, timeouts: Timeouts | None = None,
-               default_voice: str = DEFAULT, ws_idle_s: float = 30.0, wyoming: str | None = None) -> FastAPI:
+               default_voice: str = DEFAULT, ws_idle_s: float = 30.0, wyoming: str | None = None,
+               base: SpeechOptions | None = None) -> FastAPI:
     """The app for one loaded model: the routes of every module, on one `SpeechService`. Its lifespan starts and
     stops `scheduler`. `api_key` (if set) is required as `Authorization: Bearer <key>` on every /v1 route;
     `allowed_hosts` (if set) refuses other Host headers (DNS rebinding: the server's own loopback names); `timeouts`
     bound the request bodies (`limits`); `default_voice` (a saved voice's name) speaks for requests that name no
-    voice or one of OpenAI's (`OPENAI_VOICES`); "default" named is zero-shot speech."""
+    voice or one of OpenAI's (`OPENAI_VOICES`); "default" named is zero-shot speech. `base`: the server's defaults
+    of the job's options (its text steps), under every request's own (Wyoming's too)."""
     timeouts = timeouts or Timeouts()
     uvicorn_log = logging.getLogger("uvicorn.error")
     if not any(isinstance(f, LoggedCut) for f in uvicorn_log.filters):
         uvicorn_log.addFilter(LoggedCut())
-    svc = SpeechService(tts, scheduler, voices_dir, api_key, timeouts, default_voice, ws_idle_s)
+    svc = SpeechService(tts, scheduler, voices_dir, api_key, timeouts, default_voice, ws_idle_s, base)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -61,7 +64,7 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
                 from .wyoming_server import WyomingService, start
 
                 beside = await start(wyoming, WyomingService(tts, scheduler, svc.store, default_voice=default_voice,
-                                                               send_s=timeouts.send_s))
+                                                               send_s=timeouts.send_s, read=svc.reader(svc.base)))
                 log.info("Wyoming server on %s", wyoming)
             yield
         finally:

@@ -23,7 +23,7 @@ from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import ClientDisconnect
 
 from ..audio import AudioError, check_format, check_recording
-from ..job.options import SAMPLING
+from ..job.options import SAMPLING, TEXT
 from .limits import (
     COUNTERS,
     DRAIN_LIMIT,
@@ -110,6 +110,13 @@ class SpeechRequest(OutputFields):
     stream: StrictBool = False
     # what the model would read and its prompt, as JSON; the request is checked as for real, nothing is generated
     dry_run: StrictBool = False
+    # the text steps (docs/text.md), checked by job.options (one bound and message for every door): None = the
+    # server's default (serve --normalize ...), which is off
+    normalize: Any = None
+    markdown: Any = None
+    emoji: Any = None
+    stage_directions: Any = None
+    lexicon: Any = None
 
 
 class DialogueRequest(OutputFields):
@@ -122,7 +129,7 @@ class DialogueRequest(OutputFields):
 
 # the body's fields that are `job.options.OPTIONS` (references: `shapes.normalise`)
 JOB_FIELDS = ("voice", "blend_mode", *SAMPLING, "speed", "takes", "retries", "loudness", "deterministic",
-              "dry_run", "instructions")
+              "dry_run", *TEXT)
 # what a session.config may hold beyond WS_ONLY: the speech fields (refused by name where the WebSocket cannot
 # honour them), the reference shapes and the output format
 WS_FIELDS = {"model", *JOB_FIELDS, "response_format", "stream_format", "stream", "ref_audio", "ref_text", "references",

@@ -20,8 +20,11 @@ from ..generation.contract import ContractError, NoAudioError
 from ..generation.options import GenerationOptions
 from ..guard import GuardOptions, RetryPolicy, judge, take_record, take_scores, take_seeds
 from ..guard import best_take as choose
-from ..job.options import SAMPLING, OptionError, SpeechOptions, speed_tag
+from ..job.options import SAMPLING, OptionError, SpeechOptions
 from ..loudness import normalise
+from ..tags import CONTROL_TAG
+from ..text.directions import DirectionError
+from ..text.pipeline import Reading
 from .formats import FORMATS, encoder
 from .http import (
     ALIASES,
@@ -55,8 +58,10 @@ class SpeechService:
     the contract's failures as OpenAI-style errors, and the response body (audio formats and SSE)."""
 
     def __init__(self, tts, scheduler, voices_dir, api_key: str | None, timeouts: Timeouts, default_voice: str,
-                 ws_idle_s: float):
+                 ws_idle_s: float, base: SpeechOptions | None = None):
+        """`base`: the server's own defaults (its text steps: `serve --markdown` ...), under every request's."""
         self.tts, self.scheduler, self.api_key, self.timeouts = tts, scheduler, api_key, timeouts
+        self.base = base or SpeechOptions()
         self.default_voice, self.ws_idle_s = default_voice, ws_idle_s
         self.model_id = Path(tts.manifest.folder).name
         self.models = [self.model_id, *ALIASES, *OPENAI_ALIASES]
@@ -181,13 +186,14 @@ class SpeechService:
     def job_options(self, r, names, door: str) -> SpeechOptions:
         """The job's options from the body's fields `names` (`job.options`: bounds and rules defined once)."""
         try:
-            return SpeechOptions.build({k: getattr(r, k) for k in names}, door)
+            return SpeechOptions.build({k: getattr(r, k) for k in names}, door, self.base)
         except OptionError as e:
             raise ApiError(400, e.message, e.param, e.code) from None
 
-    def check_speech(self, r: SpeechRequest, door: str = "http") -> tuple[str, SpeechOptions, str | None]:
-        """The text to submit (speed tag first), the job's options and the tag; ApiError for the first bad
-        field (a field `door` cannot honour is refused by name)."""
+    def check_speech(self, r: SpeechRequest, door: str = "http") -> tuple[str, SpeechOptions, str | None, Reading]:
+        """The text to submit (the lead first), the job's options, the lead (the instructions' tags and the speed
+        tag, which every piece starts with) and the reading of the input (the text steps); ApiError for the first
+        bad field (a field `door` cannot honour is refused by name)."""
         self.check_model(r)
         if not r.input.strip():
             raise ApiError(400, "input is empty: give the text to speak", "input", "invalid_value")
@@ -196,8 +202,26 @@ class SpeechService:
                            f"beyond one request is read in pieces, up to that)", "input", "string_above_max_length")
         self.check_output(r)
         job = self.job_options(r, JOB_FIELDS, door)
-        tag = speed_tag(job.speed, self.tts.tokens.control_tags)
-        return (tag or "") + r.input, job, tag
+        lead, reading = self.read(job, r.input)
+        return lead + reading.text, job, lead or None, reading
+
+    def reader(self, job: SpeechOptions):
+        """The job's text steps as text -> text (None: it has none), for a stream's segments."""
+        return job.reader(self.tts.tokens.control_tags)
+
+    def read(self, job: SpeechOptions, text: str) -> tuple[str, Reading]:
+        """The job's lead and its reading of `text` (job.options); ApiError for instructions it cannot map or a
+        text the steps leave empty."""
+        tags = self.tts.tokens.control_tags
+        try:
+            lead = job.lead(tags)
+        except DirectionError as e:
+            raise ApiError(400, str(e), "instructions", "invalid_value") from None
+        reading = job.read(text, tags)
+        if reading.steps and not CONTROL_TAG.sub("", reading.text).strip():
+            raise ApiError(400, f"input has nothing to speak after {', '.join(s for s, _ in reading.steps)}",
+                           "input", "invalid_value")
+        return lead, reading
 
     async def opening(self, job, chunks: AsyncIterator, request: Request):
         """`first_chunk`, with its failures as the error response (no audio was sent yet); GONE: the client left."""
@@ -248,9 +272,11 @@ class SpeechService:
         param = (params or {}).get(e.param, e.param)
         return ApiError(e.status, str(e), param, e.code)
 
-    async def dry_run(self, given: str, text: str, tag: str | None, voice, options, pieces) -> dict:
+    async def dry_run(self, given: str, text: str, tag: str | None, voice, options, pieces,
+                      reading: Reading | None = None) -> dict:
         """`"dry_run": true`: what the model would read and each request's prompt, checked by the contract as the
-        real request is (a piece as a request of its own), as JSON; nothing is generated."""
+        real request is (a piece as a request of its own), as JSON; nothing is generated. `steps`: the text after
+        each text step that ran (docs/text.md); `lead`: the tags every request starts with."""
         from .pieces import piece_options
 
         def one(read: str, opts) -> dict:
@@ -271,7 +297,8 @@ class SpeechService:
             whole = {"read": text}
         else:
             whole = await asyncio.to_thread(one, text, options)
-        return {"object": "speech.dry_run", "input": given, "speed_tag": tag, **whole, "pieces": parts}
+        steps = [{"step": name, "text": said} for name, said in (reading.steps if reading else ())]
+        return {"object": "speech.dry_run", "input": given, "lead": tag, "steps": steps, **whole, "pieces": parts}
 
     def check_pieces(self, job_opts: SpeechOptions, voice, n: int) -> None:
         """What an input read in pieces cannot be combined with: a 400 that says why."""

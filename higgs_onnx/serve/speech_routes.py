@@ -47,7 +47,7 @@ def router(svc: SpeechService) -> APIRouter:
         except ValidationError as e:
             message, param = validation_message(e)
             raise ApiError(400, message, param, "invalid_value") from None
-        text, job_opts, tag = svc.check_speech(r)
+        text, job_opts, tag, reading = svc.check_speech(r)
         options = job_opts.generation
         if r.stream and r.stream_format == "audio" and r.response_format != "pcm":
             raise ApiError(400, f"stream: true sends raw PCM: it needs response_format 'pcm', got "
@@ -56,8 +56,8 @@ def router(svc: SpeechService) -> APIRouter:
         if r.model_extra:
             log.info("ignored fields: %s", ", ".join(sorted(r.model_extra)))
         try:  # an input beyond one request: read in pieces (serve/pieces.py); None: one request, as ever
-            pieces = await asyncio.to_thread(plan_pieces, svc.tts, svc.scheduler.slot_positions, r.input, tag, voice,
-                                             options)
+            pieces = await asyncio.to_thread(plan_pieces, svc.tts, svc.scheduler.slot_positions, reading.text, tag,
+                                             voice, options)
         except ContractError as e:
             raise svc.contract_error(e, {"ref_text": "voice"}) from None
         except ValueError as e:
@@ -65,7 +65,7 @@ def router(svc: SpeechService) -> APIRouter:
         if pieces is not None:
             svc.check_pieces(job_opts, voice, len(pieces))
         if job_opts.dry_run:
-            return await svc.dry_run(r.input, text, tag, voice, options, pieces)
+            return await svc.dry_run(r.input, text, tag, voice, options, pieces, reading)
         takes = None
         if job_opts.takes > 1:
             job, done, takes = await svc.best_take(text, voice, options, job_opts, request)

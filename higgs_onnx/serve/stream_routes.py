@@ -48,7 +48,7 @@ def router(svc: SpeechService) -> APIRouter:
                                           f"frames, as it is made", name, "unsupported_parameter")
                 inline = normalise(body)  # Boson's ref_audio/ref_text, sglang-omni's references (serve/shapes.py)
                 r = SpeechRequest.model_validate({**body, "input": "-"})
-                _, job_opts, tag = svc.check_speech(r, "websocket")
+                _, job_opts, tag, _ = svc.check_speech(r, "websocket")
                 if isinstance(inline, list):
                     raise ConfigError("references: a blend of several references is not supported on the text-in "
                                       "WebSocket (it continues one KV context across segments); send one reference",
@@ -58,7 +58,7 @@ def router(svc: SpeechService) -> APIRouter:
                     raise ConfigError("voice: a blend of voices is not supported on the text-in WebSocket (it "
                                       "continues one KV context across sentences); use one voice",
                                       "voice", "unsupported_parameter")
-                return r.response_format, job_opts.generation, voice, tag or ""
+                return r.response_format, job_opts.generation, voice, (tag or "", svc.reader(job_opts))
             except ValidationError as e:
                 message, param = validation_message(e)
                 raise ConfigError(message, param, "invalid_value") from None
@@ -67,8 +67,8 @@ def router(svc: SpeechService) -> APIRouter:
             except ApiError as e:
                 raise ConfigError(e.message, e.param, e.code) from None
 
-        await WsSession(ws, configure, lambda voice, options, prefix: SpeechSession(svc.scheduler, voice, options,
-                                                                                    prefix=prefix),
+        await WsSession(ws, configure, lambda voice, options, lead: SpeechSession(svc.scheduler, voice, options,
+                                                                                  prefix=lead[0], read=lead[1]),
                         svc.sample_rate, svc.ws_idle_s, svc.timeouts.send_s).run()
 
     return router

@@ -23,10 +23,11 @@ ROWS_PER_CHAR = LongFormOptions().rows_per_char
 
 class SpeechSession:
     def __init__(self, scheduler, voice=None, options: GenerationOptions | None = None, stream_options=None,
-                 continuation: bool = True, prefix: str = ""):
-        """`prefix`: text every segment starts with (the speed tag of the job's `speed`)."""
+                 continuation: bool = True, prefix: str = "", read=None):
+        """`prefix`: text every segment starts with (the job's lead: instructions' and speed tags); `read`: the
+        job's text steps (`SpeechOptions.read`) as text -> text, run on each segment (None: as written)."""
         self.scheduler, self.voice, self.stream_options = scheduler, voice, stream_options
-        self.prefix = prefix
+        self.prefix, self.read = prefix, read
         self.options = options or GenerationOptions()
         self.continuation = continuation
         self.index = 0
@@ -81,7 +82,7 @@ class SpeechSession:
 
     async def speak(self, text: str) -> AsyncIterator[AudioChunk]:
         """The segment's chunks as they are made; afterwards its cache waits for the next segment."""
-        job = self.submit(self.prefix + text)
+        job = self.submit(self.prefix + (self.read(text) if self.read else text))
         try:
             async for chunk in job:
                 yield chunk

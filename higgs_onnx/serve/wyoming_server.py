@@ -95,8 +95,9 @@ class WyomingService:
     """What every connection shares: the model, the scheduler, the voices."""
 
     def __init__(self, tts, scheduler, store, languages=DEFAULT_LANGUAGES, default_voice: str = "default",
-                 send_s: float = SEND_S):
-        self.tts, self.scheduler, self.store = tts, scheduler, store
+                 send_s: float = SEND_S, read=None):
+        """`read`: the server's text steps as text -> text (docs/text.md; None: texts are read as written)."""
+        self.tts, self.scheduler, self.store, self.read = tts, scheduler, store, read
         self.languages, self.default_voice, self.send_s = list(languages), default_voice, send_s
         self.rate = tts.facts.sample_rate
 
@@ -158,7 +159,7 @@ class Connection:
             pass
 
     def new_session(self, voice_name: str | None):
-        return SpeechSession(self.service.scheduler, self.service.voice(voice_name))
+        return SpeechSession(self.service.scheduler, self.service.voice(voice_name), read=self.service.read)
 
     async def on(self, event) -> bool:
         from wyoming.info import Describe

@@ -1,0 +1,374 @@
+"""Numbers, dates, times, money, units, phone numbers, URLs and e-mail addresses written out as a person reads them.
+
+`normalize(text, language)` finds the written forms (the patterns below, in order: URLs, e-mail, phone numbers, dates,
+times, money, percentages, ranges, measures, ordinals, fractions, decimals, years, whole numbers, and in English a
+few abbreviations) and replaces each by words. The words of numbers come from libraries, never from this module:
+num2words (English: cardinals, ordinals, years, currency names) and cn2an (Chinese: cardinals, decimals, dates,
+fractions, percentages). What this module holds is where a number is and what kind it is, and the words around it
+(unit names, month names, "dot", "at").
+
+Languages: "en" and "zh" (`LANGUAGES`); "auto" takes zh when most of the letters are Han characters, else en. The
+inline control tags (`<|emotion:elation|>`) are never touched. Text with nothing to normalise comes back unchanged.
+
+The reference pipeline (sglang-omni) does none of this: it is off by default, and its effect on the real model's
+speech is not measured here (docs/text.md).
+"""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal, InvalidOperation
+
+from ..tags import CONTROL_TAG
+
+LANGUAGES = ("en", "zh")
+AUTO = "auto"
+
+
+class NormalizeError(ValueError):
+    """A language the normaliser does not cover (one line, names it)."""
+
+
+def check_language(value) -> str:
+    if not isinstance(value, str) or value.lower() not in (*LANGUAGES, AUTO):
+        raise NormalizeError(f"normalize must be one of {', '.join((AUTO, *LANGUAGES))} (or true / false), "
+                             f"got {value!r}")
+    return value.lower()
+
+
+def language_of(text: str) -> str:
+    """zh when most letters are Han characters, else en."""
+    han = sum(1 for c in text if "\u4e00" <= c <= "\u9fff" or "\u3400" <= c <= "\u4dbf")
+    letters = sum(1 for c in text if c.isalpha())
+    return "zh" if letters and han * 2 >= letters else "en"
+
+
+def normalize(text: str, language: str = AUTO) -> str:
+    """`text` with its written forms read out in `language` (en, zh or auto); control tags untouched."""
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a string, got {type(text).__name__}")
+    language = check_language(language)
+    if language == AUTO:
+        language = language_of(CONTROL_TAG.sub(" ", text))
+    reader = _EN if language == "en" else _ZH
+    out, at = [], 0
+    for m in CONTROL_TAG.finditer(text):
+        out += [reader.read(text[at:m.start()]), m.group()]
+        at = m.end()
+    out.append(reader.read(text[at:]))
+    return "".join(out)
+
+
+# --- patterns shared by both languages -------------------------------------------------------------------------
+def _re(pattern: str, flags: int = 0) -> re.Pattern:
+    """ASCII classes: \\w, \\b and \\d are ASCII, so a Chinese character next to a number is a boundary."""
+    return re.compile(pattern, flags | re.ASCII)
+
+
+NUM = r"\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?"
+URL = _re(r"(?<![\w.@])(?:https?://|www\.)[^\s<>\"']+[^\s<>\"'.,;:!?)\]}]")
+EMAIL = _re(r"\b[\w.+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+\b")
+PHONE = _re(r"(?<![\w.])(?:\+\d{1,3}[ -])?(?:\(\d{2,4}\) ?|\d{2,4}-)\d{3,4}-\d{4}(?![\w-])"
+                   r"|(?<![\w.])0\d{2,3}-\d{7,8}(?![\w-])|(?<![\w.])1\d{10}(?!\d)")
+ISO_DATE = _re(r"(?<![\w-])(\d{4})-(\d{2})-(\d{2})(?![\w-])")
+SLASH_DATE = _re(r"(?<![\w/])(\d{1,2})/(\d{1,2})(?:/(\d{4}|\d{2}))?(?![\w/])")
+TIME = _re(r"(?<![\w:])([01]?\d|2[0-3]):([0-5]\d)(?::([0-5]\d))?(?:\s?([AaPp])(?:\.[Mm](?=\.)|\s?[Mm]\b))?(?![\w:])")
+PERCENT = _re(rf"(?<![\w.])(-?)({NUM})\s?%")
+RANGE = _re(rf"(?<![\w.,-])({NUM})\s?[-–~]\s?({NUM})(?![\w.,]*\d)")
+FRACTION = _re(r"(?<![\w/.])(\d{1,3})/(\d{1,3})(?![\w/])")
+ORDINAL = _re(r"(?<![\w.])(\d+)(st|nd|rd|th)\b", re.IGNORECASE)
+HOUR = _re(r"(?<![\w:.])(1[0-2]|0?[1-9])\s?([AaPp])(?:\.[Mm](?=\.)|\.?\s?[Mm]\b)")
+VERSION = _re(r"(?<![\w.])\d+(?:\.\d+){2,}(?![\w.]*\d)")
+DECADE = _re(r"(?<![\w.])(1\d|20)?(\d0)'?s\b")
+NUMBER = _re(rf"(?<![\w.])(-?)({NUM})(?![\d])")
+
+MONTHS = ("January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
+          "November", "December")
+MONTH_ABBR = {m[:3].lower(): m for m in MONTHS} | {"sept": "September"}
+MONTH_DAY = _re(r"\b(" + "|".join(MONTHS) + "|" + "|".join(a.title() for a in MONTH_ABBR)
+                       + r")\.?\s+(\d{1,2})(?:st|nd|rd|th)?(?:,?\s+(\d{4}))?\b")
+
+
+def _decimal(s: str) -> Decimal:
+    return Decimal(s.replace(",", ""))
+
+
+def _spoken_url(url: str, dot: str, slash: str) -> str:
+    body = re.sub(r"^(?:https?://)?(?:www\.)?", "", url).split("?")[0].split("#")[0].rstrip("/")
+    parts = re.split(r"([./])", body)
+    return " ".join(dot if p == "." else slash if p == "/" else p for p in parts if p)
+
+
+class _Reader:
+    """One language's reading of the patterns; `read` applies them in order to text without tags."""
+
+    def read(self, text: str) -> str:
+        for pattern, fn in self.rules():
+            text = pattern.sub(fn, text)
+        return text
+
+    def rules(self):
+        raise NotImplementedError
+
+
+class _English(_Reader):
+    UNITS = {  # symbol -> (singular, plural); exact case
+        "km/h": ("kilometer per hour", "kilometers per hour"), "mph": ("mile per hour", "miles per hour"),
+        "m/s": ("meter per second", "meters per second"), "kWh": ("kilowatt hour", "kilowatt hours"),
+        "kg": ("kilogram", "kilograms"), "mg": ("milligram", "milligrams"), "g": ("gram", "grams"),
+        "km": ("kilometer", "kilometers"), "cm": ("centimeter", "centimeters"), "mm": ("millimeter", "millimeters"),
+        "m": ("meter", "meters"), "mi": ("mile", "miles"), "ft": ("foot", "feet"),
+        "lb": ("pound", "pounds"), "lbs": ("pound", "pounds"), "oz": ("ounce", "ounces"),
+        "ml": ("milliliter", "milliliters"), "mL": ("milliliter", "milliliters"), "l": ("liter", "liters"),
+        "L": ("liter", "liters"), "°C": ("degree Celsius", "degrees Celsius"),
+        "°F": ("degree Fahrenheit", "degrees Fahrenheit"), "°": ("degree", "degrees"),
+        "TB": ("terabyte", "terabytes"), "GB": ("gigabyte", "gigabytes"), "MB": ("megabyte", "megabytes"),
+        "KB": ("kilobyte", "kilobytes"), "kB": ("kilobyte", "kilobytes"), "GHz": ("gigahertz", "gigahertz"),
+        "MHz": ("megahertz", "megahertz"), "kHz": ("kilohertz", "kilohertz"), "Hz": ("hertz", "hertz"),
+        "kW": ("kilowatt", "kilowatts"), "W": ("watt", "watts"), "V": ("volt", "volts"),
+        "ms": ("millisecond", "milliseconds"), "min": ("minute", "minutes"), "h": ("hour", "hours"),
+        "hr": ("hour", "hours"), "hrs": ("hour", "hours"), "s": ("second", "seconds"), "sec": ("second", "seconds"),
+    }
+    CURRENCY = {"$": "USD", "US$": "USD", "€": "EUR", "£": "GBP", "¥": "JPY", "USD": "USD", "EUR": "EUR",
+                "GBP": "GBP"}
+    YEN = (("yen", "yen"), ("sen", "sen"))
+    SCALE = {"k": "thousand", "K": "thousand", "m": "million", "M": "million", "million": "million",
+             "bn": "billion", "B": "billion", "billion": "billion", "trillion": "trillion"}
+    ABBREVIATIONS = {"Dr.": "Doctor", "Mr.": "Mister", "Mrs.": "Missus", "Ms.": "Miz", "Prof.": "Professor",
+                     "Jr.": "Junior", "Sr.": "Senior", "vs.": "versus", "e.g.": "for example", "i.e.": "that is",
+                     "etc.": "et cetera", "approx.": "approximately", "Mt.": "Mount", "Ave.": "Avenue",
+                     "Inc.": "Incorporated", "Ltd.": "Limited"}
+    YEAR_CUES = _re(r"\b(?:in|since|by|of|from|until|till|to|year|around|before|after|early|late|mid|"
+                           r"circa|during|through|and|or|the)\s*$", re.IGNORECASE)
+
+    def __init__(self):
+        from num2words import CONVERTER_CLASSES, num2words
+
+        self.n2w = lambda n, **kw: num2words(n, **kw).replace(",", "")
+        self.forms = CONVERTER_CLASSES["en"].CURRENCY_FORMS
+        units = sorted(self.UNITS, key=len, reverse=True)
+        self.measure = _re(rf"(?<![\w.])(-?)({NUM})\s?(" + "|".join(re.escape(u) for u in units)
+                                  + r")(?![\w/])")
+        symbols = "|".join(re.escape(s) for s in sorted(self.CURRENCY, key=len, reverse=True))
+        scale = "|".join(sorted(self.SCALE, key=len, reverse=True))
+        self.money = _re(rf"(?<![\w])({symbols})\s?({NUM})(?:\s?({scale})\b)?"
+                                rf"|(?<![\w.])({NUM})\s?(USD|EUR|GBP)\b")
+        self.abbr = _re(r"(?<![\w.])(" + "|".join(re.escape(a) for a in self.ABBREVIATIONS)
+                               + r")(?=\s|$)")
+        self.saint = _re(r"(?<![\w.])St\.(?= [A-Z])")  # St. Louis
+        self.street = _re(r"(?<= )St\.(?=[\s,;]|$)")  # Main St.
+
+    def cardinal(self, s: str) -> str:
+        d = _decimal(s)
+        if d == d.to_integral_value() and "." not in s:
+            return self.n2w(int(d))
+        whole, _, frac = s.replace(",", "").partition(".")
+        return f"{self.n2w(int(whole))} point " + " ".join(self.n2w(int(c)) for c in frac)
+
+    def digits(self, s: str) -> str:
+        return " ".join(self.n2w(int(c)) for c in s if c.isdigit())
+
+    def rules(self):
+        return [(URL, self.url), (EMAIL, self.email), (PHONE, self.phone), (ISO_DATE, self.iso_date),
+                (MONTH_DAY, self.month_day), (SLASH_DATE, self.slash), (TIME, self.time), (HOUR, self.hour),
+                (VERSION, self.version), (DECADE, self.decade),
+                (self.money, self.cash),
+                (PERCENT, self.percent), (self.measure, self.unit), (RANGE, self.range), (ORDINAL, self.ordinal),
+                (NUMBER, self.number), (self.saint, lambda m: "Saint"), (self.street, lambda m: "Street"),
+                (self.abbr, lambda m: self.ABBREVIATIONS[m.group(1)])]
+
+    def url(self, m):
+        return _spoken_url(m.group(), "dot", "slash")
+
+    def email(self, m):
+        local, _, domain = m.group().partition("@")
+        return f"{local.replace('.', ' dot ')} at {domain.replace('.', ' dot ')}"
+
+    def phone(self, m):
+        groups = re.findall(r"\d+", m.group())
+        lead = "plus " if m.group().startswith("+") else ""
+        return lead + ", ".join(self.digits(g) for g in groups)
+
+    def date_words(self, month: int, day: int, year: str | None) -> str | None:
+        if not (1 <= month <= 12 and 1 <= day <= 31):
+            return None
+        out = f"{MONTHS[month - 1]} {self.n2w(day, to='ordinal')}"
+        if year:
+            y = int(year) if len(year) == 4 else 2000 + int(year)
+            out += f", {self.n2w(y, to='year')}"
+        return out
+
+    def iso_date(self, m):
+        return self.date_words(int(m.group(2)), int(m.group(3)), m.group(1)) or m.group()
+
+    def month_day(self, m):
+        month = MONTH_ABBR[m.group(1).lower()[:3]]
+        return self.date_words(MONTHS.index(month) + 1, int(m.group(2)), m.group(3)) or m.group()
+
+    def slash(self, m):
+        a, b, year = int(m.group(1)), int(m.group(2)), m.group(3)
+        before = m.string[:m.start()]
+        dated = year or re.search(r"\b(?:on|since|by|until|till|from|due|dated|before|after)\s*$", before, re.I)
+        if not dated and b <= 10 and 0 < a < b:
+            return self.fraction(a, b)
+        return self.date_words(a, b, year) or (self.fraction(a, b) if b else m.group())
+
+    def fraction(self, a: int, b: int) -> str:
+        names = {2: ("half", "halves"), 4: ("quarter", "quarters")}
+        one, many = names.get(b, (self.n2w(b, to="ordinal"), self.n2w(b, to="ordinal") + "s"))
+        return f"{self.n2w(a)} {one if a == 1 else many}"
+
+    def time(self, m):
+        hour, minute, second, half = int(m.group(1)), int(m.group(2)), m.group(3), m.group(4)
+        said = self.n2w(hour)
+        if minute == 0:
+            said += "" if half else " o'clock" if hour <= 12 else " hundred"
+        elif minute < 10:
+            said += f" oh {self.n2w(minute)}"
+        else:
+            said += f" {self.n2w(minute)}"
+        if second:
+            said += f" and {self.n2w(int(second))} seconds"
+        if half:
+            said += " a m" if half.lower() == "a" else " p m"
+        return said
+
+    def cash(self, m):
+        if m.group(4):
+            amount, code, scale = m.group(4), self.CURRENCY[m.group(5)], None
+        else:
+            amount, code, scale = m.group(2), self.CURRENCY[m.group(1)], m.group(3)
+        (one, many), (cent, cents) = self.YEN if code == "JPY" else self.forms[code]
+        d = _decimal(amount)
+        if scale:
+            return f"{self.cardinal(amount)} {self.SCALE[scale]} {many}"
+        whole = int(d)
+        rest = int((d - whole) * 100)
+        said = f"{self.n2w(whole)} {one if whole == 1 else many}"
+        if rest and code != "JPY":
+            said += f" and {self.n2w(rest)} {cent if rest == 1 else cents}"
+        return said
+
+    def hour(self, m):
+        return f"{self.n2w(int(m.group(1)))} {'a' if m.group(2).lower() == 'a' else 'p'} m"
+
+    def version(self, m):
+        return " point ".join(self.n2w(int(p)) for p in m.group().split("."))
+
+    def decade(self, m):
+        said = self.n2w(int((m.group(1) or "") + m.group(2)), to="year") if m.group(1) else self.n2w(int(m.group(2)))
+        return said[:-1] + "ies" if said.endswith("y") else said + "s"
+
+    def percent(self, m):
+        return f"{'minus ' if m.group(1) else ''}{self.cardinal(m.group(2))} percent"
+
+    def unit(self, m):
+        one, many = self.UNITS[m.group(3)]
+        value = m.group(2)
+        word = one if value == "1" else many
+        return f"{'minus ' if m.group(1) else ''}{self.cardinal(value)} {word}"
+
+    def range(self, m):
+        return f"{self.cardinal(m.group(1))} to {self.cardinal(m.group(2))}"
+
+    def ordinal(self, m):
+        return self.n2w(int(m.group(1)), to="ordinal")
+
+    def number(self, m):
+        sign, s = m.group(1), m.group(2)
+        if not sign and re.fullmatch(r"1[1-9]\d\d|20\d\d", s):
+            before = m.string[:m.start()]
+            after = m.string[m.end():]
+            if self.YEAR_CUES.search(before) or not before.strip() or re.match(r"\s*(?:[.,;:!?)]|$|s\b)", after):
+                return self.n2w(int(s), to="year")
+        return f"{'minus ' if sign else ''}{self.cardinal(s)}"
+
+
+class _Chinese(_Reader):
+    UNITS = {"km/h": ("每小时", "公里"), "m/s": ("每秒", "米"), "kg": ("", "千克"), "mg": ("", "毫克"),
+             "g": ("", "克"), "km": ("", "公里"), "cm": ("", "厘米"), "mm": ("", "毫米"), "m": ("", "米"),
+             "ml": ("", "毫升"), "mL": ("", "毫升"), "L": ("", "升"), "°C": ("", "摄氏度"), "℃": ("", "摄氏度"),
+             "°F": ("", "华氏度"), "GB": ("", "G B"), "MB": ("", "M B"), "TB": ("", "T B"), "kWh": ("", "千瓦时"),
+             "GHz": ("", "吉赫兹"), "Hz": ("", "赫兹"), "kW": ("", "千瓦"), "W": ("", "瓦"), "V": ("", "伏")}
+    CURRENCY = {"¥": "元", "￥": "元", "$": "美元", "US$": "美元", "€": "欧元", "£": "英镑", "HK$": "港元"}
+    DIGITS = "零一二三四五六七八九"
+
+    def __init__(self):
+        import cn2an
+
+        self.cn2an = cn2an
+        units = sorted(self.UNITS, key=len, reverse=True)
+        self.measure = _re(rf"(-?)({NUM})\s?(" + "|".join(re.escape(u) for u in units) + r")(?![A-Za-z/])")
+        symbols = "|".join(re.escape(s) for s in sorted(self.CURRENCY, key=len, reverse=True))
+        self.money = _re(rf"({symbols})\s?({NUM})(万|亿)?")
+        self.zh_date = _re(r"(\d{4})年(?:(\d{1,2})月(?:(\d{1,2})[日号])?)?|(\d{1,2})月(\d{1,2})[日号]")
+
+    def number_words(self, s: str) -> str:
+        return self.cn2an.an2cn(s.replace(",", ""), "low")
+
+    def digits(self, s: str) -> str:
+        return "".join(self.DIGITS[int(c)] for c in s if c.isdigit())
+
+    def rules(self):
+        return [(URL, lambda m: _spoken_url(m.group(), "点", "斜杠")),
+                (EMAIL, lambda m: m.group().replace("@", " at ").replace(".", " 点 ")),
+                (PHONE, lambda m: ("加" if m.group().startswith("+") else "")
+                 + "，".join(self.digits(g) for g in re.findall(r"\d+", m.group()))),
+                (ISO_DATE, self.iso_date), (self.zh_date, self.date), (TIME, self.time), (self.money, self.cash),
+                (PERCENT, lambda m: ("负" if m.group(1) else "") + "百分之" + self.number_words(m.group(2))),
+                (self.measure, self.unit), (RANGE, lambda m: f"{self.number_words(m.group(1))}到"
+                                            f"{self.number_words(m.group(2))}"),
+                (FRACTION, lambda m: f"{self.number_words(m.group(2))}分之{self.number_words(m.group(1))}"),
+                (NUMBER, lambda m: ("负" if m.group(1) else "") + self.number_words(m.group(2)))]
+
+    def iso_date(self, m):
+        y, mo, d = m.groups()
+        return f"{self.digits(y)}年{self.number_words(str(int(mo)))}月{self.number_words(str(int(d)))}日"
+
+    def date(self, m):
+        if m.group(4):
+            return f"{self.number_words(m.group(4))}月{self.number_words(m.group(5))}{m.group()[-1]}"
+        out = f"{self.digits(m.group(1))}年"
+        if m.group(2):
+            out += f"{self.number_words(m.group(2))}月"
+        if m.group(3):
+            out += f"{self.number_words(m.group(3))}{m.group()[-1]}"
+        return out
+
+    def time(self, m):
+        hour, minute, second = int(m.group(1)), int(m.group(2)), m.group(3)
+        said = f"{self.number_words(str(hour))}点"
+        if minute:
+            said += ("零" if minute < 10 else "") + f"{self.number_words(str(minute))}分"
+        if second:
+            said += f"{self.number_words(str(int(second)))}秒"
+        if m.group(4):
+            said = ("上午" if m.group(4).lower() == "a" else "下午") + said
+        return said
+
+    def cash(self, m):
+        amount = m.group(2)
+        try:
+            _decimal(amount)
+        except InvalidOperation:
+            return m.group()
+        return f"{self.number_words(amount)}{m.group(3) or ''}{self.CURRENCY[m.group(1)]}"
+
+    def unit(self, m):
+        before, word = self.UNITS[m.group(3)]
+        return f"{before}{'负' if m.group(1) else ''}{self.number_words(m.group(2))}{word}"
+
+
+class _Lazy:
+    """The readers load their libraries on first use (the server imports this module whether or not it is on)."""
+
+    def __init__(self, make):
+        self.make, self.reader = make, None
+
+    def read(self, text: str) -> str:
+        if self.reader is None:
+            self.reader = self.make()
+        return self.reader.read(text)
+
+
+_EN, _ZH = _Lazy(_English), _Lazy(_Chinese)
