@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ref-audio", type=Path, help="reference recording of the voice to clone (any rate/channels)")
     ap.add_argument("--ref-text", help="transcript of --ref-audio (optional, improves cloning)")
     ap.add_argument("--save-voice", type=Path, help="save the encoded reference + its prefill state (.npz) to reuse")
+    ap.add_argument("--voice-languages", metavar="CODES", help="with --save-voice: the languages the saved voice is "
+                    "offered for, comma-separated (e.g. en,de; Home Assistant lists it under these; default: the "
+                    "server's --languages)")
     ap.add_argument("--voice", help="a voice saved with --save-voice (instead of --ref-audio), or a blend of saved "
                     "voices NAME:WEIGHT,NAME:WEIGHT (e.g. a.npz:0.7,b.npz:0.3; no weights = equal), each a file or a "
                     "name in --voices (docs/voices.md)")
@@ -65,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--captions", type=Path, help="--text-file with --out, or --script: also write captions "
                     "(.srt or .vtt), one cue per piece timed by the samples written; pieces are then cut near "
                     "--caption-chars (docs/captions.md)")
+    ap.add_argument("--caption-level", choices=("piece", "word"), default=None, help="with --captions: a cue per "
+                    "piece (default), or per word, timed by a forced aligner on the written audio (pocketsphinx: "
+                    "English only; other pieces keep piece cues and say so; docs/captions.md)")
+    ap.add_argument("--caption-language", default="en", metavar="LANG", help="with --caption-level word: the text's "
+                    "language (default %(default)s; the aligner times English only, other languages keep piece cues)")
     ap.add_argument("--caption-chars", type=int, default=None, help="with --captions: the length pieces (cues) aim "
                     "at, in characters (default 150, about 10 s; whole sentences, so some are longer)")
     ap.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy (default %(default)s)")
@@ -115,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "whole take, so not with --stream or --out -. See docs/audio.md")
     ap.add_argument("--asr-model", type=Path, metavar="DIR", help="with --takes: also hear every good take with this "
                     "local faster-whisper model and keep the one with the lowest word (character) error rate "
-                    "(needs `pip install faster-whisper`; nothing is downloaded)")
+                    "(needs `pip install faster-whisper`; nothing is downloaded); or `pocketsphinx`: its packaged "
+                    "English model (pinned; weaker, English only, each take heard against the text's own words)")
     ap.add_argument("--dry-run", action="store_true", help="--text, or the lines of --text-file: print what the "
                     "model would read and its prompt positions (one JSON object per line), each request checked as "
                     "for real; nothing is generated or written and no part of the model is loaded")
@@ -179,6 +188,11 @@ def check_dialogue_args(args: argparse.Namespace) -> None:
         check_path(args.captions)
         if str(args.out) != "-" and args.captions.resolve() == args.out.resolve():
             raise ValueError(f"--captions {args.captions} is the --out file")
+    if args.caption_level is not None:
+        if args.captions is None:
+            raise ValueError("--caption-level is for --captions")
+        if args.caption_level == "word" and str(args.out) == "-":
+            raise ValueError("--caption-level word needs --out FILE: the words are timed on the written audio")
     if args.caption_chars is not None:
         if args.captions is None:
             raise ValueError("--caption-chars is for --captions")
@@ -248,6 +262,14 @@ def check_args(args: argparse.Namespace) -> tuple[GenerationOptions, StreamOptio
         raise ValueError("use either --voice or --ref-audio, not both")
     if args.save_voice is not None and args.ref_audio is None:
         raise ValueError("--save-voice needs --ref-audio (the voice to save)")
+    if args.voice_languages is not None:
+        if args.save_voice is None:
+            raise ValueError("--voice-languages is for --save-voice (the languages the saved voice is offered for)")
+        from higgs_onnx.serve.voices import check_languages
+
+        args.voice_languages = check_languages(args.voice_languages, "--voice-languages")
+        if not args.voice_languages:
+            raise ValueError("--voice-languages needs at least one language code, e.g. en,de")
     args.voice_files = voice_files(args)
     check_dialogue_args(args)
     if args.text_file is not None and (args.out_dir is None) == (args.out is None) and not args.dry_run:

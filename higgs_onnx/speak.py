@@ -67,7 +67,7 @@ def speak_all(args) -> int:
         say = print if not args.stream else lambda *a: print(*a, file=sys.stderr)
         say(f"voice: reference encoded and prefilled in {time.perf_counter() - t0:.2f} s (reused for every line)")
         if args.save_voice:
-            say(f"voice saved to {voice.save(args.save_voice)}")
+            say(f"voice saved to {voice.save(args.save_voice, getattr(args, 'voice_languages', None))}")
     if args.dry_run:
         return dry_run(tts, args, voice)
     if args.text is not None:
@@ -365,6 +365,32 @@ def speak_dialogue(tts, args) -> int:
     return run_job(job, args, str(args.script))
 
 
+def word_cues(path: Path, cues: list, language: str = "en") -> list:
+    """The piece cues of the recording at `path` made a cue per word, each piece's words forced-aligned on its own
+    samples (`align.word_cues`) in `language` (a piece mostly in Han characters counts as zh); a piece the aligner
+    cannot time (not English, or no alignment) keeps its cue, and the run says how many did."""
+    from .align import AlignUnavailable
+    from .align import word_cues as align
+    from .audio import read_audio
+    from .text.normalize import language_of
+
+    samples, rate = read_audio(path)
+    samples = samples[:, 0]  # the recording is mono
+    out, kept, why = [], 0, ""
+    for cue in cues:
+        try:
+            said = "zh" if language_of(cue.text) == "zh" else language
+            words = align(samples[cue.start:cue.end], rate, cue.text, said)
+        except AlignUnavailable as e:
+            out.append(cue)
+            kept, why = kept + 1, why or str(e)
+            continue
+        out += [captions.Cue(cue.start + a, cue.start + max(b, a + 1), w, cue.speaker) for a, b, w in words]
+    if kept:
+        print(f"--caption-level word: {kept} of {len(cues)} pieces keep a piece-level cue ({why})", file=sys.stderr)
+    return out
+
+
 def run_job(make, args, label: str) -> int:
     """Drive a long-form or dialogue job (`make(out)` builds it): progress per piece, the file (or raw PCM on
     stdout), loudness, captions, and a summary."""
@@ -423,6 +449,8 @@ def _run_job(make, args, label: str, tmp: Path) -> int:
                   file=sys.stderr)
             raise
     if args.captions is not None:
+        if args.caption_level == "word":
+            cues = word_cues(args.out, cues, args.caption_language)
         try:
             captions.write(args.captions, cues, job.tts.facts.sample_rate)
         except OSError as e:

@@ -13,7 +13,7 @@ from .cli import add_log_level, run_main
 from .job.options import SpeechOptions, add_text_flags, text_values
 from .runtime.model import HiggsTTS
 from .serve.scheduler import JobScheduler
-from .serve.voices import VoiceError, VoiceStore
+from .serve.voices import VoiceError, VoiceStore, check_languages
 from .serve.wyoming_server import DEFAULT_LANGUAGES, WyomingService, check_uri, start
 
 
@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     check_uri(args.uri)
     base = SpeechOptions.build(text_values(args), "cli")  # the text steps (docs/text.md), before the model loads
-    languages = [x.strip() for x in args.languages.split(",") if x.strip()]
+    languages = list(check_languages(args.languages, "--languages"))  # the one check of a language code
     if not languages:
         raise ValueError("--languages needs at least one language code, e.g. en")
 

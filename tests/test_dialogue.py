@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -241,6 +242,16 @@ def test_cli_dialogue_with_captions(builds, tmp_path):
     cues = webvtt.read(str(vtt)).captions
     assert [c.voice for c in cues[:2]] == ["Alice", "Bob"] and cues[-1].end_in_seconds <= sf.info(out).duration + 1
     assert f"{vtt}: {len(cues)} cues" in r.stderr
+    # word level: each piece forced-aligned on its own samples (the tiny model's audio is no speech, so a piece the
+    # aligner cannot time keeps its cue, and the run says so); never fewer cues, never past the audio
+    words = tmp_path / "words.srt"
+    r = cli("--model-path", builds["int4"], "--script", script, "--voices-map", f"Alice={saved},Bob=default",
+            "--out", out, "--captions", words, "--caption-level", "word")
+    assert r.returncode == 0, r.stderr
+    got = list(srt.parse(words.read_text()))
+    kept = re.search(r"--caption-level word: (\d+) of (\d+) pieces keep a piece-level cue", r.stderr)
+    assert len(got) >= len(cues) and (kept is not None or len(got) > len(cues)), r.stderr
+    assert got[-1].end.total_seconds() <= sf.info(out).duration + 1e-3
 
 
 @pytest.mark.slow
@@ -267,6 +278,8 @@ def test_cli_bad_dialogues_are_one_line_before_the_model_loads(builds, tmp_path)
          "--voices-map is for --script"),
         (("--text", "Hi.", "--captions", tmp_path / "a.srt", "--out", tmp_path / "a.wav"),
          "--captions is for one"),
+        (("--script", script, "--voices-map", "Alice=default,Bob=default", "--out", tmp_path / "a.wav",
+          "--caption-level", "word"), "--caption-level is for --captions"),
         (("--script", script, "--voices-map", "Alice=default,Bob=default", "--out", tmp_path / "a.wav",
           "--captions", tmp_path / "a.txt"), "captions are .srt (SubRip) or .vtt (WebVTT)"),
         (("--script", script, "--voices-map", "Alice=default,Bob=default", "--out", tmp_path / "a.wav",

@@ -3,8 +3,8 @@ the tokenizer's own tags, the lexicon's rules, and plain text left exactly as wr
 
 from __future__ import annotations
 
-import csv
 import gzip
+import importlib.util
 import json
 import re
 from pathlib import Path
@@ -14,13 +14,14 @@ import pytest
 from higgs_onnx.job.options import OptionError, SpeechOptions
 from higgs_onnx.text import directions
 from higgs_onnx.text.lexicon import Lexicon, LexiconError, load
-from higgs_onnx.text.normalize import language_of, normalize
+from higgs_onnx.text.normalize import LANGUAGES, language_of, normalize
 from higgs_onnx.text.pipeline import TextOptions
 
 ROOT = Path(__file__).resolve().parents[1]
 TABLES = ROOT / "tests" / "data" / "text"
-# what the normaliser must reach on the tables (measured: docs/text.md); a change that reads fewer cases fails
-FLOOR = {"en": 0.80, "zh": 0.80}
+# what the normaliser must reach on the tables (measured: docs/text.md: 180/180, 178/178, and on the held-out
+# tables, written by someone who had not seen the patterns, 150/163 and 153/163); a change that reads fewer fails
+FLOOR = {"en": 1.0, "zh": 1.0, "en_heldout": 0.92, "zh_heldout": 0.93}
 
 
 def tokenizer_tags() -> set[str]:
@@ -32,28 +33,33 @@ def tokenizer_tags() -> set[str]:
 TAGS = tokenizer_tags()
 
 
-def table(language: str) -> list[tuple[str, str, list[str]]]:
-    with open(TABLES / f"normalize_{language}.tsv", encoding="utf-8", newline="") as f:
-        rows = list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
-    return [(c, i, [e.strip() for e in x.split(" || ")]) for c, i, x in rows[1:] if c]
+def _measure():
+    """scripts/measure_normalizers.py: the one reader of the tables and the one comparison of readings."""
+    spec = importlib.util.spec_from_file_location("measure_normalizers", ROOT / "scripts" / "measure_normalizers.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+MEASURE = _measure()
+
+
+def table(name: str) -> list[tuple[str, str, list[str]]]:
+    return MEASURE.load_table(TABLES / f"normalize_{name}.tsv")
 
 
 def same(a: str, b: str) -> bool:
-    """Equal as spoken: case, hyphens and punctuation aside."""
-    def fold(s: str) -> str:
-        s = s.lower().replace("-", " ")
-        return " ".join(re.sub(r"[^\w\s]", " ", s).split())
-    return fold(a) == fold(b)
+    return MEASURE.canon(a) == MEASURE.canon(b)
 
 
-@pytest.mark.parametrize("language", ["en", "zh"])
-def test_the_tables_are_read_as_people_read_them(language):
-    cases = table(language)
-    assert len(cases) >= 100, f"normalize_{language}.tsv has {len(cases)} cases"
+@pytest.mark.parametrize("name", list(FLOOR))
+def test_the_tables_are_read_as_people_read_them(name):
+    cases, language = table(name), name[:2]
+    assert len(cases) >= (100 if name in LANGUAGES else 160), f"normalize_{name}.tsv has {len(cases)} cases"
     hits = [any(same(normalize(i, language), e) for e in x) for _, i, x in cases]
     rate = sum(hits) / len(hits)
     misses = [(c, i, normalize(i, language)) for (c, i, _), h in zip(cases, hits, strict=True) if not h]
-    assert rate >= FLOOR[language], f"{language}: {rate:.0%} of {len(cases)}; misses: {misses[:12]}"
+    assert rate >= FLOOR[name] - 1e-9, f"{name}: {sum(hits)} of {len(cases)}; misses: {misses[:12]}"
 
 
 @pytest.mark.parametrize("language", ["en", "zh"])
@@ -154,3 +160,22 @@ def test_text_fields_are_checked_once(field, value, message):
     with pytest.raises(OptionError) as e:
         SpeechOptions.build({field: value}, "http")
     assert str(e.value).startswith(message) and e.value.param == field
+
+
+def test_docs_hold_the_directions_table_as_the_code_makes_it():
+    page = (ROOT / "docs" / "text.md").read_text(encoding="utf-8")
+    assert directions.markdown_table(TAGS) in page, "docs/text.md: the stage directions table is stale"
+
+
+def test_hostile_text_never_breaks_the_normaliser():
+    """Numbers past the libraries' words are read digit by digit; random text never raises."""
+    import random
+
+    assert normalize("I have " + "1" * 40 + " coins.", "en") == "I have " + " ".join(["one"] * 40) + " coins."
+    assert normalize("共" + "9" * 20 + "元", "zh") == "共" + "九" * 20 + "元"
+    rng = random.Random(7)
+    alphabet = "0123456789 .,:/-%$€£¥½°²‰abcXYZ@年月日点：，。<|>"
+    for _ in range(2000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
+        for language in ("en", "zh"):
+            assert isinstance(normalize(text, language), str)

@@ -5,7 +5,8 @@ its last sample before its pause, so a cue is exactly the span of the piece's au
 positions divided by the sample rate, rounded to the millisecond the formats carry. Dialogue cues name their
 speaker (SubRip: `Alice: text`, WebVTT: a `<v Alice>` voice span). Control tags (`<|...|>`) are not shown.
 
-Word-level times would need a forced aligner (none of the pinned dependencies ships one); they are not guessed.
+Word-level cues (`--caption-level word`) come from a forced aligner on the written audio (`speak.word_cues`,
+`align.py`); they are never guessed.
 The files are written with `srt` (SubRip) and `webvtt-py` (WebVTT), atomically.
 """
 

@@ -49,13 +49,8 @@ def read_voice(path: Path) -> dict:
             a = {k: npz[k] for k in npz.files}
         except _NPZ_ERRORS:
             raise VoiceFileError("a damaged or non-numeric array inside") from None
-    try:
-        meta = json.loads(str(a["meta"]))
-        ref_text, model_id = meta["ref_text"], meta["model_id"]
-        if not isinstance(model_id, str) or not isinstance(ref_text, (str, type(None))):
-            raise TypeError(meta)
-    except (ValueError, KeyError, TypeError):
-        raise VoiceFileError("meta is not the JSON Voice.save writes") from None
+    meta = _check_meta(a["meta"])
+    ref_text, model_id = meta["ref_text"], meta["model_id"]
     rows, prefix, state = a["rows"], a["prefix"], {k[3:]: v for k, v in a.items() if k.startswith("kv:")}
     if rows.ndim != 2 or rows.dtype.kind not in "iu":
         raise VoiceFileError(f"rows must be integer codes (R, N), got {rows.dtype} {rows.shape}")
@@ -69,6 +64,39 @@ def read_voice(path: Path) -> dict:
             "state": state, "model_id": model_id}
 
 
+def _check_meta(array: np.ndarray) -> dict:
+    """The JSON `meta` of a voice file: ref_text, model_id and, in files that have it, `languages` (a list of
+    language codes, checked where they are used: `serve.voices.check_languages`); VoiceFileError otherwise."""
+    try:
+        meta = json.loads(str(array))
+        ref_text, model_id, languages = meta["ref_text"], meta["model_id"], meta.get("languages")
+        if not isinstance(model_id, str) or not isinstance(ref_text, (str, type(None))) or not (
+                languages is None or isinstance(languages, list) and all(isinstance(x, str) for x in languages)):
+            raise TypeError(meta)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise VoiceFileError("meta is not the JSON Voice.save writes") from None
+    return meta
+
+
+def read_voice_meta(path: Path) -> dict:
+    """The `meta` of a voice file alone ({ref_text, model_id, languages?}): np.load of an .npz is lazy, so only
+    that small member is read (a voice's KV state is tens of MB); VoiceFileError when it is not a voice file."""
+    try:
+        npz = np.load(path, allow_pickle=False)
+    except _NPZ_ERRORS:
+        raise VoiceFileError("not an .npz archive") from None
+    if not isinstance(npz, np.lib.npyio.NpzFile):
+        raise VoiceFileError("a single .npy array, not an .npz archive")
+    with npz:
+        if "meta" not in npz.files:
+            raise VoiceFileError("missing meta")
+        try:
+            array = npz["meta"]
+        except _NPZ_ERRORS:
+            raise VoiceFileError("a damaged or non-numeric array inside") from None
+    return _check_meta(array)
+
+
 @dataclass
 class Voice:
     """A reference voice, ready to reuse: its delayed code rows and the decoder state after its prompt prefix."""
@@ -79,10 +107,15 @@ class Voice:
     state: dict[str, np.ndarray]  # KV cache of the prefix, per past input name
     model_id: str  # the export it belongs to
 
-    def save(self, path: str | os.PathLike) -> Path:
-        """An .npz (no pickle) with the rows, the prefix ids, the KV state and the owning export's id."""
+    def save(self, path: str | os.PathLike, languages=None) -> Path:
+        """An .npz (no pickle) with the rows, the prefix ids, the KV state and the owning export's id; `languages`
+        (codes checked by the caller: `serve.voices.check_languages`) go in its meta, the languages the voice is
+        offered for (None: the server's)."""
         path = Path(path)
-        meta = json.dumps({"ref_text": self.ref_text, "model_id": self.model_id})
+        fields = {"ref_text": self.ref_text, "model_id": self.model_id}
+        if languages:
+            fields["languages"] = list(languages)
+        meta = json.dumps(fields)
         with atomic(path, ".npz") as tmp:
             np.savez(tmp, rows=self.rows, prefix=np.asarray(self.prefix, np.int64), meta=np.asarray(meta),
                      **{f"kv:{n}": a for n, a in self.state.items()})

@@ -26,7 +26,7 @@ from .limits import (
 from .service import SpeechService
 from .shapes import InlineReference as InlineRef
 from .shapes import ShapeError, decode_audio_field
-from .voices import DEFAULT, UnknownVoice, VoiceError, VoiceExists, check_name
+from .voices import DEFAULT, UnknownVoice, VoiceError, VoiceExists, check_languages, check_name
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +85,8 @@ def router(svc: SpeechService) -> APIRouter:
         if is_json_type(ctype):  # Boson's shape: {ref_audio, ref_text, description}
             return await create_audio_voice(request)
         if media_type(ctype)[0] != "multipart/form-data":
-            raise ApiError(400, "upload a voice as multipart/form-data with the fields name, file (reference audio) "
-                           "and transcript (optional), or as JSON {ref_audio, ref_text} (Boson's shape)",
+            raise ApiError(400, "upload a voice as multipart/form-data with the fields name, file (reference audio), "
+                           "transcript and languages (both optional), or as JSON {ref_audio, ref_text} (Boson's shape)",
                            code="invalid_content_type")
         stream = limited(request.stream(), MAX_UPLOAD_BYTES, "the upload")
         try:
@@ -95,6 +95,7 @@ def router(svc: SpeechService) -> APIRouter:
             raise ApiError(400, f"malformed multipart body: {e.message}", code="invalid_multipart") from None
         try:
             name, file, transcript = form.get("name"), form.get("file"), form.get("transcript")
+            languages = form.get("languages")
             if not isinstance(name, str) or not name:
                 raise ApiError(400, "the field name is missing (the new voice's name)", "name", "missing_field")
             try:
@@ -107,6 +108,13 @@ def router(svc: SpeechService) -> APIRouter:
             if transcript is not None and not isinstance(transcript, str):
                 raise ApiError(400, "transcript must be text", "transcript", "invalid_value")
             transcript = (transcript.strip() or None) if transcript is not None else None
+            if languages is not None and not isinstance(languages, str):
+                raise ApiError(400, "languages must be text: language codes separated by commas, e.g. en,de",
+                               "languages", "invalid_value")
+            try:  # the languages the voice is offered for (Wyoming's describe); none: the server's
+                languages = check_languages(languages or ())
+            except VoiceError as e:
+                raise ApiError(400, str(e), "languages", "invalid_value") from None
             if (taken := svc.store.find(name)) is not None:
                 raise ApiError(409, svc.store.exists_message(name, taken), "name", "voice_exists")
             data = await file.read()
@@ -129,7 +137,7 @@ def router(svc: SpeechService) -> APIRouter:
                            f"{svc.scheduler.slot_positions}: use a shorter reference clip or transcript", what,
                            "context_length_exceeded")
         try:
-            return JSONResponse(await asyncio.to_thread(svc.store.add, name, voice), 201)
+            return JSONResponse(await asyncio.to_thread(svc.store.add, name, voice, languages), 201)
         except VoiceExists as e:
             raise ApiError(409, str(e), "name", "voice_exists") from None
 

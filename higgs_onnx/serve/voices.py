@@ -5,7 +5,9 @@ Names are `[A-Za-z0-9_-]{1,64}`, so a name is always a plain file name inside th
 case-insensitive file system they are one file, and to a listener one voice). A voice is the export's own prefill
 state, so a file made with another export is refused (with that reason) when it is used; it is still listed, so it
 can be deleted. Loaded voices stay in a small LRU cache keyed by the file's mtime: a voice replaced on disk is read
-again.
+again. A voice may be saved with the languages it is offered for (`check_languages`, in its file's meta; read
+alone, without loading the voice, for the listing and Wyoming's describe); one without them is offered for the
+server's.
 """
 
 from __future__ import annotations
@@ -17,8 +19,11 @@ from collections import OrderedDict
 from pathlib import Path
 
 from ..runtime.model import Voice, VoiceFileError
+from ..runtime.voice import read_voice_meta
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+LANGUAGE = re.compile(r"([A-Za-z]{2,3})(?:-([A-Za-z]{2}|[0-9]{3}))?")  # en, yue, en-US, es-419
+MAX_LANGUAGES = 16
 DEFAULT = "default"
 CACHE_SIZE = 16  # a 4b-model voice holds the KV cache of its prompt prefix: tens of MB each
 
@@ -43,6 +48,31 @@ def check_name(name: str) -> str:
     return name
 
 
+def check_languages(value, what: str = "languages") -> tuple[str, ...]:
+    """The language codes a voice is offered for, from a comma-separated string or a list of strings: each a 2-3
+    letter language with an optional region (`en`, `de`, `en-US`, `pt_BR`: `_` becomes `-`; written `pt-BR`), at
+    most MAX_LANGUAGES, none twice; () for none given. VoiceError (one sentence naming the bad one) otherwise."""
+    if isinstance(value, str):
+        value = value.split(",")
+    if not isinstance(value, (list, tuple)) or not all(isinstance(x, str) for x in value):
+        raise VoiceError(f"{what} must be language codes separated by commas, e.g. en,de")
+    out: list[str] = []
+    for raw in (x.strip() for x in value):
+        if not raw:
+            continue
+        m = LANGUAGE.fullmatch(raw.replace("_", "-"))
+        if m is None:
+            raise VoiceError(f"{what}: {raw[:40]!r} is not a language code: use a 2-3 letter language with an "
+                             f"optional region, e.g. en, de, zh, en-US or pt_BR")
+        code = m[1].lower() + (f"-{m[2].upper()}" if m[2] else "")
+        if code in out:
+            raise VoiceError(f"{what}: {code!r} is given twice")
+        out.append(code)
+    if len(out) > MAX_LANGUAGES:
+        raise VoiceError(f"{what}: {len(out)} language codes given, at most {MAX_LANGUAGES} are allowed")
+    return tuple(out)
+
+
 class VoiceStore:
     """Voices of one export in `folder`. Thread-safe: the server loads and saves voices in worker threads."""
 
@@ -50,6 +80,7 @@ class VoiceStore:
         self.folder, self.model_id, self.cache_size = Path(folder), model_id, cache_size
         self.folder.mkdir(parents=True, exist_ok=True)
         self._cache: OrderedDict[str, tuple[int, Voice]] = OrderedDict()
+        self._languages: dict[str, tuple[int, tuple[str, ...]]] = {}  # name -> (mtime_ns, its own languages)
         self._lock = threading.Lock()
 
     def path(self, name: str) -> Path:
@@ -62,7 +93,27 @@ class VoiceStore:
     def describe(self, name: str) -> dict:
         """The listing entry, from the file alone (listing does not load voices: a 4b voice is tens of MB)."""
         st = self.path(name).stat()
-        return {"id": name, "object": "voice", "created": int(st.st_mtime), "bytes": st.st_size}
+        entry = {"id": name, "object": "voice", "created": int(st.st_mtime), "bytes": st.st_size}
+        if languages := self.languages(name, st.st_mtime_ns):
+            entry["languages"] = list(languages)
+        return entry
+
+    def languages(self, name: str, mtime_ns: int | None = None) -> tuple[str, ...]:
+        """The languages the voice's file says it is offered for (only its small meta is read, once per version of
+        the file); () when it names none (a file saved before voices had languages, a damaged one): the server's.
+        FileNotFoundError when the voice is gone."""
+        path = self.path(name)
+        mtime = path.stat().st_mtime_ns if mtime_ns is None else mtime_ns
+        hit = self._languages.get(name)
+        if hit is not None and hit[0] == mtime:
+            return hit[1]
+        try:
+            found = check_languages(read_voice_meta(path).get("languages") or ())
+        except (VoiceFileError, VoiceError):
+            found = ()
+        with self._lock:
+            self._languages[name] = (mtime, found)
+        return found
 
     def get(self, name: str) -> Voice:
         """The voice saved as `name` (cached); UnknownVoice lists what exists, VoiceError says why one is unusable."""
@@ -99,13 +150,15 @@ class VoiceStore:
             f"voice {taken!r} exists (voice names are unique ignoring case)"
         return f"{same}; delete it first (DELETE /v1/voices/{taken})"
 
-    def add(self, name: str, voice: Voice) -> dict:
-        """Save a new voice; VoiceExists if the name is taken, ignoring case (delete it first)."""
+    def add(self, name: str, voice: Voice, languages=()) -> dict:
+        """Save a new voice, offered for `languages` (`check_languages`; none: the server's); VoiceExists if the name
+        is taken, ignoring case (delete it first)."""
         path = self.path(name)
+        languages = check_languages(languages)
         with self._lock:
             if (taken := self.find(name)) is not None:
                 raise VoiceExists(self.exists_message(name, taken))
-            voice.save(path)
+            voice.save(path, languages)
         self._remember(name, path.stat().st_mtime_ns, voice)
         return {**self.describe(name), "ref_text": voice.ref_text, "reference_rows": int(len(voice.rows))}
 
@@ -115,6 +168,7 @@ class VoiceStore:
         path = self.path(name)
         with self._lock:
             hit = self._cache.pop(name, None)
+            self._languages.pop(name, None)
             try:
                 path.unlink()
             except FileNotFoundError:

@@ -5,7 +5,10 @@ Wyoming requests batch with every other request).
 
 Events (package `wyoming`, pinned):
 - `describe` -> `info`: one TTS program, its voices ("default", zero-shot, and every saved voice in the folder),
-  `supports_synthesize_streaming` true.
+  `supports_synthesize_streaming` true. A saved voice is listed under the languages it was saved with, else (and
+  "default" always) under the server's `languages`.
+- A request's voice is its name; a voice naming only a language (`{"language": "de"}`) is the first saved voice
+  (by name) saved with that language, else the default voice.
 - `synthesize` -> `audio-start`, `audio-chunk`s as the audio is made (16-bit mono PCM at the model's rate),
   `audio-stop`. A long text is spoken segment by segment, each continuing the KV context of the one before.
 - Streaming (Wyoming 1.7+; Home Assistant streams an LLM's answer this way): `synthesize-start` (voice),
@@ -105,13 +108,45 @@ class WyomingService:
         from wyoming.info import Attribution, Info, TtsProgram, TtsVoice
 
         by = Attribution(name="Boson AI (Higgs Audio v3); higgs-onnx", url="https://huggingface.co/bosonai/higgs-tts-3-4b")
-        voices = [TtsVoice(name=n, attribution=by, installed=True, version=None, languages=self.languages,
+        voices = [TtsVoice(name=n, attribution=by, installed=True, version=None, languages=list(langs),
                            description="zero-shot (no reference)" if n == "default" else f"saved voice {n}")
-                  for n in ["default", *self.store.names()]]
+                  for n, langs in [("default", self.languages), *self.saved_languages()]]
         program = TtsProgram(name="higgs-onnx", attribution=by, installed=True, version=__version__,
                              description=f"Higgs Audio v3 TTS on ONNX Runtime ({Path(self.tts.manifest.folder).name})",
                              voices=voices, supports_synthesize_streaming=True)
         return Info(tts=[program])
+
+    def saved_languages(self) -> list[tuple[str, tuple[str, ...]]]:
+        """(name, languages) of every saved voice: its own languages, else the server's (one deleted meanwhile is
+        left out). Only each file's small meta is read (`VoiceStore.languages`)."""
+        out = []
+        for name in self.store.names():
+            try:
+                out.append((name, self.store.languages(name) or tuple(self.languages)))
+            except (FileNotFoundError, VoiceError):
+                continue
+        return out
+
+    def voice_name(self, voice) -> str | None:
+        """The voice a request's `SynthesizeVoice` names (None: the default): its name; for a language alone, the
+        first saved voice saved with that language (the same code, else the same language in another region),
+        else the default."""
+        if voice is None or voice.name is not None:
+            return None if voice is None else voice.name
+        if not isinstance(voice.language, str) or not voice.language.strip():
+            return None
+        want = voice.language.strip().replace("_", "-").lower()
+        own = []
+        for name in self.store.names():
+            try:
+                own.append((name, [x.lower() for x in self.store.languages(name)]))
+            except (FileNotFoundError, VoiceError):
+                continue
+        for same in (lambda x: x == want, lambda x: x.split("-")[0] == want.split("-")[0]):
+            for name, langs in own:
+                if any(same(x) for x in langs):
+                    return name
+        return None
 
     def voice(self, name: str | None):
         """The voice for a request's name (None: the default); VoiceError for an unknown or unusable one."""
@@ -158,8 +193,10 @@ class Connection:
         except ConnectionError:
             pass
 
-    def new_session(self, voice_name: str | None):
-        return SpeechSession(self.service.scheduler, self.service.voice(voice_name), read=self.service.read)
+    def new_session(self, voice):
+        """A session in the request's voice (a `SynthesizeVoice` or None); VoiceError for an unknown one."""
+        voice = self.service.voice(self.service.voice_name(voice))
+        return SpeechSession(self.service.scheduler, voice, read=self.service.read)
 
     async def on(self, event) -> bool:
         from wyoming.info import Describe
@@ -173,7 +210,7 @@ class Connection:
                 return True
             start = SynthesizeStart.from_event(event)
             try:
-                self.session = self.new_session(start.voice.name if start.voice else None)
+                self.session = self.new_session(start.voice)
             except VoiceError as e:
                 await self.error(str(e), "voice_not_found")
                 return True
@@ -211,7 +248,7 @@ class Connection:
                 return True
             synth = Synthesize.from_event(event)
             try:
-                session = self.new_session(synth.voice.name if synth.voice else None)
+                session = self.new_session(synth.voice)
             except VoiceError as e:
                 await self.error(str(e), "voice_not_found")
                 return True

@@ -139,3 +139,12 @@ def instruction_tags(instructions: str, tags) -> list[str]:
 def table(tags) -> list[tuple[str, str]]:
     """(word, tag) for every table word whose tag the tokenizer has: docs/text.md's table, read from the tokenizer."""
     return [(w, f"<|{t}|>") for w, t in WORDS.items() if f"<|{t}|>" in tags]
+
+
+def markdown_table(tags) -> str:
+    """docs/text.md's table: each tag the tokenizer has and the words that mean it (a test checks the page)."""
+    words: dict[str, list[str]] = {}
+    for word, tag in table(tags):
+        words.setdefault(tag, []).append(word)
+    rows = [f"| `{tag}` | {', '.join(ws)} |" for tag, ws in sorted(words.items())]
+    return "\n".join(["| tag | words (a stage direction or an instruction) |", "|---|---|", *rows])

@@ -17,6 +17,7 @@ speech is not measured here (docs/text.md).
 from __future__ import annotations
 
 import re
+import warnings
 from decimal import Decimal, InvalidOperation
 
 from ..tags import CONTROL_TAG
@@ -66,17 +67,35 @@ def _re(pattern: str, flags: int = 0) -> re.Pattern:
 
 
 NUM = r"\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?"
-URL = _re(r"(?<![\w.@])(?:https?://|www\.)[^\s<>\"']+[^\s<>\"'.,;:!?)\]}]")
+TLD = r"(?:com|org|net|edu|gov|io|ai|dev|app|co|uk|de|cn|jp|fr|info|me|tv|us|ca|au|ru|in)"
+URL = _re(r"(?<![\w.@/-])(?:(?:https?://|www\.)[^\s<>\"'\u3000-\u9fff\uff00-\uffef]+[^\s<>\"'.,;:!?)\]}\u3000-\u9fff\uff00-\uffef]"
+          rf"|[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.{TLD}(?:/[A-Za-z0-9_./-]*[A-Za-z0-9_/])?)(?![\w@-])")
 EMAIL = _re(r"\b[\w.+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+\b")
-PHONE = _re(r"(?<![\w.])(?:\+\d{1,3}[ -])?(?:\(\d{2,4}\) ?|\d{2,4}-)\d{3,4}-\d{4}(?![\w-])"
-                   r"|(?<![\w.])0\d{2,3}-\d{7,8}(?![\w-])|(?<![\w.])1\d{10}(?!\d)")
 ISO_DATE = _re(r"(?<![\w-])(\d{4})-(\d{2})-(\d{2})(?![\w-])")
 SLASH_DATE = _re(r"(?<![\w/])(\d{1,2})/(\d{1,2})(?:/(\d{4}|\d{2}))?(?![\w/])")
 TIME = _re(r"(?<![\w:])([01]?\d|2[0-3]):([0-5]\d)(?::([0-5]\d))?(?:\s?([AaPp])(?:\.[Mm](?=\.)|\s?[Mm]\b))?(?![\w:])")
-PERCENT = _re(rf"(?<![\w.])(-?)({NUM})\s?%")
+PERCENT = _re(rf"(?<![\w.])(-?)({NUM})\s?[%％]")
 RANGE = _re(rf"(?<![\w.,-])({NUM})\s?[-–~]\s?({NUM})(?![\w.,]*\d)")
 FRACTION = _re(r"(?<![\w/.])(\d{1,3})/(\d{1,3})(?![\w/])")
 ORDINAL = _re(r"(?<![\w.])(\d+)(st|nd|rd|th)\b", re.IGNORECASE)
+PHONE_GROUPS = (r"(?<![\w.+])(?:\+\d{1,3}(?:[ .-]\d{1,4}){2,5}|\d{3}\.\d{3}\.\d{4}|0\d{3,4} \d{6,7}|1\d{2} \d{4} \d{4})"
+                r"(?![\w.-]*\d)")
+CUES = ("call ", "Call ", "dial ", "Dial ", "text ", "拨打", "电话是", "打", "号码是", "热线")
+CALLED = _re("(?:" + "|".join(f"(?<={c})" for c in CUES) + r")(\d{3,5})(?![\w.,:/-]*\d)")
+DASH = _re(r"(?<=\d)\s?[-–—~]\s?(?=[$€£¥]?\d)|(?<=%)\s?[-–~]\s?(?=\d)|(?<=[ap]m)\s?[-–]\s?(?=\d)")
+LEADING_POINT = _re(r"(?<![\w.])\.\d")
+MIXED = _re(r"(?<![\w./])(\d+) (\d)/(\d{1,2})(?![\w/])")
+FRACTIONS = {"½": (1, 2), "⅓": (1, 3), "⅔": (2, 3), "¼": (1, 4), "¾": (3, 4), "⅕": (1, 5), "⅛": (1, 8)}
+VULGAR = re.compile("|".join(FRACTIONS))
+SAID_DASH = re.compile(r"(?<=[点分秒年零〇一二三四五六七八九十百千])\s?[-–~]\s?(?=[零〇一二三四五六七八九十百千])")
+PER_MILLE = _re(r"(\d+(?:\.\d+)?)\s?‰")
+CENTS = _re(r"(?<![\w.])(\d{1,2})\s?¢")
+DAY_NAMES = {"mon": "Monday", "tue": "Tuesday", "wed": "Wednesday", "thu": "Thursday", "fri": "Friday",
+             "sat": "Saturday", "sun": "Sunday"}
+DAY = r"(Mon|Tue|Tues|Wed|Thu|Thur|Thurs|Fri|Sat|Sun)"
+DAYS = _re(rf"\b{DAY}\.?\s?[-–]\s?{DAY}\b\.?")
+PHONE = _re(PHONE_GROUPS + r"|(?<![\w.])(?:\+\d{1,3}[ -])?(?:\(\d{2,4}\) ?|\d{2,4}-)\d{3,4}-\d{4}(?![\w-])"
+                   r"|(?<![\w.])0\d{2,3}-\d{7,8}(?![\w-])|(?<![\w.])1\d{10}(?!\d)")
 HOUR = _re(r"(?<![\w:.])(1[0-2]|0?[1-9])\s?([AaPp])(?:\.[Mm](?=\.)|\.?\s?[Mm]\b)")
 VERSION = _re(r"(?<![\w.])\d+(?:\.\d+){2,}(?![\w.]*\d)")
 DECADE = _re(r"(?<![\w.])(1\d|20)?(\d0)'?s\b")
@@ -85,6 +104,8 @@ NUMBER = _re(rf"(?<![\w.])(-?)({NUM})(?![\d])")
 MONTHS = ("January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
           "November", "December")
 MONTH_ABBR = {m[:3].lower(): m for m in MONTHS} | {"sept": "September"}
+DAY_MONTH = _re(r"\b(\d{1,2})(?:st|nd|rd|th)? (" + "|".join(MONTHS) + "|" + "|".join(a.title() for a in MONTH_ABBR)
+                + r")\.?(?:,? (\d{4}))?\b")
 MONTH_DAY = _re(r"\b(" + "|".join(MONTHS) + "|" + "|".join(a.title() for a in MONTH_ABBR)
                        + r")\.?\s+(\d{1,2})(?:st|nd|rd|th)?(?:,?\s+(\d{4}))?\b")
 
@@ -93,10 +114,14 @@ def _decimal(s: str) -> Decimal:
     return Decimal(s.replace(",", ""))
 
 
-def _spoken_url(url: str, dot: str, slash: str) -> str:
-    body = re.sub(r"^(?:https?://)?(?:www\.)?", "", url).split("?")[0].split("#")[0].rstrip("/")
-    parts = re.split(r"([./])", body)
-    return " ".join(dot if p == "." else slash if p == "/" else p for p in parts if p)
+def _spelled(address: str, words: dict[str, str], digit, join: str) -> str:
+    """A URL or an e-mail address as said: its separators by name (`words`), its digits one by one (`digit`), the
+    scheme, a query and a fragment left out."""
+    body = re.sub(r"^https?://", "", address).split("?")[0].split("#")[0].rstrip("/")
+    out = []
+    for part in re.findall(r"[A-Za-z]+|\d|.", body):
+        out.append(words.get(part, part) if not part.isdigit() else digit(part))
+    return join.join(p for p in out if p)
 
 
 class _Reader:
@@ -104,8 +129,21 @@ class _Reader:
 
     def read(self, text: str) -> str:
         for pattern, fn in self.rules():
-            text = pattern.sub(fn, text)
+            text = pattern.sub(lambda m, fn=fn: self.safely(fn, m), text)
         return text
+
+    def safely(self, fn, m: re.Match) -> str:
+        """`fn(m)`; a number too long for the libraries' words (num2words stops at 10**306, cn2an at 16 digits) is
+        read digit by digit, as a person reads one."""
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # cn2an warns of the decimals it cuts
+                return fn(m) if not re.search(r"\d{16}", m.group()) else self.long_digits(m.group())
+        except (ArithmeticError, ValueError):
+            return self.long_digits(m.group())
+
+    def long_digits(self, text: str) -> str:
+        return re.sub(r"\d+", lambda d: f" {self.digits(d.group())} ", text).strip()
 
     def rules(self):
         raise NotImplementedError
@@ -131,7 +169,8 @@ class _English(_Reader):
     }
     CURRENCY = {"$": "USD", "US$": "USD", "€": "EUR", "£": "GBP", "¥": "JPY", "USD": "USD", "EUR": "EUR",
                 "GBP": "GBP"}
-    YEN = (("yen", "yen"), ("sen", "sen"))
+    NAMES = {"USD": (("dollar", "dollars"), ("cent", "cents")), "EUR": (("euro", "euros"), ("cent", "cents")),
+             "GBP": (("pound", "pounds"), ("penny", "pence")), "JPY": (("yen", "yen"), ("sen", "sen"))}
     SCALE = {"k": "thousand", "K": "thousand", "m": "million", "M": "million", "million": "million",
              "bn": "billion", "B": "billion", "billion": "billion", "trillion": "trillion"}
     ABBREVIATIONS = {"Dr.": "Doctor", "Mr.": "Mister", "Mrs.": "Missus", "Ms.": "Miz", "Prof.": "Professor",
@@ -142,10 +181,9 @@ class _English(_Reader):
                            r"circa|during|through|and|or|the)\s*$", re.IGNORECASE)
 
     def __init__(self):
-        from num2words import CONVERTER_CLASSES, num2words
+        from num2words import num2words
 
         self.n2w = lambda n, **kw: num2words(n, **kw).replace(",", "")
-        self.forms = CONVERTER_CLASSES["en"].CURRENCY_FORMS
         units = sorted(self.UNITS, key=len, reverse=True)
         self.measure = _re(rf"(?<![\w.])(-?)({NUM})\s?(" + "|".join(re.escape(u) for u in units)
                                   + r")(?![\w/])")
@@ -169,20 +207,45 @@ class _English(_Reader):
         return " ".join(self.n2w(int(c)) for c in s if c.isdigit())
 
     def rules(self):
-        return [(URL, self.url), (EMAIL, self.email), (PHONE, self.phone), (ISO_DATE, self.iso_date),
-                (MONTH_DAY, self.month_day), (SLASH_DATE, self.slash), (TIME, self.time), (HOUR, self.hour),
+        return [(EMAIL, self.email), (URL, self.url), (PHONE, self.phone), (CALLED, self.called),
+                (ISO_DATE, self.iso_date), (MONTH_DAY, self.month_day), (DAY_MONTH, self.day_month),
+                (MIXED, self.mixed), (SLASH_DATE, self.slash), (DAYS, self.days), (VULGAR, self.vulgar),
+                (CENTS, lambda m: f"{self.n2w(int(m.group(1)))} cent{'s' if m.group(1) != '1' else ''}"),
+                (DASH, lambda m: " to "), (LEADING_POINT, lambda m: "0" + m.group()), (TIME, self.time),
+                (HOUR, self.hour),
                 (VERSION, self.version), (DECADE, self.decade),
                 (self.money, self.cash),
                 (PERCENT, self.percent), (self.measure, self.unit), (RANGE, self.range), (ORDINAL, self.ordinal),
                 (NUMBER, self.number), (self.saint, lambda m: "Saint"), (self.street, lambda m: "Street"),
                 (self.abbr, lambda m: self.ABBREVIATIONS[m.group(1)])]
 
-    def url(self, m):
-        return _spoken_url(m.group(), "dot", "slash")
+    SAID = {".": "dot", "/": "slash", "-": "dash", "_": "underscore", ":": "colon", "@": "at", "www": "w w w",
+            "+": "plus", "~": "tilde"}
 
-    def email(self, m):
-        local, _, domain = m.group().partition("@")
-        return f"{local.replace('.', ' dot ')} at {domain.replace('.', ' dot ')}"
+    def url(self, m):
+        return _spelled(m.group(), self.SAID, lambda d: self.n2w(int(d)), " ")
+
+    email = url
+
+    def called(self, m):
+        return self.digits(m.group(1))
+
+    def day_month(self, m):
+        month = MONTH_ABBR[m.group(2).lower()[:3]]
+        return self.date_words(MONTHS.index(month) + 1, int(m.group(1)), m.group(3)) or m.group()
+
+    def days(self, m):
+        return f"{DAY_NAMES[m.group(1).lower()[:3]]} to {DAY_NAMES[m.group(2).lower()[:3]]}"
+
+    def mixed(self, m):
+        whole, a, b = int(m.group(1)), int(m.group(2)), int(m.group(3))
+        part = self.fraction(a, b)
+        part = {"one half": "a half", "one quarter": "a quarter"}.get(part, part)
+        return f"{self.n2w(whole)} and {part}"
+
+    def vulgar(self, m):
+        a, b = FRACTIONS[m.group()]
+        return self.fraction(a, b)
 
     def phone(self, m):
         groups = re.findall(r"\d+", m.group())
@@ -238,7 +301,7 @@ class _English(_Reader):
             amount, code, scale = m.group(4), self.CURRENCY[m.group(5)], None
         else:
             amount, code, scale = m.group(2), self.CURRENCY[m.group(1)], m.group(3)
-        (one, many), (cent, cents) = self.YEN if code == "JPY" else self.forms[code]
+        (one, many), (cent, cents) = self.NAMES[code]
         d = _decimal(amount)
         if scale:
             return f"{self.cardinal(amount)} {self.SCALE[scale]} {many}"
@@ -246,7 +309,8 @@ class _English(_Reader):
         rest = int((d - whole) * 100)
         said = f"{self.n2w(whole)} {one if whole == 1 else many}"
         if rest and code != "JPY":
-            said += f" and {self.n2w(rest)} {cent if rest == 1 else cents}"
+            cents_said = f"{self.n2w(rest)} {cent if rest == 1 else cents}"
+            said = cents_said if not whole else f"{said} and {cents_said}"
         return said
 
     def hour(self, m):
@@ -276,10 +340,11 @@ class _English(_Reader):
 
     def number(self, m):
         sign, s = m.group(1), m.group(2)
-        if not sign and re.fullmatch(r"1[1-9]\d\d|20\d\d", s):
+        if not sign and re.fullmatch(r"1\d\d\d|20\d\d", s):
             before = m.string[:m.start()]
             after = m.string[m.end():]
-            if self.YEAR_CUES.search(before) or not before.strip() or re.match(r"\s*(?:[.,;:!?)]|$|s\b)", after):
+            cued = self.YEAR_CUES.search(before)
+            if cued or (s[1] != "0" and (not before.strip() or re.match(r"\s*(?:[.,;:!?)]|$|s\b)", after))):
                 return self.n2w(int(s), to="year")
         return f"{'minus ' if sign else ''}{self.cardinal(s)}"
 
@@ -288,7 +353,7 @@ class _Chinese(_Reader):
     UNITS = {"km/h": ("每小时", "公里"), "m/s": ("每秒", "米"), "kg": ("", "千克"), "mg": ("", "毫克"),
              "g": ("", "克"), "km": ("", "公里"), "cm": ("", "厘米"), "mm": ("", "毫米"), "m": ("", "米"),
              "ml": ("", "毫升"), "mL": ("", "毫升"), "L": ("", "升"), "°C": ("", "摄氏度"), "℃": ("", "摄氏度"),
-             "°F": ("", "华氏度"), "GB": ("", "G B"), "MB": ("", "M B"), "TB": ("", "T B"), "kWh": ("", "千瓦时"),
+             "°F": ("", "华氏度"), "GB": ("", "GB"), "MB": ("", "MB"), "TB": ("", "TB"), "kWh": ("", "千瓦时"),
              "GHz": ("", "吉赫兹"), "Hz": ("", "赫兹"), "kW": ("", "千瓦"), "W": ("", "瓦"), "V": ("", "伏")}
     CURRENCY = {"¥": "元", "￥": "元", "$": "美元", "US$": "美元", "€": "欧元", "£": "英镑", "HK$": "港元"}
     DIGITS = "零一二三四五六七八九"
@@ -302,6 +367,9 @@ class _Chinese(_Reader):
         symbols = "|".join(re.escape(s) for s in sorted(self.CURRENCY, key=len, reverse=True))
         self.money = _re(rf"({symbols})\s?({NUM})(万|亿)?")
         self.zh_date = _re(r"(\d{4})年(?:(\d{1,2})月(?:(\d{1,2})[日号])?)?|(\d{1,2})月(\d{1,2})[日号]")
+        self.dotted = _re(r"(?<![\w.])(\d{4})[/.](\d{1,2})[/.](\d{1,2})(?![\w.])")  # 2026/12/3, 2026.12.03
+        self.year_span = _re(r"(?<!\d)(\d{4})(?=\s?[-–~至到]\s?\d{4}年)")
+        self.two = _re(r"(?<![\d.第])2(?=[个次层年张位条件只本天台辆双对块岁点种门项])")
 
     def number_words(self, s: str) -> str:
         return self.cn2an.an2cn(s.replace(",", ""), "low")
@@ -310,16 +378,24 @@ class _Chinese(_Reader):
         return "".join(self.DIGITS[int(c)] for c in s if c.isdigit())
 
     def rules(self):
-        return [(URL, lambda m: _spoken_url(m.group(), "点", "斜杠")),
-                (EMAIL, lambda m: m.group().replace("@", " at ").replace(".", " 点 ")),
-                (PHONE, lambda m: ("加" if m.group().startswith("+") else "")
-                 + "，".join(self.digits(g) for g in re.findall(r"\d+", m.group()))),
-                (ISO_DATE, self.iso_date), (self.zh_date, self.date), (TIME, self.time), (self.money, self.cash),
+        return [(EMAIL, self.url), (URL, self.url),
+                (PHONE, lambda m: ("加" if m.group().startswith("+") else "") + self.digits(m.group())),
+                (CALLED, lambda m: self.digits(m.group(1))), (ISO_DATE, self.iso_date), (self.dotted, self.iso_date),
+                (self.year_span, lambda m: self.digits(m.group(1))), (self.zh_date, self.date),
+                (TIME, self.time), (DASH, lambda m: "到"), (VULGAR, lambda m: "{1}分之{0}".format(
+                    *(self.number_words(str(n)) for n in FRACTIONS[m.group()]))), (self.money, self.cash),
                 (PERCENT, lambda m: ("负" if m.group(1) else "") + "百分之" + self.number_words(m.group(2))),
+                (PER_MILLE, lambda m: "千分之" + self.number_words(m.group(1))), (self.two, lambda m: "两"),
                 (self.measure, self.unit), (RANGE, lambda m: f"{self.number_words(m.group(1))}到"
                                             f"{self.number_words(m.group(2))}"),
                 (FRACTION, lambda m: f"{self.number_words(m.group(2))}分之{self.number_words(m.group(1))}"),
-                (NUMBER, lambda m: ("负" if m.group(1) else "") + self.number_words(m.group(2)))]
+                (NUMBER, lambda m: ("负" if m.group(1) else "") + self.number_words(m.group(2))),
+                (SAID_DASH, lambda m: "到")]
+
+    SAID = {".": "点", "/": "斜杠", "-": "杠", "_": "下划线", ":": "冒号", "@": "艾特", "+": "加"}
+
+    def url(self, m):
+        return _spelled(m.group(), self.SAID, self.digits, "")
 
     def iso_date(self, m):
         y, mo, d = m.groups()
@@ -337,7 +413,7 @@ class _Chinese(_Reader):
 
     def time(self, m):
         hour, minute, second = int(m.group(1)), int(m.group(2)), m.group(3)
-        said = f"{self.number_words(str(hour))}点"
+        said = f"{'两' if hour == 2 else self.number_words(str(hour))}点"
         if minute:
             said += ("零" if minute < 10 else "") + f"{self.number_words(str(minute))}分"
         if second:

@@ -60,10 +60,10 @@ class TextOptions:
                         directions.stage_directions(text, self.stage_directions, tags))
         emoji = self.emoji or ("drop" if self.markdown else "keep")
         if self.markdown or emoji != "keep":
-            from .markdown import to_prose, without_markup
+            from .markdown import read_emoji, to_prose
 
             text = step("markdown" if self.markdown else f"emoji={emoji}",
-                        to_prose(text, emoji=emoji) if self.markdown else without_markup(text, emoji=emoji))
+                        to_prose(text, emoji=emoji) if self.markdown else read_emoji(text, emoji))
         if self.lexicon:
             text = step("lexicon", self.lexicon.apply(text))
         if self.normalize is not None:

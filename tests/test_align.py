@@ -1,0 +1,215 @@
+"""Word timing by pocketsphinx's forced aligner (`higgs_onnx.align`) on the real recordings in tests/data.
+
+No hand-labelled boundaries exist, so the checks are facts read from the audio itself: its energy envelope (frame RMS
+in 10 ms frames; speech is a frame within 30 dB of the loudest) gives the speech onset (0.01 s), the offset (6.49 s)
+and the pause between the two sentences (3.05-3.45 s). The aligner put (measured) "The" at 0.00, "dog" ending at
+3.01, "Speech" starting at 3.47 and "sound" ending at 6.49: 0-40 ms from those edges.
+
+Tolerance TOL = 80 ms: the envelope's own edges move by up to 40 ms with the threshold (25-40 dB below the peak
+gives offsets 6.45-6.51 s, pause starts 3.02-3.05 s: a quiet stop release or fricative tail sits near any
+threshold), and the aligner works in 10 ms frames with a silence model of at least 3 frames; 80 ms is about one
+short syllable ("the" here lasts 90 ms), so a boundary a whole word off, or a word slid into the pause, fails.
+Input in another form (resampled, stereo, int16) must give the same boundaries within 20 ms (two frames).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("pocketsphinx")
+
+from higgs_onnx.align import (  # noqa: E402
+    ALIGN_LANGUAGES,
+    AlignUnavailable,
+    WordTime,
+    align_words,
+    can_align,
+    pronounce,
+    word_cues,
+    words_of,
+)
+from higgs_onnx.audio import read_audio, resample  # noqa: E402
+
+DATA = Path(__file__).resolve().parent / "data"
+TOL = 0.08  # seconds: see the module docstring
+SAME = 0.02 + 1e-9  # the same audio in another form (measured: at most 20 ms, two frames)
+EN_WORDS = ("The quick brown fox jumps over the lazy dog Speech synthesis turns written words into sound").split()
+
+
+def _recording(name):
+    data, sr = read_audio(DATA / f"{name}.wav")
+    return data, sr, (DATA / f"{name}.txt").read_text(encoding="utf-8").strip()
+
+
+@pytest.fixture(scope="module")
+def en():
+    data, sr, text = _recording("ref_en_24k")
+    mono = data[:, 0]
+    return mono, sr, text, align_words(mono, sr, text)
+
+
+def speech_frames(x: np.ndarray, sr: int, floor_db: float = 30.0) -> np.ndarray:
+    """Per 10 ms frame: is it speech (RMS within `floor_db` of the loudest frame)?"""
+    hop = sr // 100
+    n = len(x) // hop
+    rms = np.sqrt((x[: n * hop].reshape(n, hop).astype(np.float64) ** 2).mean(axis=1))
+    db = 20 * np.log10(rms + 1e-10)
+    return db > db.max() - floor_db
+
+
+def edges(x: np.ndarray, sr: int) -> tuple[float, float, tuple[float, float]]:
+    """(onset, offset, (pause start, pause end)) in seconds: the longest silence inside the speech is the pause."""
+    sp = speech_frames(x, sr)
+    idx = np.flatnonzero(sp)
+    quiet = np.flatnonzero(~sp[idx[0]: idx[-1] + 1]) + idx[0]
+    runs = np.split(quiet, np.flatnonzero(np.diff(quiet) > 1) + 1)
+    pause = max(runs, key=len)
+    return idx[0] * 0.01, (idx[-1] + 1) * 0.01, (pause[0] * 0.01, (pause[-1] + 1) * 0.01)
+
+
+def test_the_envelope_finds_the_recordings_edges(en):
+    x, sr, _, _ = en  # the reference facts themselves, so a changed recording is noticed here first
+    onset, offset, (p0, p1) = edges(x, sr)
+    assert onset < 0.05 and 6.4 < offset < 6.6 and 3.0 < p0 < 3.1 and 3.4 < p1 < 3.5
+
+
+def test_every_word_once_in_order_inside_the_audio(en, capsys):
+    x, sr, text, words = en
+    with capsys.disabled():
+        print("\n" + "\n".join(f"  {w.word:10s} {w.start:5.2f} {w.end:5.2f}" for w in words))
+    assert [w.word for w in words] == EN_WORDS == words_of(text)
+    assert all(isinstance(w, WordTime) and 0 <= w.start < w.end <= len(x) / sr for w in words)
+    assert all(a.end <= b.start for a, b in zip(words, words[1:], strict=False))
+    assert all(0.08 <= w.end - w.start <= 1.0 for w in words)  # a plausible length for a spoken word
+
+
+def test_first_word_starts_at_the_onset_last_ends_at_the_offset(en):
+    x, sr, _, words = en
+    onset, offset, _ = edges(x, sr)
+    assert abs(words[0].start - onset) <= TOL and abs(words[-1].end - offset) <= TOL
+
+
+def test_the_sentence_pause_falls_between_dog_and_speech(en):
+    x, sr, _, words = en
+    _, _, (p0, p1) = edges(x, sr)
+    dog, speech = words[EN_WORDS.index("dog")], words[EN_WORDS.index("Speech")]
+    assert abs(dog.end - p0) <= TOL and abs(speech.start - p1) <= TOL
+    assert not any(w.start < p1 - TOL and w.end > p0 + TOL for w in words)  # no word is stretched over the pause
+
+
+def test_the_words_cover_the_speech(en):
+    x, sr, _, words = en
+    sp = speech_frames(x, sr)
+    inside = np.zeros_like(sp)
+    for w in words:
+        inside[int(round(w.start * 100)): int(round(w.end * 100))] = True
+    assert (sp & inside).sum() / sp.sum() >= 0.97  # speech nobody claims: at most 3 %
+    assert (inside & ~sp).sum() / inside.sum() <= 0.15  # word time that is silence (stop closures): at most 15 %
+
+
+def test_leading_and_trailing_silence_shift_every_boundary(en):
+    x, sr, text, words = en
+    rng = np.random.default_rng(7)
+    quiet = lambda s: (rng.standard_normal(int(s * sr)) * 1e-3).astype(np.float32)  # noqa: E731 - -60 dBFS hiss
+    padded = align_words(np.concatenate([quiet(0.5), x, quiet(0.3)]), sr, text)
+    assert [w.word for w in padded] == EN_WORDS
+    assert np.allclose([(w.start - 0.5, w.end - 0.5) for w in padded], [(w.start, w.end) for w in words], atol=SAME)
+
+
+def test_resampled_stereo_and_int16_input_give_the_same_boundaries(en):
+    x, sr, text, words = en
+    want = np.array([(w.start, w.end) for w in words])
+    x44 = resample(x, sr, 44100)
+    stereo = np.stack([x44, 0.6 * x44], axis=1)  # (frames, channels), the channels at different levels
+    int16 = (np.clip(x, -1, 1) * 32767).astype(np.int16)
+    for samples, rate in ((stereo, 44100), (stereo.T.copy(), 44100), (int16, sr), (resample(x, sr, 16000), 16000)):
+        got = align_words(samples, rate, text)
+        assert [w.word for w in got] == EN_WORDS
+        assert np.abs(np.array([(w.start, w.end) for w in got]) - want).max() <= SAME, (samples.shape, rate)
+
+
+def test_control_tags_are_not_words(en):
+    x, sr, text, words = en
+    tagged = "<|emotion:elation|> " + text.replace("dog.", "dog. <|sound:laughter|>")
+    assert words_of(tagged) == EN_WORDS
+    assert align_words(x, sr, tagged) == words
+
+
+def test_word_cues_are_sample_positions(en):
+    x, sr, text, words = en
+    cues = word_cues(x, sr, text)
+    assert cues == [(round(w.start * sr), round(w.end * sr), w.word) for w in words]
+    x48 = resample(x, sr, 48000)
+    cues48 = word_cues(x48, 48000, text)
+    assert [c[2] for c in cues48] == EN_WORDS and all(e <= len(x48) for _, e, _ in cues48)
+    assert abs(cues48[-1][1] / 48000 - cues[-1][1] / sr) <= SAME
+
+
+def test_a_word_missing_from_the_dictionary_gets_a_rough_pronunciation(en):
+    x, sr, text, words = en
+    for word in ("Foxxo", "Higgs-ONNX", "schöner", "2024", "U.S", "HTTPX"):
+        phones = pronounce(word)
+        assert phones and set(phones.split()) <= {
+            "AA", "AE", "AH", "AO", "AW", "AY", "B", "CH", "D", "DH", "EH", "ER", "EY", "F", "G", "HH", "IH", "IY",
+            "JH", "K", "L", "M", "N", "NG", "OW", "OY", "P", "R", "S", "SH", "T", "TH", "UH", "UW", "V", "W", "Y",
+            "Z", "ZH"}, (word, phones)
+    assert pronounce("Foxxo") == "F AA K S AA"  # letter to sound: a doubled letter said once
+    assert pronounce("HTTPX") == "EY CH T IY T IY P IY EH K S"  # a short all-capitals word: spelled
+    assert pronounce("2024") == "T W EH N T IY T W EH N T IY F AO R"  # a year, in pairs
+    assert pronounce("schöner") == "S K AA N ER"  # accents folded
+    got = align_words(x, sr, text.replace("fox", "Foxxo"))  # not in the dictionary, and said "fox"
+    assert [w.word for w in got][3] == "Foxxo"
+    for i in (2, 3, 4):  # it takes the time "fox" took, and its neighbours keep theirs
+        assert abs(got[i].start - words[i].start) <= TOL and abs(got[i].end - words[i].end) <= TOL
+
+
+def test_german_is_refused_naming_the_language():
+    data, sr, text = _recording("ref_de_22k_stereo")
+    assert data.shape[1] == 2 and sr == 22050 and ALIGN_LANGUAGES == ("en",)
+    for call in (lambda: align_words(data, sr, text, language="de"), lambda: word_cues(data, sr, text, "de-DE")):
+        with pytest.raises(AlignUnavailable, match=r"English only .*'de") as e:
+            call()
+        assert "\n" not in str(e.value)
+    assert "English only" in can_align(text, "de") and can_align(text, "en-US") is None
+
+
+def test_texts_and_audio_that_cannot_be_timed_say_why(en):
+    x, sr, text, _ = en
+    for bad, why in (("", "no words"), ("<|emotion:calm|> ... !", "no words"), ("你好世界", "not in Latin script"),
+                     ("Hello Привет", "no English pronunciation for 'Привет'")):
+        assert why in can_align(bad)
+        with pytest.raises(AlignUnavailable, match=why):
+            align_words(x, sr, bad)
+    with pytest.raises(AlignUnavailable, match="empty"):
+        align_words(np.zeros(0, np.float32), sr, text)
+    with pytest.raises(AlignUnavailable, match="sample rate"):
+        align_words(x, 0, text)
+    noise = np.random.default_rng(0).normal(0, 0.1, len(x)).astype(np.float32)
+    for audio in (x[: sr // 10], noise):  # too short for the text; not speech at all
+        with pytest.raises(AlignUnavailable, match="no alignment"):
+            align_words(audio, sr, text)
+
+
+def test_caption_cues_become_word_cues_where_the_aligner_can_time_them(capsys):
+    """speak.word_cues on a real recording: the English piece becomes a cue per word inside its own span, in order;
+    a German piece keeps its piece cue and the run says why."""
+    import soundfile as sf
+
+    from higgs_onnx.longform.captions import Cue
+    from higgs_onnx.speak import word_cues
+
+    en = DATA / "ref_en_24k.wav"
+    n = sf.info(str(en)).frames
+    text = (DATA / "ref_en_24k.txt").read_text().strip()
+    assert word_cues(en, [Cue(0, n, text)], "de") == [Cue(0, n, text)]  # German: kept, said below
+    assert "1 of 1 pieces keep a piece-level cue (word timing is English only" in capsys.readouterr().err
+    got = word_cues(en, [Cue(0, n // 3, "悲しい"), Cue(0, n, text, "Ann")])
+    assert got[0] == Cue(0, n // 3, "悲しい")  # kept: not Latin script
+    words = got[1:]
+    assert [c.text for c in words] == text.replace(".", "").split()
+    assert all(0 <= a.start < a.end <= b.start <= b.end <= n for a, b in zip(words, words[1:], strict=False))
+    assert {c.speaker for c in words} == {"Ann"}
+    assert "1 of 2 pieces keep a piece-level cue" in capsys.readouterr().err
