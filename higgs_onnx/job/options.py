@@ -278,20 +278,7 @@ class SpeechOptions:
             if not opt.honoured_at(door) and not _is_default(name, value):
                 refuse(name, door)
         got = {k: v for k, v in values.items() if v is not None and k in OPTIONS}
-        changes: dict[str, Any] = {}
-        for name, check in CHECKS.items():
-            if name in got:
-                try:
-                    changes[name] = check(got[name], OPTIONS[name].label(door))
-                except OptionError as e:
-                    raise OptionError(e.message, name) from None
-        text = {}
-        for name, check in TEXT_CHECKS.items():
-            if name in got:
-                try:
-                    text[name] = check(got[name], OPTIONS[name].label(door))
-                except OptionError as e:
-                    raise OptionError(e.message, name) from None
+        changes, text = _checked(got, CHECKS, door), _checked(got, TEXT_CHECKS, door)
         if "lexicon" in text and base.text.lexicon is not None:  # a job's words over the door's (a server's) own
             text["lexicon"] = base.text.lexicon.over(text["lexicon"].entries)
         if text:
@@ -318,6 +305,18 @@ class SpeechOptions:
         if self.takes > 1 and self.generation.temperature == 0:
             raise OptionError(f"{label} > 1 needs sampling ({OPTIONS['temperature'].label(door)} > 0): greedy takes "
                               f"are all the same", "takes")
+
+
+def _checked(got: Mapping[str, Any], checks, door: str) -> dict[str, Any]:
+    """The given fields that `checks` checks, each checked with the name `door` gives it; OptionError names it."""
+    out = {}
+    for name, check in checks.items():
+        if name in got:
+            try:
+                out[name] = check(got[name], OPTIONS[name].label(door))
+            except OptionError as e:
+                raise OptionError(e.message, name) from None
+    return out
 
 
 def _is_default(name: str, value) -> bool:

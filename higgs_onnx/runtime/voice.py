@@ -31,14 +31,20 @@ class VoiceFileError(ValueError):
     """A file given as a voice that `Voice.save` did not write (or that was damaged since)."""
 
 
-def read_voice(path: Path) -> dict:
-    """The fields of a `Voice` from an .npz written by `Voice.save`, checked; VoiceFileError says what is wrong."""
+def _open_npz(path: Path):
+    """The .npz archive at `path` (lazy: members are read when asked for); VoiceFileError when it is not one."""
     try:
         npz = np.load(path, allow_pickle=False)
     except _NPZ_ERRORS:
         raise VoiceFileError("not an .npz archive") from None
     if not isinstance(npz, np.lib.npyio.NpzFile):
         raise VoiceFileError("a single .npy array, not an .npz archive")
+    return npz
+
+
+def read_voice(path: Path) -> dict:
+    """The fields of a `Voice` from an .npz written by `Voice.save`, checked; VoiceFileError says what is wrong."""
+    npz = _open_npz(path)
     with npz:
         missing = [k for k in ("rows", "prefix", "meta") if k not in npz.files]
         if not any(k.startswith("kv:") for k in npz.files):
@@ -81,12 +87,7 @@ def _check_meta(array: np.ndarray) -> dict:
 def read_voice_meta(path: Path) -> dict:
     """The `meta` of a voice file alone ({ref_text, model_id, languages?}): np.load of an .npz is lazy, so only
     that small member is read (a voice's KV state is tens of MB); VoiceFileError when it is not a voice file."""
-    try:
-        npz = np.load(path, allow_pickle=False)
-    except _NPZ_ERRORS:
-        raise VoiceFileError("not an .npz archive") from None
-    if not isinstance(npz, np.lib.npyio.NpzFile):
-        raise VoiceFileError("a single .npy array, not an .npz archive")
+    npz = _open_npz(path)
     with npz:
         if "meta" not in npz.files:
             raise VoiceFileError("missing meta")
