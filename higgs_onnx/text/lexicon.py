@@ -19,7 +19,7 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
-from ..tags import CONTROL_TAG
+from ..tags import CONTROL_TAG, between_tags
 
 MAX_ENTRIES = 10_000
 MAX_WORD = 100
@@ -49,14 +49,7 @@ class Lexicon:
         return self if not entries else Lexicon({**self.entries, **entries})
 
     def apply(self, text: str) -> str:
-        if self.pattern is None:
-            return text
-        out, at = [], 0
-        for m in CONTROL_TAG.finditer(text):
-            out += [self._words(text[at:m.start()]), m.group()]
-            at = m.end()
-        out.append(self._words(text[at:]))
-        return "".join(out)
+        return text if self.pattern is None else between_tags(text, self._words)
 
     def _words(self, text: str) -> str:
         def swap(m: re.Match) -> str:

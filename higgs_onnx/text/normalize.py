@@ -20,7 +20,7 @@ import re
 import warnings
 from decimal import Decimal, InvalidOperation
 
-from ..tags import CONTROL_TAG
+from ..tags import CONTROL_TAG, between_tags
 
 LANGUAGES = ("en", "zh")
 AUTO = "auto"
@@ -51,13 +51,7 @@ def normalize(text: str, language: str = AUTO) -> str:
     language = check_language(language)
     if language == AUTO:
         language = language_of(CONTROL_TAG.sub(" ", text))
-    reader = _EN if language == "en" else _ZH
-    out, at = [], 0
-    for m in CONTROL_TAG.finditer(text):
-        out += [reader.read(text[at:m.start()]), m.group()]
-        at = m.end()
-    out.append(reader.read(text[at:]))
-    return "".join(out)
+    return between_tags(text, (_EN if language == "en" else _ZH).read)
 
 
 # --- patterns shared by both languages -------------------------------------------------------------------------
