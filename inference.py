@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--captions", type=Path, help="--text-file with --out, or --script: also write captions "
                     "(.srt or .vtt), one cue per piece timed by the samples written; pieces are then cut near "
                     "--caption-chars (docs/captions.md)")
-    ap.add_argument("--caption-level", choices=("piece", "word"), default=None, help="with --captions: a cue per "
+    ap.add_argument("--caption-level", metavar="piece|word", default=None, help="with --captions: a cue per "
                     "piece (default), or per word, timed by a forced aligner on the written audio (pocketsphinx: "
                     "English only; other pieces keep piece cues and say so; docs/captions.md)")
     ap.add_argument("--caption-language", default="en", metavar="LANG", help="with --caption-level word: the text's "
@@ -248,7 +248,8 @@ def check_args(args: argparse.Namespace) -> tuple[GenerationOptions, StreamOptio
     args.job = SpeechOptions.build({"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
                                     "seed": args.seed, "max_rows": args.max_rows, "speed": args.speed,
                                     "takes": args.takes, "retries": args.retries, "loudness": args.loudness,
-                                    "blend_mode": args.blend_mode, **text_values(args)}, "cli")
+                                    "blend_mode": args.blend_mode, "caption_level": args.caption_level,
+                                    **text_values(args)}, "cli")
     options = args.job.generation
     stream = StreamOptions(first_frames=args.first_frames, chunk_frames=args.chunk_frames, codec=args.stream_codec)
     if args.out is not None and str(args.out) == "-":

@@ -367,25 +367,20 @@ def speak_dialogue(tts, args) -> int:
 
 def word_cues(path: Path, cues: list, language: str = "en") -> list:
     """The piece cues of the recording at `path` made a cue per word, each piece's words forced-aligned on its own
-    samples (`align.word_cues`) in `language` (a piece mostly in Han characters counts as zh); a piece the aligner
-    cannot time (not English, or no alignment) keeps its cue, and the run says how many did."""
-    from .align import AlignUnavailable
-    from .align import word_cues as align
+    samples (`captions.timed`); a piece the aligner cannot time (not English, or no alignment) keeps its cue, and
+    the run says how many did."""
     from .audio import read_audio
-    from .text.normalize import language_of
 
     samples, rate = read_audio(path)
     samples = samples[:, 0]  # the recording is mono
     out, kept, why = [], 0, ""
     for cue in cues:
-        try:
-            said = "zh" if language_of(cue.text) == "zh" else language
-            words = align(samples[cue.start:cue.end], rate, cue.text, said)
-        except AlignUnavailable as e:
+        got = captions.timed(cue, samples[cue.start:cue.end], rate, language)
+        if got.words:
+            out += got.words
+        else:
             out.append(cue)
-            kept, why = kept + 1, why or str(e)
-            continue
-        out += [captions.Cue(cue.start + a, cue.start + max(b, a + 1), w, cue.speaker) for a, b, w in words]
+            kept, why = kept + 1, why or got.words_reason
     if kept:
         print(f"--caption-level word: {kept} of {len(cues)} pieces keep a piece-level cue ({why})", file=sys.stderr)
     return out

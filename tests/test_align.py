@@ -19,9 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytest.importorskip("pocketsphinx")
-
-from higgs_onnx.align import (  # noqa: E402
+from higgs_onnx.align import (
     ALIGN_LANGUAGES,
     AlignUnavailable,
     WordTime,
@@ -31,7 +29,7 @@ from higgs_onnx.align import (  # noqa: E402
     word_cues,
     words_of,
 )
-from higgs_onnx.audio import read_audio, resample  # noqa: E402
+from higgs_onnx.audio import read_audio, resample
 
 DATA = Path(__file__).resolve().parent / "data"
 TOL = 0.08  # seconds: see the module docstring
@@ -213,3 +211,57 @@ def test_caption_cues_become_word_cues_where_the_aligner_can_time_them(capsys):
     assert all(0 <= a.start < a.end <= b.start <= b.end <= n for a, b in zip(words, words[1:], strict=False))
     assert {c.speaker for c in words} == {"Ann"}
     assert "1 of 2 pieces keep a piece-level cue" in capsys.readouterr().err
+
+
+def _chunks(x: np.ndarray, sr: int, size: int = 4800) -> list:
+    from higgs_onnx.generation.stream import AudioChunk
+
+    n = -(-len(x) // size)
+    return [AudioChunk(x[i * size:(i + 1) * size], sr, i, i == n - 1, i * size / sr, 0.0, 0) for i in range(n)]
+
+
+def _served(first, rest: list, text: str, sr: int) -> list:
+    """What the server's stream carries with `"caption_level": "word"` (serve.pieces.with_words), as a list."""
+    import asyncio
+
+    from higgs_onnx.serve.pieces import with_words
+
+    async def run():
+        async def items():
+            for item in rest:
+                yield item
+        head, tail = await with_words(first, items(), text, sr)
+        return [head, *[item async for item in tail]]
+
+    return asyncio.run(run())
+
+
+def test_the_servers_piece_cues_carry_the_words_timed_on_their_own_samples(en):
+    """serve.pieces.with_words on the real recording: the words of a piece come at stream positions (a piece after a
+    pause included), equal to align.word_cues on that piece's samples; one request's stream is one piece of its text;
+    a piece the aligner cannot time says why and keeps its cue."""
+    from higgs_onnx.longform.captions import Cue
+
+    x, sr, text, _ = en
+    own = word_cues(x, sr, text)
+    pause = np.zeros(sr // 2, np.float32)
+    at = len(x) + pause.size  # piece 1 starts after piece 0 and its pause
+    stream = [Cue(0, None, text), *_chunks(x, sr), Cue(0, len(x), text), _chunks(pause, sr)[0],
+              Cue(at, None, "悲しい", index=1), *_chunks(x[: sr], sr), Cue(at, at + sr, "悲しい", index=1)]
+    got = _served(stream[0], stream[1:], "the whole input", sr)
+    assert [type(g).__name__ for g in got] == [type(s).__name__ for s in stream]  # nothing added or lost
+    cues = [g for g in got if isinstance(g, Cue) and g.end is not None]
+    assert [(w.start, w.end, w.text) for w in cues[0].words] == own and cues[0].words_reason is None
+    assert cues[1].words == () and "not in Latin script" in cues[1].words_reason
+    event = cues[0].event("speech-1", sr)
+    assert event["type"] == "audio.speech.piece" and event["words"][0] == {
+        "text": "The", "start_s": round(own[0][0] / sr, 6), "end_s": round(own[0][1] / sr, 6),
+        "start_sample": own[0][0], "end_sample": own[0][1]}
+    assert "words" not in Cue(0, 5, "x").as_dict(sr)  # not asked: no words field at all
+    assert cues[1].as_dict(sr)["words"] == [] and "words_reason" in cues[1].as_dict(sr)
+
+    one = _chunks(x, sr)  # one request: no piece cues of its own
+    got = _served(one[0], one[1:], text, sr)
+    assert isinstance(got[0], Cue) and got[0].end is None and got[0].text == text
+    assert got[1:-1] == one and got[-1].end == len(x)
+    assert [(w.start, w.end, w.text) for w in got[-1].words] == own

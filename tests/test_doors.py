@@ -39,11 +39,11 @@ ODD = "zyxwv"  # a word the server's lexicon respells "hello"
 # a value past each bounded field's bound, and a value that asks for something (for the doors that refuse it)
 BAD = {"temperature": -1.0, "top_k": -1, "top_p": 0.0, "seed": -1, "max_rows": 0, "speed": 9.0, "takes": 17,
        "retries": 11, "loudness": 5.0, "blend_mode": "zz", "normalize": "fr", "emoji": "smile",
-       "stage_directions": "shout"}
+       "stage_directions": "shout", "caption_level": "line"}
 REF = {"data": base64.b64encode((DATA / "ref_en_24k.wav").read_bytes()).decode(), "text": "A reference."}
 ASKS = {"speed": 1.5, "takes": 2, "retries": 1, "loudness": -16.0, "deterministic": True, "blend_mode": "product",
         "instructions": "speak calmly", "references": [REF], "dry_run": True, "normalize": True, "markdown": True,
-        "emoji": "name", "stage_directions": "tags", "lexicon": {"Ann": "Anne"}}
+        "emoji": "name", "stage_directions": "tags", "lexicon": {"Ann": "Anne"}, "caption_level": "word"}
 
 
 def free_port() -> int:
@@ -174,7 +174,7 @@ def test_the_table_covers_every_field_and_door():
         assert (opt.at("wyoming") == "honoured") == (name == "voice"), name
     for page in ("server.md", "integrations.md"):
         assert door_table() in (ROOT / "docs" / page).read_text(), f"docs/{page}: the fields x doors table is stale"
-    assert len(cases("bound")) == 50 and len(cases("refused")) == 23
+    assert len(cases("bound")) == 52 and len(cases("refused")) == 26
 
 
 @pytest.mark.parametrize("door, name", cases("bound"))

@@ -19,11 +19,12 @@ from higgs_onnx.generation.contract import ContractError
 from higgs_onnx.generation.engine import GenerationStats
 from higgs_onnx.generation.options import GenerationOptions
 from higgs_onnx.generation.stream import AudioChunk
+from higgs_onnx.longform.captions import Cue
 from higgs_onnx.longform.joins import fade_edges
 from higgs_onnx.longform.split import Piece, split_text
 from higgs_onnx.serve import pieces as pieces_mod
 from higgs_onnx.serve.limits import MAX_INPUT_CHARS, MAX_PIECES
-from higgs_onnx.serve.pieces import ONE_REQUEST_CHARS, PieceCue, PieceReader, plan_pieces
+from higgs_onnx.serve.pieces import ONE_REQUEST_CHARS, PieceReader, plan_pieces
 from higgs_onnx.serve.scheduler import QueueFull
 
 RATE = 24000
@@ -152,7 +153,7 @@ def test_the_stream_is_the_pieces_and_pauses_and_the_cues_say_where():
     assert [t for t, _ in session.spoken] == ["<|prosody:speed_fast|>" + p.text for p in PIECES]
     pos, audio, cues = 0, [], []
     for item in items:
-        if isinstance(item, PieceCue):
+        if isinstance(item, Cue):
             assert item.start == (pos if item.end is None else item.start) and item.end in (None, pos), item
             cues.append(item)
         else:
@@ -170,18 +171,19 @@ def test_the_stream_is_the_pieces_and_pauses_and_the_cues_say_where():
         if i < 3:
             assert ends[i + 1].start - c.end == pauses[i] and not stream[c.end:ends[i + 1].start].any()
     assert ends[-1].end == stream.size  # the stream ends with the last piece
-    last = [x for x in items if not isinstance(x, PieceCue)][-1]
-    assert last.is_last and sum(not isinstance(x, PieceCue) and x.is_last for x in items) == 1
+    last = [x for x in items if not isinstance(x, Cue)][-1]
+    assert last.is_last and sum(not isinstance(x, Cue) and x.is_last for x in items) == 1
     s = last.stats
     assert s.rows == 50 + 51 + 52 + 53 and s.stop_reason == "max_rows"
     assert s.prompt_tokens == 10 + 3 * 6  # a continued piece's new prompt positions only
     assert s.audio_s == stream.size / RATE and s.first_audio_s == 0.2
-    event = ends[1].event("speech-7")
+    event = ends[1].event("speech-7", RATE)
     assert event == {"type": "audio.speech.piece", "object": "audio.speech.piece", "id": "speech-7", "index": 1,
                      "text": "Two.", "start_s": round(ends[1].start / RATE, 6),
                      "end_s": round(ends[1].end / RATE, 6), "start_sample": ends[1].start,
                      "end_sample": ends[1].end}
-    assert starts[0].event("x")["type"] == "audio.speech.piece.start" and starts[0].event("x")["end_s"] is None
+    start = starts[0].event("x", RATE)
+    assert start["type"] == "audio.speech.piece.start" and start["end_s"] is None
     assert session.closed == 1  # the kept cache is given back at the end
 
 
@@ -211,12 +213,12 @@ def test_a_cancelled_reader_stops_between_pieces():
         got = []
         async for item in reader:
             got.append(item)
-            if isinstance(item, PieceCue) and item.end is None:
+            if isinstance(item, Cue) and item.end is None:
                 reader.cancel()
         return got
 
     got = asyncio.run(run())
-    assert len(session.spoken) == 1 and not any(isinstance(c, PieceCue) and c.end is not None for c in got)
+    assert len(session.spoken) == 1 and not any(isinstance(c, Cue) and c.end is not None for c in got)
 
 
 # -- on a real server ------------------------------------------------------------------------------------------------
@@ -312,6 +314,35 @@ def test_sse_piece_events_sit_at_the_streamed_samples(server):
     assert abs(sf.info(io.BytesIO(mp3.content)).duration - stream.size / RATE) < 0.2
     server.settle()
     assert server.stats()["kept"] == 0  # the last piece's kept cache was given back
+
+
+@pytest.mark.slow
+def test_word_cues_ride_on_the_piece_events(server):
+    """`"caption_level": "word"`: the same audio and piece events, each finished piece's with its words (the tiny
+    model's audio is not speech, so each says why it has none: the words on real speech are test_align's); a short
+    input is one piece, its cue before its first audio and after its last; without SSE it is refused by name."""
+    plain = sse_events(server.http.post("/v1/audio/speech", json={**BODY, "response_format": "pcm",
+                                                                   "stream_format": "sse"}))
+    worded = sse_events(server.http.post("/v1/audio/speech", json={**BODY, "response_format": "pcm",
+                                                                    "stream_format": "sse", "caption_level": "word"}))
+    bare = [{k: v for k, v in e.items() if k not in ("words", "words_reason", "stats", "pieces", "id")} for e in worded]
+    assert bare == [{k: v for k, v in e.items() if k not in ("stats", "pieces", "id")} for e in plain]  # nothing else
+    ends = [e for e in worded if e["type"] == "audio.speech.piece"]
+    assert len(ends) >= 10 and all(e["words"] == [] and "no alignment" in e["words_reason"] for e in ends), ends[0]
+    assert worded[-1]["pieces"] == [{k: v for k, v in e.items() if k not in ("type", "object", "id")} for e in ends]
+
+    short = sse_events(server.http.post("/v1/audio/speech", json={
+        "model": "higgs-tts-3", "input": "Hello there.", "max_rows": ROWS, "response_format": "pcm",
+        "stream_format": "sse", "caption_level": "word"}))
+    kinds = [e["type"] for e in short]
+    assert kinds[0] == "audio.speech.piece.start" and kinds[-2:] == ["audio.speech.piece", "speech.audio.done"]
+    sent = sum(len(base64.b64decode(e["audio"])) // 2 for e in short if e["type"] == "speech.audio.delta")
+    assert short[-2]["text"] == "Hello there." and (short[-2]["start_sample"], short[-2]["end_sample"]) == (0, sent)
+    for body in ({}, {"stream": True}):  # raw audio has no place for cues
+        r = server.http.post("/v1/audio/speech", json={**BODY, "response_format": "pcm", "caption_level": "word",
+                                                       **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "caption_level", r.text
+        assert 'needs stream_format "sse"' in r.json()["error"]["message"]
 
 
 @pytest.mark.slow

@@ -307,3 +307,72 @@ def test_read_along_highlights_the_piece_being_played(url, browser):
     print(f"\nread-along: {len(cues)} pieces; highlight changes while playing {seen}")
     assert not errors, errors
     page.close()
+
+
+def test_read_along_word_by_word(url, browser):
+    """With "read along word by word" the page asks for word timing (`caption_level` "word"): a short text is one
+    piece. The tiny model's audio is not speech, so its piece says why it has no word timing. Then the server's own
+    events for the real recording in tests/data (serve.pieces.with_words, as the server makes them) and that
+    recording in the <audio> element: the word highlighted is the one whose [start_s, end_s) holds the time."""
+    import base64
+    import concurrent.futures
+    import json
+
+    from test_align import _chunks, _served
+
+    from higgs_onnx.audio import read_audio
+    from higgs_onnx.longform.captions import Cue
+
+    page = browser.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(f"page error: {e}"))
+    page.goto(url)
+    page.wait_for_selector("button.tag")
+    page.fill("#text", "Hello there, reader.")
+    page.locator("summary", has_text="Sampling").click()
+    page.fill("#max_rows", "24")
+    page.check("#word_timing")
+    page.click("#speak")
+    wait_until(page, "(() => { const s = document.getElementById('status').dataset.state;"
+               " return s === 'error' || s === 'done'; })()", timeout=120)
+    assert page.locator("#status").get_attribute("data-state") == "done", page.locator("#status").text_content()
+    title = page.evaluate("[...document.querySelectorAll('#pieces li')].map(li => [li.textContent, li.title])")
+    assert len(title) == 1 and title[0][0] == "Hello there, reader." and "no word timing: pocketsphinx found no " \
+        "alignment" in title[0][1], title
+
+    data, sr = read_audio(DATA / "ref_en_24k.wav")
+    text = (DATA / "ref_en_24k.txt").read_text().strip()
+    mono = data[:, 0]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # Playwright's own loop runs in this thread
+        served = pool.submit(_served, Cue(0, None, text), [*_chunks(mono, sr), Cue(0, len(mono), text)], text,
+                             sr).result()
+    start, end = (c.event("speech-1", sr) for c in served if isinstance(c, Cue))
+    words = end["words"]
+    assert [w["text"] for w in words] == text.replace(".", "").split()
+    wav = (DATA / "ref_en_24k.wav").read_bytes()
+    page.evaluate(f"""(() => {{
+      resetPieces();
+      onPiece({json.dumps(start)});
+      onPiece({json.dumps(end)});
+      const raw = atob("{base64.b64encode(wav).decode()}"), bytes = new Uint8Array(raw.length);
+      for (let i = 0; i < raw.length; i++) bytes[i] = raw.charCodeAt(i);
+      document.getElementById('player').src = URL.createObjectURL(new Blob([bytes], {{ type: "audio/wav" }}));
+    }})()""")
+    wait_until(page, "document.getElementById('player').readyState >= 1", timeout=10)
+    spans = page.evaluate("[...document.querySelectorAll('#pieces li .word')].map(s => s.textContent)")
+    assert spans == [w["text"] for w in words]
+    word = "document.getElementById('pieces').dataset.word"
+    for k in (0, 3, 9, len(words) - 1):
+        w = words[k]
+        page.evaluate(f"document.getElementById('player').currentTime = {(w['start_s'] + w['end_s']) / 2}")
+        wait_until(page, f"{word} === {w['text']!r}", timeout=5)
+        lit = page.evaluate("[...document.querySelectorAll('#pieces .reading-word')].map(s => s.textContent)")
+        assert lit == [w["text"]], (k, lit)
+    gap = next(((a["end_s"], b["start_s"]) for a, b in zip(words, words[1:], strict=False)
+                if b["start_s"] - a["end_s"] > 0.1), None)
+    assert gap is not None  # the pause between the two sentences: no word is lit there
+    page.evaluate(f"document.getElementById('player').currentTime = {sum(gap) / 2}")
+    wait_until(page, f"{word} === ''", timeout=5)
+    page.screenshot(path=str(OUTPUT / "web_page_words.png"), full_page=True)
+    assert not errors, errors
+    page.close()

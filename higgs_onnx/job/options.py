@@ -45,6 +45,7 @@ STREAMED = "audio is sent as it is made, segment by segment, so nothing can wait
 PREPARE = "prepare the text first: HiggsTTS.read_text(text, normalize=..., markdown=...) returns what to pass"
 SPEED_RANGE = (0.25, 4.0)
 MAX_TAKES = 16  # takes of one request: each is a batch row (its own slot)
+CAPTION_LEVELS = ("piece", "word")
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,12 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
            " or ".join(DIRECTION_MODES), "--stage-directions", refused={"wyoming": ABSENT, "python": PREPARE}),
     Option("lexicon", "words respelled the way the model should say them", f"at most {MAX_ENTRIES:,} words", None,
            "--lexicon FILE", refused={"wyoming": ABSENT, "python": PREPARE}),
+    Option("caption_level", "cues per piece, or per word (timed by a forced aligner; English)",
+           " or ".join(CAPTION_LEVELS), "--caption-level",
+           refused={"websocket": "a session's audio.start / audio.done events carry no cues (ask POST "
+                    "/v1/audio/speech with stream_format sse for word cues)", "wyoming": ABSENT,
+                    "corpus": "a corpus writes no captions",
+                    "python": "time a result's words with higgs_onnx.align.word_cues(samples, sample_rate, text)"}),
 )}
 SAMPLING = ("temperature", "top_k", "top_p", "seed", "max_rows")
 TEXT = ("normalize", "markdown", "emoji", "stage_directions", "lexicon", "instructions")
@@ -194,6 +201,12 @@ def check_bool(value, label: str) -> bool:
     return value
 
 
+def check_caption_level(value, label: str = "caption_level") -> str:
+    if value not in CAPTION_LEVELS:
+        raise OptionError(f"{label} must be one of {', '.join(CAPTION_LEVELS)}, got {value!r:.40}", None)
+    return value
+
+
 def _text_check(check):
     def run(value, label):
         try:
@@ -222,7 +235,8 @@ TEXT_CHECKS = {"normalize": _text_check(check_normalize), "markdown": check_bool
                "emoji": _text_check(check_emoji), "stage_directions": _text_check(check_mode),
                "lexicon": check_lexicon, "instructions": check_instructions}
 CHECKS = {"speed": check_speed, "takes": check_takes, "retries": check_retries, "loudness": check_loudness,
-          "blend_mode": check_blend_mode, "deterministic": check_bool, "dry_run": check_bool}
+          "blend_mode": check_blend_mode, "deterministic": check_bool, "dry_run": check_bool,
+          "caption_level": check_caption_level}
 
 
 @dataclass(frozen=True)
@@ -238,6 +252,7 @@ class SpeechOptions:
     blend_mode: str | None = None
     dry_run: bool = False
     text: TextOptions = TextOptions()
+    caption_level: str = "piece"  # word: each piece's cue carries its words, timed on its samples
 
     def read(self, text: str, tags) -> Reading:
         """What the model reads of `text` (the text steps; `tags`: the tokenizer's control tags), without the lead."""
@@ -328,6 +343,8 @@ def _is_default(name: str, value) -> bool:
         return value is False
     if name in ("emoji", "stage_directions"):
         return value == "keep"
+    if name == "caption_level":
+        return value == "piece"
     if name == "lexicon":
         return value == {}
     neutral = {"takes": 1, "retries": 0, "speed": 1.0}

@@ -5,13 +5,15 @@ its last sample before its pause, so a cue is exactly the span of the piece's au
 positions divided by the sample rate, rounded to the millisecond the formats carry. Dialogue cues name their
 speaker (SubRip: `Alice: text`, WebVTT: a `<v Alice>` voice span). Control tags (`<|...|>`) are not shown.
 
-Word-level cues (`--caption-level word`) come from a forced aligner on the written audio (`speak.word_cues`,
-`align.py`); they are never guessed.
+Word-level cues (`--caption-level word`, and `"caption_level": "word"` on the server's SSE piece events) come from a
+forced aligner on each piece's own samples (`timed`, `align.py`); they are never guessed.
+The one `Cue` is also the server's piece cue (`serve/pieces.py`: `end` None while the piece is being made).
 The files are written with `srt` (SubRip) and `webvtt-py` (WebVTT), atomically.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import re
@@ -24,12 +26,56 @@ from .split import TAG
 FORMATS = (".srt", ".vtt")
 
 
+PIECE_EVENT, PIECE_START_EVENT = "audio.speech.piece", "audio.speech.piece.start"
+
+
 @dataclass(frozen=True)
 class Cue:
+    """Samples `[start, end)` of a stream or recording and what is said there: a piece, or one word of it.
+    `index`: the piece's number; `words`: its word cues (stream positions) once timed, `words_reason` why they could
+    not be (`timed`); both None when no word timing was asked."""
+
     start: int  # first sample
-    end: int  # one past the last sample
+    end: int | None  # one past the last sample (None: the piece is still being made)
     text: str
     speaker: str | None = None
+    index: int = 0
+    words: tuple[Cue, ...] | None = None
+    words_reason: str | None = None
+
+    def as_dict(self, sample_rate: int) -> dict:
+        sr = sample_rate
+        out = {"index": self.index, "text": self.text, "start_s": round(self.start / sr, 6),
+               "end_s": None if self.end is None else round(self.end / sr, 6), "start_sample": self.start,
+               "end_sample": self.end, **({"speaker": self.speaker} if self.speaker is not None else {})}
+        if self.words is not None:
+            out["words"] = [{"text": w.text, "start_s": round(w.start / sr, 6), "end_s": round(w.end / sr, 6),
+                             "start_sample": w.start, "end_sample": w.end} for w in self.words]
+            if self.words_reason:
+                out["words_reason"] = self.words_reason
+        return out
+
+    def event(self, request_id: str, sample_rate: int) -> dict:
+        """The SSE event: `audio.speech.piece.start` when the piece starts, `audio.speech.piece` once it is whole."""
+        kind = PIECE_START_EVENT if self.end is None else PIECE_EVENT
+        return {"type": kind, "object": kind, "id": request_id, **self.as_dict(sample_rate)}
+
+
+def timed(cue: Cue, samples, sample_rate: int, language: str = "en") -> Cue:
+    """`cue` with its words forced-aligned on `samples` (its own, `cue.start` onwards) in `language` (a piece mostly
+    in Han characters counts as zh): `words` the word cues at stream positions; `words` () and `words_reason` one
+    line when the aligner cannot time it (not English, no alignment)."""
+    from ..align import AlignUnavailable, word_cues
+    from ..text.normalize import language_of
+
+    text = " ".join(TAG.sub(" ", cue.text).split())
+    try:
+        said = "zh" if language_of(text) == "zh" else language
+        words = word_cues(samples, sample_rate, text, said)
+    except AlignUnavailable as e:
+        return dataclasses.replace(cue, words=(), words_reason=str(e))
+    return dataclasses.replace(cue, words=tuple(Cue(cue.start + a, cue.start + max(b, a + 1), w, cue.speaker)
+                                                for a, b, w in words), words_reason=None)
 
 
 def check_path(path: str | os.PathLike, flag: str = "--captions") -> Path:
@@ -44,7 +90,7 @@ def check_path(path: str | os.PathLike, flag: str = "--captions") -> Path:
 def cue_of(piece) -> Cue:
     """The cue of a `render.PieceResult`."""
     text = " ".join(TAG.sub(" ", piece.text).split())
-    return Cue(piece.start_sample, piece.start_sample + piece.speech_samples, text, piece.speaker)
+    return Cue(piece.start_sample, piece.start_sample + piece.speech_samples, text, piece.speaker, piece.index)
 
 
 def _delta(samples: int, sample_rate: int) -> datetime.timedelta:
@@ -89,4 +135,4 @@ def write(path: str | os.PathLike, cues: list[Cue], sample_rate: int) -> Path:
     return path
 
 
-__all__ = ["FORMATS", "Cue", "check_path", "cue_of", "render", "write"]
+__all__ = ["FORMATS", "PIECE_EVENT", "PIECE_START_EVENT", "Cue", "check_path", "cue_of", "render", "timed", "write"]

@@ -9,7 +9,7 @@ the speakers' sessions run at once, batched with every other request. A long tur
 a long input (`longform.split`). The response is the turns in script order: each piece faded at its edges (8 ms),
 0.3 s of silence between the pieces of a turn, `turn_pause_s` (0.4 s) between turns. A piece is handed out whole
 once it is made (a later speaker's piece may be made first and waits its turn). The SSE stream carries a cue per
-piece, as a long input's does (`pieces.PieceCue`), with its speaker. A zero-shot speaker ("default") keeps the voice its
+piece, as a long input's does (`captions.Cue`), with its speaker. A zero-shot speaker ("default") keeps the voice its
 first piece chose: a restart of its context is cloned from that piece.
 """
 
@@ -23,10 +23,11 @@ import numpy as np
 
 from ..generation.contract import LONG_FORM_HINT, ContractError
 from ..generation.stream import AudioChunk
+from ..longform.captions import Cue
 from ..longform.joins import fade_edges
 from ..longform.script import Turn
 from ..longform.split import split_text
-from .pieces import JOIN, PieceCue, Timeline, no_audio, pause_after, piece_options, restart_when_full, speak_waiting
+from .pieces import JOIN, Timeline, no_audio, pause_after, piece_options, restart_when_full, speak_waiting
 
 SPEAKER_SEED_STEP = 7919  # speaker k's pieces are seeded seed + k * this + their index in its session
 
@@ -63,7 +64,7 @@ def check_lines(tts, slot: int, lines: list[Line], voices: dict, options, where:
 
 class DialogueReader:
     """The dialogue as one job: iterate it (async) for `AudioChunk`s in script order (the last one carries the
-    figures of every piece) and a `PieceCue` as each piece starts and ends; `cancel()` stops every speaker."""
+    figures of every piece) and a `captions.Cue` as each piece starts and ends; `cancel()` stops every speaker."""
 
     def __init__(self, sessions: dict, lines: list[Line], sample_rate: int,
                  clone: Callable[[np.ndarray, str], Awaitable] | None = None):
@@ -116,7 +117,7 @@ class DialogueReader:
                 self.first_job = session.job
             yield c
 
-    async def __aiter__(self) -> AsyncIterator[AudioChunk | PieceCue]:
+    async def __aiter__(self) -> AsyncIterator[AudioChunk | Cue]:
         sr, n = self.sample_rate, len(self.lines)
         fade = int(JOIN.fade_ms * sr / 1000)
         loop = asyncio.get_running_loop()
@@ -129,10 +130,10 @@ class DialogueReader:
                 timeline.stats.append(last.stats)
                 wav = fade_edges(np.array(audio, np.float32), fade)
                 start = timeline.pos
-                yield PieceCue(i, line.text, start, None, sr, line.speaker)
+                yield Cue(start, None, line.text, line.speaker, i)
                 final = i == n - 1
                 yield timeline.chunk(wav, last, final)
-                yield PieceCue(i, line.text, start, timeline.pos, sr, line.speaker)
+                yield Cue(start, timeline.pos, line.text, line.speaker, i)
                 if not final:
                     yield timeline.pause(last, pause_after(JOIN, line.paragraph_end, line.turn_end))
         finally:

@@ -117,6 +117,8 @@ class SpeechRequest(OutputFields):
     emoji: Any = None
     stage_directions: Any = None
     lexicon: Any = None
+    # "word": each piece event of the SSE stream carries its words, timed by a forced aligner (docs/captions.md)
+    caption_level: Any = None
 
 
 class DialogueRequest(OutputFields):
@@ -129,7 +131,7 @@ class DialogueRequest(OutputFields):
 
 # the body's fields that are `job.options.OPTIONS` (references: `shapes.normalise`)
 JOB_FIELDS = ("voice", "blend_mode", *SAMPLING, "speed", "takes", "retries", "loudness", "deterministic",
-              "dry_run", *TEXT)
+              "dry_run", *TEXT, "caption_level")
 # what a session.config may hold beyond WS_ONLY: the speech fields (refused by name where the WebSocket cannot
 # honour them), the reference shapes and the output format
 WS_FIELDS = {"model", *JOB_FIELDS, "response_format", "stream_format", "stream", "ref_audio", "ref_text", "references",

@@ -16,10 +16,10 @@ long-form's (`piece_rows`: 4 rows a character + 100, capped by the request's `ma
 
 The stream is piece 0's audio, its pause, piece 1's audio, ...: long-form's joins (`LongFormOptions`: 0.3 s of
 silence, 0.7 s after a paragraph, an 8 ms raised-cosine fade at each piece's edges; no pause after the last).
-`PieceReader` yields that stream as `AudioChunk`s, and a `PieceCue` when a piece's first samples are handed out (`end`
-None) and when its last are (`end` set): `start` is the stream position of the piece's first sample, `end` the
-position just past its last, so `[start, end)` is exactly the piece's samples and the pauses lie between the cues.
-Word-level times would need a forced aligner, which no pinned dependency ships; they are not guessed.
+`PieceReader` yields that stream as `AudioChunk`s, and a `captions.Cue` when a piece's first samples are handed out
+(`end` None) and when its last are (`end` set): `start` is the stream position of the piece's first sample, `end`
+the position just past its last, so `[start, end)` is exactly the piece's samples and the pauses lie between the
+cues. `with_words` times each finished piece's words on those samples (a request's `"caption_level": "word"`).
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 
 import numpy as np
 
 from ..generation.contract import LONG_FORM_HINT, ContractError, NoAudioError
 from ..generation.stream import AudioChunk
+from ..longform.captions import Cue, timed
 from ..longform.joins import Edges
 from ..longform.render import LongFormOptions, piece_rows
 from ..longform.split import Piece, split_text
@@ -48,7 +48,6 @@ JOIN = LongFormOptions()  # long-form's piece sizes, row budget, pauses and fade
 # A piece after the first continues a kept cache, so it needs no free slot, only a place in the queue: when other
 # clients fill the queue meanwhile, it waits (polling) this long before the stream fails with the queue's error.
 QUEUE_WAIT_S, QUEUE_POLL_S = 30.0, 0.1
-PIECE_EVENT, PIECE_START_EVENT = "audio.speech.piece", "audio.speech.piece.start"
 
 
 def piece_options(options, text: str):
@@ -98,29 +97,6 @@ def _fits_one(tts, slot: int, text: str, voice, options) -> bool:
     return True
 
 
-@dataclass(frozen=True)
-class PieceCue:
-    """Where piece `index` sits in the stream: samples `[start, end)`; `end` None while it is still being made."""
-
-    index: int
-    text: str
-    start: int
-    end: int | None
-    sample_rate: int
-    speaker: str | None = None  # a dialogue's (serve/dialogue_reader.py)
-
-    def as_dict(self) -> dict:
-        sr = self.sample_rate
-        return {"index": self.index, "text": self.text, "start_s": round(self.start / sr, 6),
-                "end_s": None if self.end is None else round(self.end / sr, 6), "start_sample": self.start,
-                "end_sample": self.end, **({"speaker": self.speaker} if self.speaker is not None else {})}
-
-    def event(self, request_id: str) -> dict:
-        """The SSE event: `audio.speech.piece.start` when the piece starts, `audio.speech.piece` once it is whole."""
-        kind = PIECE_START_EVENT if self.end is None else PIECE_EVENT
-        return {"type": kind, "object": kind, "id": request_id, **self.as_dict()}
-
-
 class Timeline:
     """A stream made of pieces, as its chunks are handed out: stream positions, chunk numbers, and the whole
     stream's figures (`total_stats` of every piece's) on its last chunk. Both readers of pieces (`PieceReader`,
@@ -166,7 +142,7 @@ def no_audio(i: int, n: int, who: str = "") -> NoAudioError:
 
 class PieceReader:
     """A long input's pieces spoken in order by one `SpeechSession`, as one job: iterate it (async) for the
-    stream's `AudioChunk`s (fades and pauses in; the last carries the stats of all pieces) and a `PieceCue` as each
+    stream's `AudioChunk`s (fades and pauses in; the last carries the stats of all pieces) and a `captions.Cue` as each
     piece starts and ends; `cancel()` stops it and gives back the kept cache. `clone(codes, text)` makes a voice from
     the first piece (zero-shot requests: the voice a restart starts from)."""
 
@@ -185,7 +161,7 @@ class PieceReader:
         self.cancelled = True
         self.session.close()
 
-    async def __aiter__(self) -> AsyncIterator[AudioChunk | PieceCue]:
+    async def __aiter__(self) -> AsyncIterator[AudioChunk | Cue]:
         sr, n = self.sample_rate, len(self.pieces)
         fade = int(self.join.fade_ms * sr / 1000)
         line, first = Timeline(sr), None
@@ -201,7 +177,7 @@ class PieceReader:
                     if (out := edges.push(c.samples)).size:
                         if start is None:
                             start = line.pos
-                            yield PieceCue(i, piece.text, start, None, sr)
+                            yield Cue(start, None, piece.text, index=i)
                         yield line.chunk(out, c)
                 if self.cancelled:
                     return
@@ -217,9 +193,9 @@ class PieceReader:
                 out = edges.finish()
                 if start is None:  # a piece shorter than its two fades: handed out whole at its end
                     start = line.pos
-                    yield PieceCue(i, piece.text, start, None, sr)
+                    yield Cue(start, None, piece.text, index=i)
                 yield line.chunk(out, last, final=i == n - 1)
-                yield PieceCue(i, piece.text, start, line.pos, sr)
+                yield Cue(start, line.pos, piece.text, index=i)
                 if i < n - 1:
                     yield line.pause(last, pause_after(self.join, piece.paragraph_end))
         finally:
@@ -234,6 +210,39 @@ class PieceReader:
                 if self.first_job is None:
                     self.first_job = self.piece_job
             yield c
+
+
+async def with_words(first, items: AsyncIterator, text: str, sample_rate: int, language: str = "en"):
+    """(first, rest) of a stream of `AudioChunk`s and piece `Cue`s (`first` the stream's first item, `items` the
+    rest), with each finished piece's words timed on its own samples (`captions.timed`, in a worker thread). A stream
+    with no piece cues (one request) is one piece of `text`: its cue comes before its first chunk and after its
+    last, as a long input's do."""
+
+    async def stream():
+        held, single = [], not isinstance(first, Cue)
+        if single:
+            yield Cue(0, None, text)
+        pos, item = 0, first
+        while item is not None:
+            if isinstance(item, Cue):
+                if item.end is None:
+                    held = []
+                else:
+                    item = await asyncio.to_thread(timed, item, _joined(held), sample_rate, language)
+            else:
+                held.append(item.samples)
+                pos += item.samples.size
+            yield item
+            item = await anext(items, None)
+        if single:
+            yield await asyncio.to_thread(timed, Cue(0, pos, text), _joined(held), sample_rate, language)
+
+    out = stream()
+    return await anext(out), out
+
+
+def _joined(samples: list) -> np.ndarray:
+    return np.concatenate(samples) if samples else np.zeros(0, np.float32)
 
 
 async def speak_waiting(session, text: str, wait: bool = True) -> AsyncIterator[AudioChunk]:

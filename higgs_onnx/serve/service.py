@@ -21,6 +21,7 @@ from ..generation.options import GenerationOptions
 from ..guard import GuardOptions, RetryPolicy, judge, take_record, take_scores, take_seeds
 from ..guard import best_take as choose
 from ..job.options import SAMPLING, OptionError, SpeechOptions
+from ..longform.captions import Cue
 from ..loudness import normalise
 from ..tags import CONTROL_TAG
 from ..text.directions import DirectionError
@@ -43,7 +44,7 @@ from .limits import (
     MAX_INPUT_CHARS,
     Timeouts,
 )
-from .pieces import PieceCue, PieceReader
+from .pieces import PieceReader
 from .scheduler import QueueFull, ShuttingDown
 from .textstream import SpeechSession
 from .voices import DEFAULT, UnknownVoice, VoiceError, VoiceStore
@@ -420,19 +421,19 @@ class SpeechService:
 
         import numpy as np
 
-        audio = [c for c in done if not isinstance(c, PieceCue)]  # a long input's piece cues stay where they are
+        audio = [c for c in done if not isinstance(c, Cue)]  # a long input's piece cues stay where they are
         wav, level = normalise(np.concatenate([c.samples for c in audio]), self.sample_rate, lufs)
         ends = np.cumsum([c.samples.size for c in audio])
         made = iter([dataclasses.replace(c, samples=wav[e - c.samples.size:e])
                      for c, e in zip(audio, ends, strict=True)])
-        return [c if isinstance(c, PieceCue) else next(made) for c in done], level
+        return [c if isinstance(c, Cue) else next(made) for c in done], level
 
     async def stream_body(self, job, first, chunks: AsyncIterator, fmt: str, sse: bool, input_chars: int,
                           tag: str | None, takes: list | None = None, level=None,
                           sglang: bool = False) -> AsyncIterator[bytes]:
         """The response body. `sse`: OpenAI's speech.audio.delta / speech.audio.done events, or (`sglang`: `stream:
         true` with `stream_format: "sse"`) sglang-omni's audio.speech.chunk objects, the last with finish_reason
-        and usage, then `data: [DONE]`. A long input's `pieces.PieceCue`s among the chunks become
+        and usage, then `data: [DONE]`. A long input's `captions.Cue`s among the chunks become
         `audio.speech.piece.start` / `audio.speech.piece` events in both (each after the audio before it); the audio
         formats leave them out."""
         index = itertools.count()
@@ -456,11 +457,11 @@ class SpeechService:
         enc, stats, chunk, cues = encoder(fmt, self.sample_rate), None, first, []
         try:
             while chunk is not None:
-                if isinstance(chunk, PieceCue):
+                if isinstance(chunk, Cue):
                     if sse:
-                        yield event(chunk.event(f"speech-{job.id}"))
+                        yield event(chunk.event(f"speech-{job.id}", self.sample_rate))
                     if chunk.end is not None:
-                        cues.append(chunk.as_dict())
+                        cues.append(chunk.as_dict(self.sample_rate))
                 else:
                     if data := out(enc.push(chunk.samples)):
                         yield data

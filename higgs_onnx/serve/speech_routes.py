@@ -22,7 +22,7 @@ from .http import (
     replay,
     validation_message,
 )
-from .pieces import plan_pieces
+from .pieces import plan_pieces, with_words
 from .service import SpeechService
 from .shapes import ShapeError, normalise
 
@@ -52,6 +52,9 @@ def router(svc: SpeechService) -> APIRouter:
         if r.stream and r.stream_format == "audio" and r.response_format != "pcm":
             raise ApiError(400, f"stream: true sends raw PCM: it needs response_format 'pcm', got "
                            f"{r.response_format!r} (every format streams here without it)", "stream", "invalid_value")
+        if job_opts.caption_level == "word" and r.stream_format != "sse":
+            raise ApiError(400, 'caption_level "word" needs stream_format "sse": the words come on the stream\'s '
+                           'piece events', "caption_level", "invalid_value")
         voice = await svc.job_voice(inline, r)
         if r.model_extra:
             log.info("ignored fields: %s", ", ".join(sorted(r.model_extra)))
@@ -98,6 +101,8 @@ def router(svc: SpeechService) -> APIRouter:
         if job_opts.loudness is not None and first is not None:
             done, level = svc.leveled([first, *[c async for c in chunks]], job_opts.loudness)
             first, chunks = done[0], replay(done[1:])
+        if job_opts.caption_level == "word":  # each piece's words timed on its samples (one piece: the input)
+            first, chunks = await with_words(first, chunks, reading.text, svc.sample_rate)
         body = svc.stream_body(job, first, chunks, r.response_format, sse, len(r.input), tag, takes, level,
                            sglang=sse and r.stream)
         fmt = FORMATS[r.response_format]

@@ -1,15 +1,17 @@
 // The speech page: streams /v1/audio/speech as server-sent events (base64 PCM deltas) into Web Audio while it is
 // generated, then keeps the whole utterance as a WAV in the <audio> element (replay, seek, download). A long text is
 // read in pieces: the server's piece events (start_s / end_s, the times of the samples sent) list the pieces, and
-// the one being played, by the Web Audio stream or by the <audio> element, is highlighted (read-along). Plain
-// ES2020, no build step.
+// the one being played, by the Web Audio stream or by the <audio> element, is highlighted (read-along); with word
+// timing ("caption_level": "word") each finished piece's event carries its words, and the word being played is
+// highlighted too. Plain ES2020, no build step.
 "use strict";
 
 const RATE = 24000; // the codec's sample rate: the server's pcm is s16le mono at 24 kHz
 const $ = (id) => document.getElementById(id);
 // live: the Player of the last utterance until the <audio> element is played or seeked (then that is what plays)
 const state = { key: localStorage.getItem("higgs-api-key") || "", model: "higgs-tts-3", run: null, live: null };
-const readAlong = { cues: [], current: -1 }; // cues[i] = {start, end (null while it is made), el}
+// cues[i] = {start, end (null while it is made), el, words: [{start, end, el}]}; word: the highlighted word's el
+const readAlong = { cues: [], current: -1, word: null };
 
 function setStatus(text, kind, bytes) {
   const el = $("status");
@@ -131,6 +133,7 @@ function options() {
     const v = $(id).value.trim();
     if (v !== "") out[id] = parse(v);
   }
+  if ($("word_timing").checked) out.caption_level = "word";
   return out;
 }
 
@@ -199,6 +202,7 @@ class Player {
 function resetPieces() {
   readAlong.cues = [];
   readAlong.current = -1;
+  readAlong.word = null;
   $("pieces").replaceChildren();
   $("pieces").dataset.current = "-1";
   $("read-along").hidden = true;
@@ -221,7 +225,36 @@ function onPiece(ev) {
   if (ev.end_s !== null) {
     cue.end = ev.end_s;
     cue.el.dataset.end = String(ev.end_s);
+    if (ev.words && ev.words.length) setWords(cue, ev.words);
+    else if (ev.words_reason) cue.el.title = `no word timing: ${ev.words_reason}`;
   }
+}
+
+function setWords(cue, words) {
+  // the piece's text becomes its timed words, a span each (the stream's times, like the pieces')
+  cue.words = words.map((w) => {
+    const span = document.createElement("span");
+    span.className = "word";
+    span.textContent = w.text;
+    span.dataset.start = String(w.start_s);
+    span.dataset.end = String(w.end_s);
+    return { start: w.start_s, end: w.end_s, el: span };
+  });
+  const parts = [];
+  cue.words.forEach((w, k) => parts.push(...(k ? [" ", w.el] : [w.el])));
+  cue.el.replaceChildren(...parts);
+}
+
+function highlightWord(t) {
+  // the word of the piece being played whose [start, end) holds `t`; none between words
+  const cue = readAlong.cues[readAlong.current];
+  const w = cue && cue.words ? cue.words.find((x) => t >= x.start && t < x.end) : null;
+  const el = w ? w.el : null;
+  if (el === readAlong.word) return;
+  if (readAlong.word) readAlong.word.classList.remove("reading-word");
+  if (el) el.classList.add("reading-word");
+  readAlong.word = el;
+  $("pieces").dataset.word = el ? el.textContent : "";
 }
 
 function playbackTime() {
@@ -232,7 +265,7 @@ function highlight() {
   // the piece whose samples [start, end) hold the time being played; none in the pauses between pieces
   const t = playbackTime();
   const i = readAlong.cues.findIndex((c) => c && t >= c.start && (c.end === null || t < c.end));
-  if (i === readAlong.current) return;
+  if (i === readAlong.current) return highlightWord(t);
   const before = readAlong.cues[readAlong.current];
   if (before) {
     before.el.classList.remove("reading");
@@ -248,6 +281,7 @@ function highlight() {
   }
   readAlong.current = i;
   $("pieces").dataset.current = String(i);
+  highlightWord(t);
 }
 
 function takeOver() {
