@@ -112,7 +112,7 @@ def _to_float(raw: bytes, st_dtype: str, shape: list[int]) -> np.ndarray:
     return a.reshape(shape)
 
 
-class _Graph:
+class _GraphWriter:
     """Nodes and initializers of the graph being written; weights go straight to the external data file."""
 
     def __init__(self, writer, dtype: int):
@@ -145,7 +145,7 @@ class _Graph:
 
 def _build_graph(geo: Geometry, read, writer, dtype: int):
     """The whole graph: returns (nodes, initializers, inputs, outputs). `read(name)` -> float32 array."""
-    g = _Graph(writer, dtype)
+    g = _GraphWriter(writer, dtype)
     f32 = TensorProto.FLOAT
     low = dtype != f32  # fp16: casts around norms, RoPE angles and softmax
     H, KV, hd, D = geo.heads, geo.kv_heads, geo.head_dim, geo.hidden

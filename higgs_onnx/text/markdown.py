@@ -96,7 +96,7 @@ def to_prose(text: str, *, emoji: str = "drop") -> str:
     if emoji not in EMOJI_MODES:
         raise ValueError(f"emoji must be one of {', '.join(EMOJI_MODES)}, got {emoji!r}")
     protected, tags = _protect_tags(text)
-    reader = _Reader(_Context(marks=frozenset(tags), emoji=emoji))
+    reader = _ProseReader(_Context(marks=frozenset(tags), emoji=emoji))
     reader.read(_MD.parse(protected))
     prose = "\n".join(reader.lines)
     missing = [mark for mark in tags if mark not in prose]  # a safety net: no rule should lose a tag
@@ -426,7 +426,7 @@ def _cell(text: str) -> str:
     return " ".join(text.split()).rstrip(_CELL_TRAIL).rstrip()
 
 
-class _Reader:
+class _ProseReader:
     """The block token stream read as lines of prose."""
 
     def __init__(self, ctx: _Context):

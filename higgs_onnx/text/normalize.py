@@ -118,7 +118,7 @@ def _spelled(address: str, words: dict[str, str], digit, join: str) -> str:
     return join.join(p for p in out if p)
 
 
-class _Reader:
+class _NumberReader:
     """One language's reading of the patterns; `read` applies them in order to text without tags."""
 
     def read(self, text: str) -> str:
@@ -143,7 +143,7 @@ class _Reader:
         raise NotImplementedError
 
 
-class _English(_Reader):
+class _English(_NumberReader):
     UNITS = {  # symbol -> (singular, plural); exact case
         "km/h": ("kilometer per hour", "kilometers per hour"), "mph": ("mile per hour", "miles per hour"),
         "m/s": ("meter per second", "meters per second"), "kWh": ("kilowatt hour", "kilowatt hours"),
@@ -343,7 +343,7 @@ class _English(_Reader):
         return f"{'minus ' if sign else ''}{self.cardinal(s)}"
 
 
-class _Chinese(_Reader):
+class _Chinese(_NumberReader):
     UNITS = {"km/h": ("每小时", "公里"), "m/s": ("每秒", "米"), "kg": ("", "千克"), "mg": ("", "毫克"),
              "g": ("", "克"), "km": ("", "公里"), "cm": ("", "厘米"), "mm": ("", "毫米"), "m": ("", "米"),
              "ml": ("", "毫升"), "mL": ("", "毫升"), "L": ("", "升"), "°C": ("", "摄氏度"), "℃": ("", "摄氏度"),
