@@ -43,14 +43,17 @@ class Cue:
     words: tuple[Cue, ...] | None = None
     words_reason: str | None = None
 
-    def as_dict(self, sample_rate: int) -> dict:
+    def span(self, sample_rate: int) -> dict:
+        """Its times in seconds (rounded to the microsecond) and in samples."""
         sr = sample_rate
-        out = {"index": self.index, "text": self.text, "start_s": round(self.start / sr, 6),
-               "end_s": None if self.end is None else round(self.end / sr, 6), "start_sample": self.start,
-               "end_sample": self.end, **({"speaker": self.speaker} if self.speaker is not None else {})}
+        return {"start_s": round(self.start / sr, 6), "end_s": None if self.end is None else round(self.end / sr, 6),
+                "start_sample": self.start, "end_sample": self.end}
+
+    def as_dict(self, sample_rate: int) -> dict:
+        out = {"index": self.index, "text": self.text, **self.span(sample_rate),
+               **({"speaker": self.speaker} if self.speaker is not None else {})}
         if self.words is not None:
-            out["words"] = [{"text": w.text, "start_s": round(w.start / sr, 6), "end_s": round(w.end / sr, 6),
-                             "start_sample": w.start, "end_sample": w.end} for w in self.words]
+            out["words"] = [{"text": w.text, **w.span(sample_rate)} for w in self.words]
             if self.words_reason:
                 out["words_reason"] = self.words_reason
         return out
@@ -68,7 +71,7 @@ def timed(cue: Cue, samples, sample_rate: int, language: str = "en") -> Cue:
     from ..align import AlignUnavailable, word_cues
     from ..text.normalize import language_of
 
-    text = " ".join(TAG.sub(" ", cue.text).split())
+    text = shown(cue.text)
     try:
         said = "zh" if language_of(text) == "zh" else language
         words = word_cues(samples, sample_rate, text, said)
@@ -87,10 +90,15 @@ def check_path(path: str | os.PathLike, flag: str = "--captions") -> Path:
     return check_output_file(path, flag, FORMATS, "captions.srt")
 
 
+def shown(text: str) -> str:
+    """A piece's text as a cue shows it: control tags out, spaces collapsed."""
+    return " ".join(TAG.sub(" ", text).split())
+
+
 def cue_of(piece) -> Cue:
     """The cue of a `render.PieceResult`."""
-    text = " ".join(TAG.sub(" ", piece.text).split())
-    return Cue(piece.start_sample, piece.start_sample + piece.speech_samples, text, piece.speaker, piece.index)
+    return Cue(piece.start_sample, piece.start_sample + piece.speech_samples, shown(piece.text), piece.speaker,
+               piece.index)
 
 
 def _delta(samples: int, sample_rate: int) -> datetime.timedelta:

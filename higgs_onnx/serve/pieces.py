@@ -222,7 +222,7 @@ async def with_words(first, items: AsyncIterator, text: str, sample_rate: int, l
         held, single = [], not isinstance(first, Cue)
         if single:
             yield Cue(0, None, text)
-        pos, item = 0, first
+        item = first
         while item is not None:
             if isinstance(item, Cue):
                 if item.end is None:
@@ -231,11 +231,11 @@ async def with_words(first, items: AsyncIterator, text: str, sample_rate: int, l
                     item = await asyncio.to_thread(timed, item, _joined(held), sample_rate, language)
             else:
                 held.append(item.samples)
-                pos += item.samples.size
             yield item
             item = await anext(items, None)
         if single:
-            yield await asyncio.to_thread(timed, Cue(0, pos, text), _joined(held), sample_rate, language)
+            samples = _joined(held)
+            yield await asyncio.to_thread(timed, Cue(0, samples.size, text), samples, sample_rate, language)
 
     out = stream()
     return await anext(out), out
