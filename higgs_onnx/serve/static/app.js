@@ -403,9 +403,9 @@ async function createVoice(ev) {
     const res = await api("/v1/voices", { method: "POST", body: new FormData(form) });
     if (!res.ok) throw new Error(await errorText(res));
     const v = await res.json();
-    out.textContent = `voice ${v.id} created`;
-    await loadVoices(v.id);
+    await loadVoices(v.id); // the list first: the status is the last thing to change
     form.reset();
+    out.textContent = `voice ${v.id} created`;
   } catch (e) {
     out.textContent = `error: ${e.message}`;
   }
