@@ -27,7 +27,7 @@ from ..longform.captions import Cue
 from ..longform.joins import fade_edges
 from ..longform.script import Turn
 from ..longform.split import split_text
-from .pieces import JOIN, Timeline, no_audio, pause_after, piece_options, restart_when_full, speak_waiting
+from .pieces import JOIN, Timeline, joined, no_audio, pause_after, piece_options, restart_when_full, speak_waiting
 
 SPEAKER_SEED_STEP = 7919  # speaker k's pieces are seeded seed + k * this + their index in its session
 
@@ -100,7 +100,7 @@ class DialogueReader:
                 if last is None or not last.is_last:
                     raise no_audio(i, len(self.lines), f" ({name})")
                 first = first or last
-                futures[i].set_result((np.concatenate(audio) if audio else np.zeros(0, np.float32), last))
+                futures[i].set_result((joined(audio), last))
         except BaseException as e:
             for i in mine:
                 if not futures[i].done():

@@ -228,20 +228,21 @@ async def with_words(first, items: AsyncIterator, text: str, sample_rate: int, l
                 if item.end is None:
                     held = []
                 else:
-                    item = await asyncio.to_thread(timed, item, _joined(held), sample_rate, language)
+                    item = await asyncio.to_thread(timed, item, joined(held), sample_rate, language)
             else:
                 held.append(item.samples)
             yield item
             item = await anext(items, None)
         if single:
-            samples = _joined(held)
+            samples = joined(held)
             yield await asyncio.to_thread(timed, Cue(0, samples.size, text), samples, sample_rate, language)
 
     out = stream()
     return await anext(out), out
 
 
-def _joined(samples: list) -> np.ndarray:
+def joined(samples: list) -> np.ndarray:
+    """Chunks' samples as one array (an empty float32 one for none)."""
     return np.concatenate(samples) if samples else np.zeros(0, np.float32)
 
 
