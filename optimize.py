@@ -41,6 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kv-cache", choices=["int8", "fp32"], help="the decoder's KV cache: int8 (calibrated scales, "
                     "gated against fp32 on the same weights) or fp32; default: int8 for a cpu int4 build if its gates "
                     "hold, else fp32. A non-default cache goes to onnx/<device>_<precision>_kv<cache>/")
+    ap.add_argument("--prefill-route", choices=["int8", "none"], help="int8: beside the int4 decoder, its twin on "
+                    "ONNX Runtime's int8 GEMM for calls of many rows (prefill, batched steps), gated against fp32 and "
+                    "timed for the crossover (+1 byte per weight on disk and in memory); none: the int4 graph for "
+                    "every call. Default: int8 for a cpu int4 gqa build if its gate holds (docs/building.md)")
     ap.add_argument("--part-precision", nargs="+", default=[], metavar="PART=PREC",
                     help="per-part precision overrides, e.g. audio_heads=fp16 audio_embed=fp32")
     ap.add_argument("--components", nargs="+", default=[], choices=PART_NAMES, metavar="PART",
@@ -71,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     opts = ExportOptions(device=args.device, precision=args.precision, attention=args.attention,
                          part_precision=parse_overrides(args.part_precision), block_size=args.block_size,
                          accuracy_level=args.accuracy_level, components=tuple(args.components), force=args.force,
-                         kv_cache=args.kv_cache)
+                         kv_cache=args.kv_cache, prefill_route=args.prefill_route)
     cache_from = None  # who named the part cache, when not the output's own .build/parts
     if args.part_cache is not None:
         cache_from = "--part-cache"

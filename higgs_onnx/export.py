@@ -28,6 +28,8 @@ from .parity import summary
 from .parts.cache import PartCache
 from .parts.kv_cache import KV_CACHES
 from .parts.kv_cache import POLICY as KV_POLICY
+from .parts.llm_route import KIND, ROUTES
+from .parts.llm_route import POLICY as ROUTE_POLICY
 from .parts.olive import BITS
 
 log = logging.getLogger(__name__)
@@ -63,6 +65,7 @@ class ExportOptions:
     components: tuple = ()  # parts to rebuild even when up to date
     force: bool = False
     kv_cache: str | None = None  # "int8" | "fp32"; None: int8 for the cpu gqa int4 decoder if its gates hold
+    prefill_route: str | None = None  # "int8" | "none"; None: int8 where possible (cpu gqa int4) if its gate holds
 
 
     def __post_init__(self) -> None:
@@ -81,6 +84,12 @@ class ExportOptions:
             raise ValueError(f"unknown components {sorted(bad)}; parts: {', '.join(PART_NAMES)}")
         if self.kv_cache is not None and self.kv_cache not in KV_CACHES:
             raise ValueError(f"--kv-cache must be one of {', '.join(KV_CACHES)}, got {self.kv_cache!r}")
+        if self.prefill_route is not None and self.prefill_route not in ROUTES:
+            raise ValueError(f"--prefill-route must be one of {', '.join(ROUTES)}, got {self.prefill_route!r}")
+        if self.prefill_route == "int8" and not self.route_possible:
+            raise ValueError(f"the int8 prefill route runs beside an int4 GroupQueryAttention decoder on the CPU "
+                             f"(--device cpu --precision int4 --attention gqa), not {self.device} "
+                             f"{self.precisions['llm_decoder']} with the {self.decoder_attention} graph")
         if self.kv_cache == "int8" and not self.int8_cache_possible:
             raise ValueError(f"an int8 KV cache needs a GroupQueryAttention decoder on a device whose attention "
                              f"keeps one (cpu, --attention gqa), not {self.device} with the {self.decoder_attention} "
@@ -89,6 +98,17 @@ class ExportOptions:
     @property
     def int8_cache_possible(self) -> bool:
         return self.provider.int8_kv_cache and self.decoder_attention == "gqa"
+
+    @property
+    def route_possible(self) -> bool:
+        return (self.provider.int8_gemm_route and self.decoder_attention == "gqa"
+                and self.precisions["llm_decoder"] == "int4")
+
+    @property
+    def route(self) -> bool:
+        """Whether the build makes the int8 GEMM route (`parts/llm_route.py`): asked for, or by default where
+        possible."""
+        return self.route_possible if self.prefill_route is None else self.prefill_route == "int8"
 
     @property
     def cache_dtype(self) -> str:
@@ -253,8 +273,8 @@ class Exporter:
             return cached
         tmp = self.cache.scratch(part, stamp)
         job = parts.BuildJob(ckpt=ckpt, out=tmp, work=self.work, precision=precision, device=o.device,
-                             attention=o.decoder_attention,
-                             block_size=o.block_size, accuracy_level=o.accuracy, digest=digest, say=say)
+                             attention=o.decoder_attention, block_size=o.block_size, accuracy_level=o.accuracy,
+                             digest=digest, say=say, route=o.route and part == "llm_decoder")
         t0 = time.perf_counter()
         path = parts.module(part).build(job)
         seconds = time.perf_counter() - t0
@@ -304,7 +324,9 @@ class Exporter:
             kv = self.int8_cache(staging, ckpt, facts, parts_manifest)
         if not self.opts.provider.ir:  # the one-call decode step, composed from the final decoder graph
             self.step_graph(staging, ckpt, facts, parts_manifest, kv)
-        write_manifest(staging, self.manifest(ckpt, facts, parts_manifest, kv))  # last: marks the folder complete
+        route = self.route(staging, ckpt, facts, parts_manifest, kv) if self.opts.route else None
+        # last: marks the folder complete
+        write_manifest(staging, self.manifest(ckpt, facts, parts_manifest, kv, route))
         old = self.out_root / f".{self.opts.name}.old"
         shutil.rmtree(old, ignore_errors=True)
         if self.final.exists():
@@ -379,7 +401,66 @@ class Exporter:
             "files": {path.name: {"size": path.stat().st_size, "sha256": sha256_file(path)}}, **io_signature(path)}
         say(f"step graph: {path.name} composed from {', '.join(llm_step.USES)}: {summary(parity)}")
 
-    def manifest(self, ckpt: Path, facts: ModelFacts, parts: dict, kv: dict | None = None) -> dict:
+    def route(self, staging: Path, ckpt: Path, facts: ModelFacts, parts_manifest: dict, kv: dict) -> dict:
+        """Compose the int8 GEMM route (`parts/llm_route.py`) from the assembled decoder and the int8 weights its
+        build wrote, gate it against an fp32 reference beside the int4 route, and time both for the crossover;
+        returns the manifest's `decoder.route`. A route that fails its gate is not written (its graph and weights
+        leave the folder) and the figures are printed: an error when `--prefill-route int8` asked for it."""
+        from .parts import llm_route, llm_step
+        from .parts.llm_decoder import INT8_WEIGHTS
+        from .reference.model import ReferenceModel
+        from .runtime.model import HiggsTTS
+        from .runtime.route import cpu_summary
+
+        t0 = time.perf_counter()
+        if not (staging / INT8_WEIGHTS).is_file():
+            raise RuntimeError(f"the decoder build has no {INT8_WEIGHTS}: rebuild it (--components llm_decoder)")
+        path = llm_route.compose(staging, {p: parts_manifest[p]["file"] for p in llm_route.USES})
+        parts_manifest[llm_route.NAME] = {
+            "part": llm_route.NAME, "precision": "int8", "file": path.name, "uses": list(llm_route.USES),
+            "derived": True, "parity": {"skipped": "gated as the route (manifest decoder.route)"},
+            "files": {path.name: {"size": path.stat().st_size, "sha256": sha256_file(path)}}, **io_signature(path)}
+        # loadable with the route (its crossover not measured yet: the gate and the timing force each route)
+        write_manifest(staging, self.manifest(ckpt, facts, parts_manifest, kv, {"kind": llm_route.KIND}))
+        say(f"int8 route: {path.name} composed (the step graph's projections on the int8 GEMM); gating it and the "
+            f"int4 route against an fp32 reference")
+        tts = HiggsTTS(staging, verify=False, route="on")
+        ref = ReferenceModel(ckpt, dtype="fp32")
+        try:
+            gate = llm_route.gate(tts, ref)
+        finally:
+            del ref
+            release_memory()
+        info = {"kind": llm_route.KIND, "part": llm_route.NAME, "policy": llm_route.POLICY,
+                "gate": {k: v for k, v in gate.items() if k != "ok"}, "cpu": cpu_summary()}
+        if not gate["ok"]:
+            del tts
+            release_memory()
+            why = "; ".join(gate["failed"])
+            for name in (path.name, INT8_WEIGHTS, INT8_WEIGHTS + ".data"):
+                (staging / name).unlink(missing_ok=True)
+                parts_manifest["llm_decoder"]["files"].pop(name, None)
+            del parts_manifest[llm_route.NAME]
+            if self.opts.prefill_route == "int8":
+                raise RuntimeError(f"the int8 route fails its gate against fp32: {why} ({llm_route.summary(gate)}); "
+                                   f"build with --prefill-route none")
+            say(f"int8 route refused, not written: {why} ({llm_route.summary(gate)})")
+            return {"kind": "none", "refused": info}
+        say(f"int8 route: {llm_route.summary(gate)}; timing both routes for the crossover")
+        timing = llm_route.measure(tts.backend.decoder)
+        del tts
+        release_memory()
+        info["crossover"] = {k: v["crossover"] for k, v in timing.items()}
+        info["timings_ms"] = {k: v["ms"] for k, v in timing.items()}  # {size: [int4, route]}
+        info["seconds"] = round(time.perf_counter() - t0, 1)
+        c = info["crossover"]
+        say(f"int8 route: one-row calls from {c['prefill'] or 'never (int4 wins every size)'} positions, batched "
+            f"steps from {c['batch'] or 'never (int4 wins every size)'} rows (measured here: {cpu_summary()['model']})")
+        assert llm_step.NAME in parts_manifest  # the route is the step graph's twin: it never exists alone
+        return info
+
+    def manifest(self, ckpt: Path, facts: ModelFacts, parts: dict, kv: dict | None = None,
+                 route: dict | None = None) -> dict:
         from tokenizers import Tokenizer
 
         from .generation.prompt import PromptTokens
@@ -392,7 +473,8 @@ class Exporter:
                             if (ckpt / n).is_file()}}
         o = self.opts
         decoder = {"attention": o.decoder_attention, "cache": providers.CACHE_LAYOUT[o.decoder_attention],
-                   "format": "openvino-ir" if o.provider.ir else "onnx", "kv_cache": kv or {"dtype": "fp32"}}
+                   "format": "openvino-ir" if o.provider.ir else "onnx", "kv_cache": kv or {"dtype": "fp32"},
+                   "route": route or {"kind": "none"}}
         return new_manifest(device=o.device, precision=o.precision, decoder=decoder,
                             execution_provider=o.provider.ort_name or f"OpenVINO {o.provider.ov_device}",
                             model={**asdict(facts), "frame_rate": facts.frame_rate},
@@ -449,8 +531,8 @@ class Exporter:
             refused = kv.get("int8_refused") if isinstance(kv, dict) else None
             same_kv = isinstance(kv, dict) and (kv.get("dtype") == self.opts.cache_dtype or (
                 isinstance(refused, dict) and refused.get("policy") == KV_POLICY and self.opts.kv_cache is None))
-            if same_kv and all(isinstance(old.get(p), dict) and old[p].get("stamp") == e["stamp"]
-                               for p, e in entries.items()):
+            if same_kv and self.same_route(data.get("decoder")) and all(
+                    isinstance(old.get(p), dict) and old[p].get("stamp") == e["stamp"] for p, e in entries.items()):
                 print(f"[3/4] {self.final} is up to date: nothing to do", flush=True)
                 self.print_summary(entries, time.perf_counter() - t0)
                 return self.final
@@ -459,6 +541,18 @@ class Exporter:
         print("[4/4] manifest written", flush=True)
         self.print_summary(entries, time.perf_counter() - t0)
         return self.final
+
+    def same_route(self, decoder) -> bool:
+        """Whether an existing folder's route is what this build would make: written, or refused under the same
+        gate policy when not asked for by name; none when none is wanted."""
+        route = decoder.get("route", {}) if isinstance(decoder, dict) else {}
+        route = route if isinstance(route, dict) else {}
+        if not self.opts.route:
+            return route.get("kind", "none") == "none" and "refused" not in route
+        if route.get("kind") == KIND and route.get("policy") == ROUTE_POLICY:
+            return True
+        refused = route.get("refused")
+        return isinstance(refused, dict) and refused.get("policy") == ROUTE_POLICY and self.opts.prefill_route is None
 
     def print_summary(self, entries: dict, seconds: float) -> None:
         w = max(map(len, PART_NAMES)) + 2

@@ -34,9 +34,10 @@ PART_NAMES = ("llm_decoder", "text_embed", "audio_embed", "audio_heads", "audio_
 # parts an export may lack: folders built before they existed still run (streaming then decodes overlapping windows)
 OPTIONAL_PARTS = ("audio_tokenizer_stream",)
 REQUIRED_PARTS = tuple(p for p in PART_NAMES if p not in OPTIONAL_PARTS)
-# parts made at assembly from the built ones (parts/llm_step.py: the one-call decode step); optional: older exports
+# parts made at assembly from the built ones (parts/llm_step.py: the one-call decode step; parts/llm_route.py: its
+# int8 GEMM twin for many rows); optional: older exports
 # and OpenVINO IR decoders have none
-DERIVED_PARTS = ("llm_step",)
+DERIVED_PARTS = ("llm_step", "llm_route")
 
 
 # what a manifest without a "decoder" entry (written before the portable decoder existed) describes

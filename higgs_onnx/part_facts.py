@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from .manifest import DERIVED_PARTS, PART_NAMES
 
 STEP_PART = "llm_step"  # the one-call step graph (parts/llm_step.py), made from the decoder, embedding and heads
+ROUTE_PART = "llm_route"  # its twin on the int8 GEMM for many rows (parts/llm_route.py), sharing its KV cache
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,8 @@ FACTS = {f.name: f for f in (
     PartFacts("audio_tokenizer_stream", ("audio_codes", "start", "end"), ("waveform",),  # + state_in/out.{k}
               ("audio_codes", 1, "num_codebooks")),
     PartFacts(STEP_PART, ("inputs_embeds", "audio_codes", "attention_mask"), ("hidden_states", "logits"),
+              ("logits", -1, "codebook_vocab"), uses=("llm_decoder", "audio_embed", "audio_heads")),
+    PartFacts(ROUTE_PART, ("inputs_embeds", "audio_codes", "attention_mask"), ("hidden_states", "logits"),
               ("logits", -1, "codebook_vocab"), uses=("llm_decoder", "audio_embed", "audio_heads")),
 )}
 assert set(FACTS) == set(PART_NAMES + DERIVED_PARTS)

@@ -47,6 +47,7 @@ class Provider:
     ov_device: str | None = None  # OpenVINO device name when runtime == "openvino"
     host_parts: tuple[str, ...] = field(default=())  # parts that run on the CPU beside it, by design
     int8_kv_cache: bool = False  # its GroupQueryAttention keeps a quantized (int8) cache (measured: the CPU EP)
+    int8_gemm_route: bool = False  # an int4 gqa decoder may get the int8 GEMM route for many rows (parts/llm_route)
 
     @property
     def attentions(self) -> tuple[str, ...]:
@@ -86,7 +87,7 @@ PROVIDERS: dict[str, Provider] = {p.name: p for p in (
     Provider("cpu", "onnxruntime", "CPUExecutionProvider", "cpu",
              {"gqa": ("int4", "fp32"), "portable": ("int4", "fp16", "fp32")},
              memory="cpu", offset_binding=True, runs=("cpu",), status=VERIFIED, install="onnxruntime",
-             int4_accuracy=4, int8_kv_cache=True),
+             int4_accuracy=4, int8_kv_cache=True, int8_gemm_route=True),
     Provider("cuda", "onnxruntime", "CUDAExecutionProvider", "cuda",
              {"gqa": ("int4", "fp16", "fp32"), "portable": ("int4", "fp16", "fp32")},
              memory="cuda", offset_binding=True, runs=("cuda",), status=BUILT_ONLY,

@@ -75,17 +75,41 @@ class DataWriter:
         self.f.close()
 
 
+def quantize_columns(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(K, N) float weight -> int8 (K, N) and float32 scales (N,): symmetric, one scale per output column (the
+    largest |w| of the column maps to 127), round to nearest. What the int8 GEMM route multiplies
+    (`parts/llm_route.py`)."""
+    w = np.asarray(w, np.float32)
+    scales = np.maximum(np.abs(w).max(axis=0), 1e-12) / 127.0
+    q = np.clip(np.rint(w / scales), -127, 127).astype(np.int8)
+    return q, scales.astype(np.float32)
+
+
+INT8_SUFFIX, INT8_SCALES_SUFFIX = "_Q8", "_Q8_scales"  # the int8 twin of a MatMul weight and its column scales
+
+
+def write_int8_index(dst: Path, tensors: list[TensorProto]) -> None:
+    """`dst`: a graph without nodes whose initializers are `tensors` (their data in the external file beside it):
+    the index the route's graph takes its int8 weights from."""
+    graph = helper.make_graph([], "int8_weights", [], [], initializer=tensors)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10), str(dst))
+
+
 def quantize_model_int4(src: Path, dst: Path, block_size: int = 32, accuracy_level: int = 4,
-                        progress: Callable[[int, int], None] | None = None) -> int:
+                        progress: Callable[[int, int], None] | None = None, int8_dst: Path | None = None) -> int:
     """Quantize every MatMul with a 2-D constant weight in `src` to MatMulNBits into `dst` (+ `<dst>.data`).
 
-    Other initializers are copied as they are. Returns the number of quantized MatMuls.
+    Other initializers are copied as they are. Returns the number of quantized MatMuls. `int8_dst`: also write
+    each such weight at int8 per output column (`quantize_columns`: `<weight>_Q8`, `<weight>_Q8_scales`) into
+    `<int8_dst>.data`, indexed by the node-less graph `int8_dst`; each weight is read once for both.
     """
     model = onnx.load(str(src), load_external_data=False)
     graph, base = model.graph, src.parent
     inits = {t.name: t for t in graph.initializer}
     dst.parent.mkdir(parents=True, exist_ok=True)
     writer = DataWriter(dst.with_name(dst.name + ".data"))
+    writer8 = DataWriter(int8_dst.with_name(int8_dst.name + ".data")) if int8_dst is not None else None
+    int8: list[TensorProto] = []
     new_inits: list[TensorProto] = []
     new_nodes: list[onnx.NodeProto] = []
     targets = [n for n in graph.node if n.op_type == "MatMul" and n.input[1] in inits
@@ -99,7 +123,11 @@ def quantize_model_int4(src: Path, dst: Path, block_size: int = 32, accuracy_lev
                 continue
             t = inits[node.input[1]]
             k, n = t.dims
-            packed, scales = quantize_block(_read_weight(t, base), block_size)
+            w = _read_weight(t, base)
+            if writer8 is not None:
+                q8, s8 = quantize_columns(w)
+                int8 += [writer8.add(t.name + INT8_SUFFIX, q8), writer8.add(t.name + INT8_SCALES_SUFFIX, s8)]
+            packed, scales = quantize_block(w, block_size)
             q = writer.add(t.name + "_Q4", packed)
             s = writer.add(t.name + "_scales", scales)
             new_inits += [q, s]
@@ -118,6 +146,10 @@ def quantize_model_int4(src: Path, dst: Path, block_size: int = 32, accuracy_lev
                                  TensorProto.EXTERNAL else t)
     finally:
         writer.close()
+        if writer8 is not None:
+            writer8.close()
+    if int8_dst is not None:
+        write_int8_index(int8_dst, int8)
     del graph.node[:]
     graph.node.extend(new_nodes)
     del graph.initializer[:]

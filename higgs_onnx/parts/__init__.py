@@ -40,6 +40,7 @@ class BuildJob:
     block_size: int
     accuracy_level: int
     digest: str  # cheap identity of the checkpoint files (checkpoint.files_digest)
+    route: bool = False  # the decoder only: also write the int8 GEMM route's weights (parts/llm_route.py)
     say: Callable[[str], None] = field(default=print, compare=False)  # progress lines of long sub-steps
 
 

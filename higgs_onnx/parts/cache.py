@@ -39,6 +39,8 @@ class PartCache:
                "checkpoint": checkpoint_digest, "version": module(part).BUILD_VERSION}
         if device_specific(part):
             key["device"], key["attention"] = o.device, o.decoder_attention
+        if part == "llm_decoder" and o.route:  # its files then hold the int8 GEMM route's weights too
+            key["route"] = "int8"
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
     def folder(self, part: str, stamp: str) -> Path:

@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 NAME = "llm_decoder"
 FILE = "llm_decoder.onnx"
 BUILD_VERSION = 1  # bump to invalidate existing decoder stamps
+INT8_WEIGHTS = "llm_decoder_int8.onnx"  # the int8 GEMM route's weights (an index graph + its .data; llm_route.py)
 # its facts (FACTS["llm_decoder"] in parts/__init__.py): device-specific (ModelBuilder makes EP-specific graphs,
 # toolchain G9: one build per device), and genai_config.json beside the graph
 
@@ -82,24 +83,31 @@ def build(job: BuildJob) -> Path:
     job.say(f"ModelBuilder: {job.precision} decoder for {job.device}"
             + (" (fp32 graph, streamed to disk, then quantized one weight at a time)"
                if job.precision == "int4" and provider.memory == providers.HOST_MEMORY else ""))
-    build_from_qwen3(qwen3, job.out, job.precision, job.device, job.work / "mb", job.block_size, job.accuracy_level)
+    build_from_qwen3(qwen3, job.out, job.precision, job.device, job.work / "mb", job.block_size, job.accuracy_level,
+                     int8=job.route)
     return job.out / FILE
 
 
 def build_from_qwen3(qwen3_dir: Path, out: Path, precision: str, ep: str, work: Path, block_size: int = 32,
-                     accuracy_level: int = 4, streaming: bool = True) -> None:
-    """Build `out/llm_decoder.onnx` (+ `.data`) and `out/genai_config.json` from an extracted Qwen3 folder."""
+                     accuracy_level: int = 4, streaming: bool = True, int8: bool = False) -> None:
+    """Build `out/llm_decoder.onnx` (+ `.data`) and `out/genai_config.json` from an extracted Qwen3 folder.
+    `int8` (the streaming int4 path only): also write every projection at int8 per output column from the same
+    fp32 weights (`INT8_WEIGHTS`), for the int8 GEMM route (`parts/llm_route.py`)."""
     from ..quantize import quantize_model_int4
 
     # the CPU-memory path of ModelBuilder's int4 holds an fp32 copy of every weight (G8): quantize ourselves
     if precision == "int4" and providers.get(ep).builder_ep == providers.BUILD_PROVIDER.builder_ep and streaming:
         fp32 = work / "fp32"
         _model_builder(qwen3_dir, fp32, "fp32", ep, work / "mb_cache")
-        n = quantize_model_int4(fp32 / FILE, out / FILE, block_size=block_size, accuracy_level=accuracy_level)
-        log.info("quantized %d MatMuls to int4 (block %d, accuracy level %d)", n, block_size, accuracy_level)
+        n = quantize_model_int4(fp32 / FILE, out / FILE, block_size=block_size, accuracy_level=accuracy_level,
+                                int8_dst=out / INT8_WEIGHTS if int8 else None)
+        log.info("quantized %d MatMuls to int4 (block %d, accuracy level %d)%s", n, block_size, accuracy_level,
+                 " and to int8 per column" if int8 else "")
         shutil.copyfile(fp32 / "genai_config.json", out / "genai_config.json")
         shutil.rmtree(fp32)
         return
+    if int8:
+        raise ValueError("the int8 GEMM route's weights come from the streaming int4 build (cpu, int4)")
     options = {"block_size": block_size, "accuracy_level": accuracy_level} if precision == "int4" else {}
     _model_builder(qwen3_dir, out, precision, ep, work / "mb_cache", **options)
 

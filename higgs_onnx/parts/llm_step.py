@@ -70,12 +70,16 @@ def _elem(graph, name: str) -> int:
     raise KeyError(name)
 
 
-def compose(folder: Path, files: dict[str, str]) -> Path:
-    """Write `folder/llm_step.onnx` from the parts' graph files in `folder` ({part: file name}); returns its path."""
+def compose(folder: Path, files: dict[str, str], decoder=None, file: str = FILE, name: str = NAME) -> Path:
+    """Write `folder/llm_step.onnx` from the parts' graph files in `folder` ({part: file name}); returns its path.
+    `decoder`: a decoder ModelProto to compose in place of the decoder's file (the int8 GEMM route's twin,
+    `parts/llm_route.py`), written as `file`; initializers no node reads are left out."""
     import onnx
     from onnx import TensorProto, helper
 
     load = {p: onnx.load(str(folder / files[p]), load_external_data=False) for p in USES}
+    if decoder is not None:
+        load["llm_decoder"] = decoder
     dec, emb, heads = load["llm_decoder"].graph, load["audio_embed"].graph, load["audio_heads"].graph
     if EMBEDS not in {i.name for i in dec.input}:
         raise ValueError(f"{files['llm_decoder']} has no {EMBEDS} input: not a decoder graph this can compose")
@@ -114,15 +118,16 @@ def compose(folder: Path, files: dict[str, str]) -> Path:
                                                                         _dim(emb.input[0], -1)])
     logits_out = helper.make_tensor_value_info(LOGITS, heads_elem, ["batch", 1, *[_dim(heads.output[0], i)
                                                                                   for i in (-2, -1)]])
-    graph = helper.make_graph(nodes, NAME, [*dec.input, codes_in], [*dec.output, logits_out],
-                              initializer=[*dec.initializer, *e_inits, *h_inits, *consts])
+    used = {x for n in nodes for x in n.input}
+    inits = [t for t in [*dec.initializer, *e_inits, *h_inits, *consts] if t.name in used]
+    graph = helper.make_graph(nodes, name, [*dec.input, codes_in], [*dec.output, logits_out], initializer=inits)
     opsets = {}
     for m in load.values():
         for o in m.opset_import:
             opsets[o.domain] = max(opsets.get(o.domain, 0), o.version)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in sorted(opsets.items())],
                               ir_version=max(m.ir_version for m in load.values()), producer_name="higgs-onnx")
-    path = folder / FILE
+    path = folder / file
     with atomic(path) as tmp:
         onnx.save(model, str(tmp))  # the initializers keep their external-data references (nothing is loaded)
     return path

@@ -18,7 +18,8 @@ from __future__ import annotations
 import numpy as np
 
 from .. import providers
-from ..part_facts import STEP_PART
+from ..part_facts import ROUTE_PART, STEP_PART
+from . import route as routes
 from .decoder import BoundDecoder, ConcatDecoder, SimpleDecoder, StatefulDecoder
 
 KV_LAYOUTS = ("bound", "host")  # where a request's KV cache lives (see OnnxBackend)
@@ -31,12 +32,14 @@ class OnnxBackend:
     device; on the OpenVINO runtime, a stateful compiled model holding it, `StatefulDecoder`) or "host" (growing
     host arrays fed back through NumPy, `SimpleDecoder`: the plain path). `step_graph`: run the export's step graph
     (`llm_step`: codes in, logits out, one call per decode step) in place of the decoder where the export has one;
-    False drives the three parts apart."""
+    False drives the three parts apart. `route`: "auto" / "off" / "on" for the step graph's int8 GEMM twin where the
+    export has one (`runtime/route.py`; it needs the bound cache and the step graph)."""
 
-    def __init__(self, parts, kv_cache: str = "bound", step_graph: bool = True):
+    def __init__(self, parts, kv_cache: str = "bound", step_graph: bool = True, route: str = "auto"):
         self.parts = parts
         if kv_cache not in KV_LAYOUTS:
             raise ValueError(f"kv_cache must be one of {', '.join(KV_LAYOUTS)}, got {kv_cache!r}")
+        routes.check_mode(route)
         self.decoder_part = decoder_part(parts.manifest, step_graph)
         p = providers.get(parts.provider)
         if kv_cache == "bound" and p.ort_name is None:  # the OpenVINO runtime: the cache is the model's state
@@ -49,8 +52,17 @@ class OnnxBackend:
         elif parts.manifest.decoder["cache"] == "concat":
             self.decoder = ConcatDecoder(part, parts.facts, p.memory)
         else:
-            self.decoder = BoundDecoder(part, parts.facts, p.memory, p.offset_binding)
+            policy = routes.NEVER
+            if self.decoder_part == STEP_PART and ROUTE_PART in parts.manifest.parts:
+                policy = routes.policy(parts.manifest.decoder.get("route"), route)
+            self.decoder = BoundDecoder(part, parts.facts, p.memory, p.offset_binding,
+                                        route=parts.part(ROUTE_PART) if policy.active else None, policy=policy)
         self.fused = self.decoder.fused  # decode steps from codes to logits in one call
+
+    @property
+    def route_part(self) -> str | None:
+        """The route's part name where its session is loaded (`runtime/route.py`), else None."""
+        return ROUTE_PART if getattr(self.decoder, "route", None) is not None else None
     @property
     def kv_memory(self) -> str:
         """Where the KV cache lives: the ORT memory name of the decoder's buffers ("cpu", "cuda", ...), "state" (inside

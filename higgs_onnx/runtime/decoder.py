@@ -246,11 +246,20 @@ class BoundCache:
         self.capacity = next(iter(buffers.values())).shape()[2]
         self.mask = np.ones((1, self.capacity), np.int64)
         self.length = 0
-        self.io = decoder.session.io_binding()
-        for n, buf in self.buffers.items():
-            self.io.bind_ortvalue_input(n, buf)
-            self.io.bind_ortvalue_output(n.replace(PAST, PRESENT), buf)
+        self._sessions = {False: decoder.session, True: decoder.route_session}
+        self._io: dict[bool, object] = {}
+        self.io = self.io_for(False)
         self.step_out, self.logits_out = decoder.step_outputs(1)
+
+    def io_for(self, route: bool):
+        """The IOBinding of the int4 session or of the route's (made on first use), both over the same buffers."""
+        if route not in self._io:
+            io = self._sessions[route].io_binding()
+            for n, buf in self.buffers.items():
+                io.bind_ortvalue_input(n, buf)
+                io.bind_ortvalue_output(n.replace(PAST, PRESENT), buf)
+            self._io[route] = io
+        return self._io[route]
 
     def truncate(self, length: int) -> None:
         """Forget every position from `length` on: the next run overwrites them (GQA reads only [0, length))."""
@@ -263,17 +272,33 @@ class BoundDecoder(_Graph):
 
     Every request gets its own `BoundCache` (`new_cache`), so requests in flight together never touch each other's
     rows; the decoder itself keeps nothing between calls (ORT sessions allow concurrent `run` calls).
+
+    `route`: the step graph's int8 GEMM twin (`parts/llm_route.py`, a `Part` with the same I/O), bound to the same
+    buffers; `policy` (`runtime.route.RoutePolicy`) sends each call to it or to `part` by its row count.
     """
 
-    def __init__(self, part, facts, memory: str = "cpu", offset_binding: bool = True, device_resident: bool = False):
+    def __init__(self, part, facts, memory: str = "cpu", offset_binding: bool = True, device_resident: bool = False,
+                 route=None, policy=None):
         """`memory`: where the buffers live (`providers.Provider.memory`). On "cpu" they are NumPy-backed unless
         `device_resident` asks for ORT-allocated `OrtValue`s as on a GPU (the same code path, testable here)."""
+        from .route import NEVER
+
         self.part, self.facts, self.memory = part, facts, memory
         self.host = memory == providers.HOST_MEMORY and not device_resident
         self.offset_binding = offset_binding
         self.session = part.session
+        self.route = route
+        self.route_session = route.session if route is not None else None
+        self.policy = policy if route is not None and policy is not None else NEVER
+        self.calls = {False: 0, True: 0}  # calls run on int4 / on the route (figures for benchmarks and tests)
         self._graph(part, facts)
         self._copy: DeviceCopy | None = None
+
+    def routed(self, rows: int, batched: bool) -> bool:
+        """Whether a call of `rows` positions (one row) or rows (a batched step) runs on the route; counted."""
+        use = self.route_session is not None and self.policy.use(rows, batched)
+        self.calls[use] += 1
+        return use
 
     def step_outputs(self, rows: int) -> tuple:
         """Preallocated outputs of a one-position call of `rows` rows: hidden states, and the step graph's logits."""
@@ -367,12 +392,13 @@ class BoundDecoder(_Graph):
             raise ValueError(f"sequence of {cache.length + new} positions exceeds the KV buffer of "
                              f"{cache.capacity}")
         cache.length += new
-        io = cache.io
+        route = self.routed(new, False)
+        io = cache.io_for(route)
         io.bind_cpu_input("attention_mask", cache.mask[:, :cache.length])
         # one position: the cache's own outputs; a prefill: one-off buffers
         hidden, logits = (cache.step_out, cache.logits_out) if new == 1 else self.prefill_outputs(new)
         self.bind_call(io, self.new_positions(embeds, codes), hidden, logits)
-        self.session.run_with_iobinding(io)
+        (self.route_session if route else self.session).run_with_iobinding(io)
         # only the new rows' hidden states (and logits) cross to NumPy, never the cache
         logits = _logits(logits)
         return _check(hidden.numpy()[0]), None if logits is None else logits[0]
@@ -441,7 +467,7 @@ class SlotPool:
         self.free_slots = list(range(slots))
         self.mask = np.ones((slots, max_len), np.int64)
         self._ort = ort
-        self._views: dict[tuple[int, int], tuple] = {}  # (first row, rows) -> (IOBinding, step output)
+        self._views: dict[tuple[int, int, bool], tuple] = {}  # (first row, rows, route) -> (IOBinding, step output)
 
     def acquire(self, capacity: int, state: dict[str, np.ndarray] | None = None) -> Slot:
         """A free slot for a request of up to `capacity` positions, empty or holding a voice's saved prefix."""
@@ -472,11 +498,12 @@ class SlotPool:
     def in_use(self) -> int:
         return self.slots - len(self.free_slots)
 
-    def _binding(self, first: int, rows: int):
-        """(IOBinding of rows [first, first + rows) of every buffer, its one-position outputs)."""
-        key = (first, rows)
+    def _binding(self, first: int, rows: int, route: bool = False):
+        """(IOBinding of rows [first, first + rows) of every buffer on the int4 session or the route's, its
+        one-position outputs)."""
+        key = (first, rows, route)
         if key not in self._views:
-            io = self.session.io_binding()
+            io = (self.decoder.route_session if route else self.session).io_binding()
             for n, buf in self.buffers.items():  # a contiguous view: ORT reads and writes the pool's memory
                 present = n.replace(PAST, PRESENT)
                 if (first, rows) == (0, self.slots):
@@ -497,11 +524,12 @@ class SlotPool:
         i, start = slot.index, self.lengths[slot.index]
         if start + len(embeds) > self.capacity:
             raise ValueError(f"sequence of {start + len(embeds)} positions exceeds the KV buffer of {self.capacity}")
-        io, outs = self._binding(i, 1)
+        route = self.decoder.routed(len(embeds), False)
+        io, outs = self._binding(i, 1, route)
         io.bind_cpu_input("attention_mask", self.mask[:1, :start + len(embeds)])
         hidden, logits = outs if len(embeds) == 1 else self.decoder.prefill_outputs(len(embeds))
         self.decoder.bind_call(io, self.decoder.new_positions(embeds, None), hidden, logits)
-        self.session.run_with_iobinding(io)
+        (self.decoder.route_session if route else self.session).run_with_iobinding(io)
         self.lengths[i] = start + len(embeds)
         return _check(hidden.numpy()[0])
 
@@ -531,10 +559,11 @@ class SlotPool:
             feeds = self.decoder.new_positions(None, feed, rows)
         lengths = np.asarray(self.lengths[:rows])
         mask = (np.arange(lengths.max() + 1)[None] <= lengths[:, None]).astype(np.int64)  # length + 1 ones per row
-        io, (hidden, logits) = self._binding(0, rows)
+        route = self.decoder.routed(rows, True)  # the GEMMs see every row, ride-alongs included
+        io, (hidden, logits) = self._binding(0, rows, route)
         io.bind_cpu_input("attention_mask", mask)
         self.decoder.bind_call(io, feeds, hidden, logits)
-        self.session.run_with_iobinding(io)
+        (self.decoder.route_session if route else self.session).run_with_iobinding(io)
         for i in idx:
             self.lengths[i] += 1
         logits = _logits(logits)

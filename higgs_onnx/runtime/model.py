@@ -47,6 +47,7 @@ from ..outputs import write_atomic
 from .backend import KV_LAYOUTS, OnnxBackend
 from .codec import OnnxCodec
 from .parts import STATEFUL_CODEC, ModelParts
+from .route import check_mode as check_route
 from .session import Part
 from .voice import VOICE_FILE, Voice, VoiceFileError, prefill_voice
 from .voice_cache import DEFAULT_VOICE_CACHE_BYTES, VoiceCache
@@ -61,13 +62,16 @@ class HiggsTTS:
     Runtime's default); `verify`: check the files' hashes at load; `kv_cache`: "bound" (the decoder graph's own
     layout on the provider's device) or "host" (NumPy arrays); `voice_cache_bytes` bounds the voices kept;
     `step_graph`: decode through the export's one-call step graph where it has one (False: the three parts apart,
-    for comparisons); `guard`: the guard's thresholds (`guard.GuardOptions`; None: the defaults, docs/guard.md)."""
+    for comparisons); `guard`: the guard's thresholds (`guard.GuardOptions`; None: the defaults, docs/guard.md);
+    `route`: the int8 GEMM route for calls of many rows, where the export has one: "auto" (its measured crossover),
+    "off" (int4 for every call) or "on" (every call of two or more rows; `runtime/route.py`)."""
 
     def __init__(self, model_path: str | os.PathLike, provider: str | None = None, threads: int = 0,
                  verify: bool = True, kv_cache: str = "bound", voice_cache_bytes: int = DEFAULT_VOICE_CACHE_BYTES,
-                 step_graph: bool = True, guard: GuardOptions | None = None):
+                 step_graph: bool = True, guard: GuardOptions | None = None, route: str = "auto"):
         if kv_cache not in KV_LAYOUTS:  # before the (slow) hashing of the model files
             raise ValueError(f"kv_cache must be one of {', '.join(KV_LAYOUTS)}, got {kv_cache!r}")
+        check_route(route)
         if not isinstance(step_graph, bool):
             raise TypeError(f"step_graph must be True or False, got {step_graph!r}")
         if guard is not None and not isinstance(guard, GuardOptions):
@@ -77,7 +81,7 @@ class HiggsTTS:
         p = self.parts
         self.manifest, self.provider, self.facts = p.manifest, p.provider, p.facts
         self.tokenizer, self.tokens, self.threads = p.tokenizer, p.tokens, p.threads
-        self.kv_cache, self.step_graph = kv_cache, step_graph
+        self.kv_cache, self.step_graph, self.route = kv_cache, step_graph, route
         self.codec = OnnxCodec(p)
         self.voices = VoiceCache(voice_cache_bytes)  # voices made from references, LRU by bytes
         self._backend: OnnxBackend | None = None
@@ -99,8 +103,8 @@ class HiggsTTS:
         """Make the sessions of `names` (default: every part a request may run) and the backend now, so that the
         first request does not pay for loading them; returns `ran_on()`. Only one of the decoder and the step graph
         is loaded (they hold the same weights): the one the backend runs."""
-        backend = self.backend  # the decoder's session and its KV-cache layout
-        unused = {"llm_decoder", "llm_step"} - {backend.decoder_part}
+        backend = self.backend  # the decoder's session and its KV-cache layout (and the route's, where it runs)
+        unused = {"llm_decoder", "llm_step", "llm_route"} - {backend.decoder_part, backend.route_part}
         for name in [n for n in self.manifest.parts if n not in unused] if names is None else names:
             self.part(name)
         return self.ran_on()
@@ -113,7 +117,7 @@ class HiggsTTS:
         if self._backend is None:
             with self._lock:
                 if self._backend is None:
-                    self._backend = OnnxBackend(self.parts, self.kv_cache, self.step_graph)
+                    self._backend = OnnxBackend(self.parts, self.kv_cache, self.step_graph, self.route)
         return self._backend
 
     @property

@@ -1,0 +1,294 @@
+"""`llm_route`: the step graph's twin for many rows, its projections on ONNX Runtime's int8 GEMM.
+
+Every projection of the int4 decoder is `MatMulNBits` (int4 weights, int8 activations per block): the right kernel
+for one row, which reads the fewest bytes, and a slow one for many rows (a prefill of a cloned voice's prompt, a
+batched step of several requests), where it stays near 200-270 GOPS while ONNX Runtime's u8s8 GEMM (MLAS, VNNI or
+AMX) reaches the CPU's int8 peak. This graph is the step graph (`parts/llm_step.py`) with each `MatMulNBits`
+replaced by
+
+    x -> per-row scale s = max|x| / 127 -> u8 = round(x / s) + 128 -> MatMulInteger(u8, W8, zero point 128)
+      -> int32 -> float * s * column scales
+
+with W8 the fp32 weight at int8, one scale per output column (`quantize.quantize_columns`, written beside the int4
+weights by the decoder's build: `llm_decoder_int8.onnx` + `.data`). An input read by several projections (gate and
+up) is quantized once. Everything else is the step graph's, node for node: the same GroupQueryAttention (an int8
+KV cache's scales too), the same past/present names, dtypes and layout, so the runtime binds **the same KV
+buffers** to either session and sends each call to the one that is faster for its row count
+(`runtime/route.py`). The file holds no weights of its own: its initializers point at the decoder's, the int8
+weights' and the small parts' external data.
+
+At build time (`export.Exporter.route`) the route is gated and timed:
+- `gate`: prefills of real prompts (two zero-shot lines and a clone of the bundled reference), teacher-forced
+  through an fp32 PyTorch reference, the int4 route and the int8 route: hidden states over every position, and the
+  audio head's logits on them (the reference's exact head for all three). The route is written only if it is no
+  further from fp32 than the int4 route (1 - cosine, hidden states and logits, worst prompt).
+- `crossover`: both routes timed on this machine, one-row calls of M positions (prefill) and batched steps of B
+  rows; the crossover is the smallest size from which the route wins at every larger size measured, or none.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ..part_facts import ROUTE_PART
+from ..quantize import INT8_SCALES_SUFFIX, INT8_SUFFIX
+from . import FACTS
+from .llm_decoder import INT8_WEIGHTS
+
+log = logging.getLogger(__name__)
+
+NAME = ROUTE_PART
+FILE = "llm_route.onnx"
+USES = FACTS[NAME].uses
+ROUTES = ("int8", "none")  # optimize.py --prefill-route
+KIND = "int8-gemm"
+POLICY = 1  # bump when the gate or the crossover rule changes: a build that refused the route tries again
+# the route may be at most this many times further from fp32 (1 - cosine) than the int4 route: 1.0 = no further
+ALLOWANCE = 1.0
+PREFILL_LADDER = (2, 4, 8, 16, 32, 64, 128)  # positions of a one-row call
+BATCH_LADDER = (2, 4, 8, 16)  # rows of a batched step
+
+
+def _qname(x: str) -> str:
+    return "route/q/" + x.replace("/", "_")
+
+
+def gemm_decoder(decoder, index):
+    """The decoder ModelProto `decoder` (loaded without its weights) with every MatMulNBits on the int8 GEMM; its
+    int8 weights are `index`'s initializers (`llm_decoder_int8.onnx`, external data kept). Returns a new model."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    model = onnx.ModelProto()
+    model.CopyFrom(decoder)
+    g = model.graph
+    weights = {t.name: t for t in index.graph.initializer}
+    consts = [helper.make_tensor("route/axes", TensorProto.INT64, [1], [-1]),
+              helper.make_tensor("route/eps", TensorProto.FLOAT, [], [1e-12]),
+              helper.make_tensor("route/c127", TensorProto.FLOAT, [], [127.0]),
+              helper.make_tensor("route/c128", TensorProto.FLOAT, [], [128.0]),
+              helper.make_tensor("route/zp", TensorProto.UINT8, [], [128])]
+    quantized: dict[str, tuple[str, str]] = {}  # activation -> (its u8 tensor, its per-row scale)
+    nodes, used, replaced = [], set(), 0
+    for node in g.node:
+        if node.op_type != "MatMulNBits":
+            nodes.append(node)
+            continue
+        base = node.input[1].removesuffix("_Q4")
+        w, s = base + INT8_SUFFIX, base + INT8_SCALES_SUFFIX
+        if w not in weights or s not in weights:
+            raise ValueError(f"{node.name}: no int8 weights for {base} in {INT8_WEIGHTS}")
+        x = node.input[0]
+        if x not in quantized:
+            q = _qname(x)
+            nodes += [helper.make_node("Abs", [x], [q + "/abs"], name=q + "/abs"),
+                      helper.make_node("ReduceMax", [q + "/abs", "route/axes"], [q + "/max0"], keepdims=1,
+                                       name=q + "/max"),
+                      helper.make_node("Max", [q + "/max0", "route/eps"], [q + "/max"], name=q + "/floor"),
+                      helper.make_node("Div", [q + "/max", "route/c127"], [q + "/scale"], name=q + "/scale"),
+                      helper.make_node("Div", [x, q + "/scale"], [q + "/scaled"], name=q + "/div"),
+                      helper.make_node("Round", [q + "/scaled"], [q + "/round"], name=q + "/round"),
+                      helper.make_node("Add", [q + "/round", "route/c128"], [q + "/shift"], name=q + "/shift"),
+                      helper.make_node("Cast", [q + "/shift"], [q + "/u8"], to=TensorProto.UINT8, name=q + "/u8")]
+            quantized[x] = (q + "/u8", q + "/scale")
+        u8, scale = quantized[x]
+        y, n = node.output[0], "route/" + (node.name or base)
+        nodes += [helper.make_node("MatMulInteger", [u8, w, "route/zp"], [n + "/i32"], name=n + "/gemm"),
+                  helper.make_node("Cast", [n + "/i32"], [n + "/f32"], to=TensorProto.FLOAT, name=n + "/cast"),
+                  helper.make_node("Mul", [n + "/f32", scale], [n + "/rows"], name=n + "/row_scale"),
+                  helper.make_node("Mul", [n + "/rows", s], [y], name=n + "/col_scale")]
+        used |= {w, s}
+        replaced += 1
+    if not replaced:
+        raise ValueError("the decoder has no MatMulNBits: the int8 route is made from an int4 decoder")
+    del g.node[:]
+    g.node.extend(nodes)
+    g.initializer.extend([*consts, *(weights[n] for n in sorted(used))])
+    return model
+
+
+def compose(folder: Path, files: dict[str, str]) -> Path:
+    """Write `folder/llm_route.onnx` from the final decoder graph and the int8 weights' index in `folder` (and the
+    small parts, as the step graph); returns its path."""
+    import onnx
+
+    from . import llm_step
+
+    decoder = onnx.load(str(folder / files["llm_decoder"]), load_external_data=False)
+    index = onnx.load(str(folder / INT8_WEIGHTS), load_external_data=False)
+    return llm_step.compose(folder, files, decoder=gemm_decoder(decoder, index), file=FILE, name=NAME)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the gate: both routes against an fp32 reference on the same prompts
+
+
+def gate_prompts(tts) -> list[tuple[str, np.ndarray]]:
+    """(name, (P, D) embeddings) of real prompts: two zero-shot lines and a clone of the bundled reference."""
+    from ..generation.engine import prompt_embeddings
+    from ..generation.prompt import build_prompt
+    from .kv_cache import GATE_TEXTS
+
+    rec = Path(__file__).resolve().parent.parent / "assets" / "recordings" / "ref_en_24k.flac"
+    be, f = tts.backend, tts.facts
+    out = [(f"zero-shot {i + 1}", prompt_embeddings(be, build_prompt(tts.tokenizer, tts.tokens, t), f.placeholder,
+                                                    None)) for i, t in enumerate(GATE_TEXTS)]
+    voice = tts.make_voice(rec, rec.with_suffix(".txt").read_text().strip())
+    out.append(("clone prefix", prompt_embeddings(be, voice.prefix, f.placeholder, voice.rows)))
+    return out
+
+
+def _cosine(a, b) -> float:
+    a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
+    return float(a @ b / max(np.linalg.norm(a) * np.linalg.norm(b), 1e-30))
+
+
+def prefill_hidden(decoder, embeds: np.ndarray, route: bool) -> np.ndarray:
+    """(P, D) hidden states of one prefill through the int4 step graph or the route (a fresh cache)."""
+    from ..runtime.route import ALWAYS, NEVER
+
+    saved = decoder.policy
+    decoder.policy = ALWAYS if route else NEVER
+    try:
+        cache = decoder.new_cache(len(embeds))
+        return np.array(decoder.run(cache, embeds))
+    finally:
+        decoder.policy = saved
+
+
+def gate(tts, reference) -> dict:
+    """The route and the int4 route against `reference` (a `ReferenceModel`, fp32) on `gate_prompts`: per prompt
+    and worst over them, 1 - cosine of the hidden states and of the logits, and the top-1 agreement of the codes
+    with the reference's. `ok`: the route no further from fp32 than the int4 route (x `ALLOWANCE`)."""
+    import torch
+
+    decoder = tts.backend.decoder
+    if getattr(decoder, "route", None) is None:
+        raise ValueError("the model was loaded without its int8 route")
+    rows, worst = [], {}
+    for name, embeds in gate_prompts(tts):
+        want = reference.hidden_states(embeds)
+        want_logits = reference.audio_head(torch.from_numpy(want), exact=True).numpy()
+        row = {"prompt": name, "positions": len(embeds)}
+        for label, route in (("int4", False), ("int8", True)):
+            got = prefill_hidden(decoder, embeds, route)
+            logits = reference.audio_head(torch.from_numpy(got), exact=True).numpy()
+            row[label] = {"hidden_distance": 1.0 - _cosine(want, got), "logit_distance": 1.0 - _cosine(want_logits,
+                                                                                                       logits),
+                          "top1": float((want_logits.argmax(-1) == logits.argmax(-1)).mean())}
+        rows.append(row)
+    for label in ("int4", "int8"):
+        worst[label] = {k: max(r[label][k] for r in rows) for k in ("hidden_distance", "logit_distance")}
+        worst[label]["top1"] = min(r[label]["top1"] for r in rows)
+    failed = [f"{k} {worst['int8'][k]:.3e} > int4's {worst['int4'][k]:.3e}"
+              + (f" x {ALLOWANCE}" if ALLOWANCE != 1.0 else "")
+              for k in ("hidden_distance", "logit_distance") if not worst["int8"][k] <= ALLOWANCE * worst["int4"][k]]
+    return {"prompts": rows, "worst": worst, "allowance": ALLOWANCE, "failed": failed, "ok": not failed}
+
+
+def summary(g: dict) -> str:
+    w = g["worst"]
+    return (f"1 - cosine vs fp32: hidden {w['int8']['hidden_distance']:.2e} (int4 {w['int4']['hidden_distance']:.2e}), "
+            f"logits {w['int8']['logit_distance']:.2e} (int4 {w['int4']['logit_distance']:.2e}); top-1 codes "
+            f"{w['int8']['top1']:.1%} (int4 {w['int4']['top1']:.1%})")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the crossover: both routes timed on this machine
+
+
+def _best(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def time_prefill(decoder, embeds: np.ndarray, route: bool, repeats: int = 3) -> float:
+    """Best seconds of a one-row call of len(embeds) positions into a fresh cache, on either route."""
+    from ..runtime.route import ALWAYS, NEVER
+
+    saved = decoder.policy
+    decoder.policy = ALWAYS if route else NEVER
+    try:
+        cache = decoder.new_cache(len(embeds))
+
+        def once():
+            cache.truncate(0)
+            decoder.run(cache, embeds)
+
+        once()  # warm-up
+        return _best(once, repeats)
+    finally:
+        decoder.policy = saved
+
+
+def time_batch(decoder, rows: int, route: bool, context: int = 16, repeats: int = 3) -> float:
+    """Best seconds of one batched decode step of `rows` rows (step graph: codes in), each at `context` positions."""
+    from ..runtime.route import ALWAYS, NEVER
+
+    f = decoder.facts
+    saved = decoder.policy
+    decoder.policy = ALWAYS if route else NEVER
+    pool = decoder.pool(rows, context + repeats + 2)
+    slots = [pool.acquire(context + repeats + 2) for _ in range(rows)]
+    try:
+        rng = np.random.default_rng(0)
+        for s in slots:
+            pool.lengths[s.index] = context  # positions as written: their values do not change the cost
+        codes = rng.integers(0, f.codebook_size, (rows, f.num_codebooks))
+
+        def once():
+            for s in slots:
+                pool.lengths[s.index] = context
+            pool.step_batch(slots, codes)
+
+        once()
+        return _best(once, repeats)
+    finally:
+        for s in slots:
+            s.free()
+        decoder.policy = saved
+
+
+def crossover(times: dict[int, tuple[float, float]]) -> int | None:
+    """{size: (int4 s, route s)} -> the smallest size from which the route is faster at every larger size, or None."""
+    best = None
+    for size in sorted(times, reverse=True):
+        int4, route = times[size]
+        if route >= int4:
+            break
+        best = size
+    return best
+
+
+def measure(decoder, budget_s: float = 60.0, repeats: int = 3) -> dict:
+    """Both routes on this machine: one-row prefills along `PREFILL_LADDER` and batched steps along `BATCH_LADDER`
+    (each size stops the climb once the route has won at two sizes in a row or `budget_s` is spent: past the
+    crossover the route's lead only grows). Returns the timings (ms) and the crossovers."""
+    f = decoder.facts
+    rng = np.random.default_rng(0)
+    t_end = time.perf_counter() + budget_s
+    out = {}
+    for kind, ladder in (("prefill", PREFILL_LADDER), ("batch", BATCH_LADDER)):
+        times, wins = {}, 0
+        for size in ladder:
+            if kind == "prefill":
+                embeds = (rng.standard_normal((size, f.hidden)) * 0.05).astype(np.float32)
+                pair = (time_prefill(decoder, embeds, False, repeats), time_prefill(decoder, embeds, True, repeats))
+            else:
+                pair = (time_batch(decoder, size, False, repeats=repeats), time_batch(decoder, size, True,
+                                                                                      repeats=repeats))
+            times[size] = pair
+            wins = wins + 1 if pair[1] < pair[0] else 0
+            if wins >= 2 or time.perf_counter() > t_end:
+                break
+        out[kind] = {"crossover": crossover(times),
+                     "ms": {str(k): [round(a * 1e3, 3), round(b * 1e3, 3)] for k, (a, b) in times.items()}}
+    return out

@@ -1,0 +1,109 @@
+"""Which route a decoder call takes: the int4 step graph or its int8 GEMM twin (`parts/llm_route.py`).
+
+    policy = RoutePolicy(prefill=16, batch=4)   # from the export's measured crossovers (manifest decoder.route)
+    policy.use(rows=281, batched=False)         # True: a one-row call of 281 positions goes to the route
+    policy.use(rows=2, batched=True)            # False: a step of 2 rows stays on int4
+
+The choice depends only on the call's shape (positions of a one-row call, rows of a batched step), so a request
+makes the same calls, and the same bytes, alone or beside others whenever its calls have the same shapes: a
+deterministic job runs alone, where its prefill is one call and its steps are single rows, as made alone.
+
+`HiggsTTS(route=...)`: "auto" (the export's crossovers, where this CPU has the int8 dot product the route was
+built for), "off" (int4 for every call; the route's session is never loaded), "on" (every call of two or more
+rows on the route: comparisons and benchmarks).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from functools import lru_cache
+
+log = logging.getLogger(__name__)
+
+MODES = ("auto", "off", "on")
+# x86 flags of an int8 dot product that MLAS's u8s8 GEMM uses without saturating 16-bit pair sums (without them it
+# falls back to vpmaddubsw, whose pairs of 255 x 127 saturate: ONNX Runtime's quantization docs)
+INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
+
+
+@dataclass(frozen=True)
+class RoutePolicy:
+    """Calls of at least `prefill` positions (one row) or `batch` rows (a batched step) go to the route; None: never."""
+
+    prefill: int | None = None
+    batch: int | None = None
+
+    def use(self, rows: int, batched: bool) -> bool:
+        limit = self.batch if batched else self.prefill
+        return limit is not None and rows >= limit
+
+    @property
+    def active(self) -> bool:
+        return self.prefill is not None or self.batch is not None
+
+
+NEVER = RoutePolicy()
+ALWAYS = RoutePolicy(prefill=1, batch=1)
+MULTI_ROW = RoutePolicy(prefill=2, batch=2)
+
+
+@lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """This machine's CPU flags (Linux /proc/cpuinfo; empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def int8_dot() -> bool:
+    """Whether this CPU has an int8 dot product the route's GEMM runs exactly on (VNNI or AMX). Where flags cannot
+    be read (not Linux) the export's measurement stands."""
+    flags = cpu_flags()
+    return not flags or any(f in flags for f in INT8_DOT_FLAGS)
+
+
+def check_mode(mode) -> str:
+    if mode not in MODES:
+        raise ValueError(f"route must be one of {', '.join(MODES)}, got {mode!r}")
+    return mode
+
+
+def policy(route: dict | None, mode: str = "auto") -> RoutePolicy:
+    """The policy for an export's `decoder.route` manifest entry (None: no route) under `mode`."""
+    check_mode(mode)
+    if mode == "off" or not isinstance(route, dict) or route.get("kind") != "int8-gemm":
+        return NEVER
+    if mode == "on":
+        return MULTI_ROW
+    if not int8_dot():
+        log.warning("int8 route off: this CPU has none of %s (its u8s8 GEMM could saturate); every call runs on int4",
+                    ", ".join(INT8_DOT_FLAGS))
+        return NEVER
+    cross = route.get("crossover", {})
+    return RoutePolicy(prefill=_size(cross.get("prefill")), batch=_size(cross.get("batch")))
+
+
+def _size(value) -> int | None:
+    return value if type(value) is int and value >= 1 else None
+
+
+SIMD_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni")  # the ones that decide the kernels' speed
+
+
+def cpu_summary() -> dict:
+    """This CPU's model name and the SIMD / matrix flags that decide the int4 and int8 kernels (Linux)."""
+    model = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
+    except OSError:
+        pass
+    flags = cpu_flags()
+    return {"model": model, "flags": [f for f in SIMD_FLAGS if f in flags] + sorted(f for f in flags
+                                                                                   if f.startswith("amx_"))}
