@@ -1,0 +1,235 @@
+"""The int8 GEMM route (`parts/llm_route.py`, `runtime/route.py`): what the default cpu int4 build writes and
+records, the graph (int8 GEMMs in place of every MatMulNBits, the step graph's cache), the runtime's choice by
+row count over the same KV buffers, deterministic jobs, the build's refusals, and a damaged route refused by its
+gate."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+from higgs_onnx.parts import llm_route
+from higgs_onnx.runtime import route as routes
+from higgs_onnx.runtime.route import RoutePolicy
+
+TEXT = "The route speaks the same words."
+
+
+# -- the policy (no export) ---------------------------------------------------------------------------------------
+def test_the_policy_sends_a_call_by_its_row_count():
+    p = RoutePolicy(prefill=8, batch=4)
+    assert [p.use(n, False) for n in (1, 7, 8, 300)] == [False, False, True, True]
+    assert [p.use(n, True) for n in (1, 3, 4, 16)] == [False, False, True, True]
+    assert not routes.NEVER.active and not routes.NEVER.use(10_000, False)
+    assert routes.MULTI_ROW.use(2, True) and not routes.MULTI_ROW.use(1, True)
+
+
+def test_the_crossover_is_where_the_route_wins_from_there_on():
+    assert llm_route.crossover({2: (1.0, 1.2), 4: (1.0, 0.9), 8: (2.0, 1.5)}) == 4
+    assert llm_route.crossover({2: (1.0, 0.9), 4: (1.0, 1.1), 8: (2.0, 1.5)}) == 8  # a loss at 4: from 8 on
+    assert llm_route.crossover({2: (1.0, 1.2), 4: (1.0, 1.5)}) is None
+
+
+def test_the_policy_reads_the_manifest_and_the_cpu(monkeypatch, caplog):
+    entry = {"kind": "int8-gemm", "crossover": {"prefill": 16, "batch": None}}
+    monkeypatch.setattr(routes, "cpu_flags", lambda: frozenset({"avx2", "avx512_vnni"}))
+    assert routes.policy(entry) == RoutePolicy(prefill=16, batch=None)
+    assert routes.policy(entry, "off") == routes.NEVER and routes.policy(entry, "on") == routes.MULTI_ROW
+    assert routes.policy({"kind": "none"}) == routes.NEVER and routes.policy(None) == routes.NEVER
+    assert routes.policy({"kind": "int8-gemm", "crossover": {"prefill": "8", "batch": -1}}) == routes.NEVER
+    monkeypatch.setattr(routes, "cpu_flags", lambda: frozenset({"avx2", "fma"}))  # no VNNI, no AMX
+    with caplog.at_level("WARNING"):
+        assert routes.policy(entry) == routes.NEVER
+    assert "int8 route off" in caplog.text and "avx512_vnni" in caplog.text
+    with pytest.raises(ValueError, match="route must be one of auto, off, on"):
+        routes.policy(entry, "fast")
+
+
+def test_a_build_that_cannot_have_the_route_refuses_it_by_name():
+    from higgs_onnx.export import ExportOptions
+
+    assert ExportOptions("cpu", "int4").route and not ExportOptions("cpu", "int4", prefill_route="none").route
+    assert not ExportOptions("cpu", "fp32").route and not ExportOptions("cuda", "int4").route
+    for kwargs in ({"device": "cpu", "precision": "fp32"}, {"device": "cpu", "precision": "int4",
+                                                            "attention": "portable"},
+                   {"device": "cuda", "precision": "int4"}):
+        with pytest.raises(ValueError, match="the int8 prefill route runs beside an int4 GroupQueryAttention"):
+            ExportOptions(**kwargs, prefill_route="int8")
+    with pytest.raises(ValueError, match="--prefill-route must be one of int8, none, got 'int4'"):
+        ExportOptions("cpu", "int4", prefill_route="int4")
+
+
+def test_the_columns_quantize_symmetric_per_output_column():
+    from higgs_onnx.quantize import quantize_columns
+
+    w = np.random.default_rng(0).standard_normal((64, 5)).astype(np.float32) * np.array([1, 10, 0.1, 3, 0],
+                                                                                        np.float32)
+    q, s = quantize_columns(w)
+    assert q.dtype == np.int8 and s.shape == (5,) and np.abs(q).max() == 127
+    np.testing.assert_allclose(np.abs(q[:, :4]).max(axis=0), 127)
+    err = np.abs(q.astype(np.float32) * s - w).max(axis=0)[:4]
+    assert (err <= s[:4] / 2 * (1 + 1e-5)).all() and (err > s[:4] / 4).all()  # round to nearest: half a step
+    assert not q[:, 4].any()  # an all-zero column stays zero
+
+
+# -- the default build --------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_the_default_int4_build_writes_a_gated_timed_route(builds):
+    from higgs_onnx.manifest import load_manifest
+
+    folder = builds["int4"]
+    m = load_manifest(folder, verify=True)
+    r = m.decoder["route"]
+    assert r["kind"] == "int8-gemm" and r["part"] == "llm_route" and r["policy"] == llm_route.POLICY
+    worst = r["gate"]["worst"]
+    assert not r["gate"]["failed"]
+    for k in ("hidden_distance", "logit_distance"):
+        assert 0 < worst["int8"][k] <= worst["int4"][k]  # no further from fp32 than int4
+    assert [p["prompt"] for p in r["gate"]["prompts"]] == ["zero-shot 1", "zero-shot 2", "clone prefix"]
+    assert set(r["crossover"]) == {"prefill", "batch"} and set(r["timings_ms"]) == {"prefill", "batch"}
+    assert r["cpu"]["model"] and isinstance(r["cpu"]["flags"], list)
+    assert set(m.parts["llm_decoder"]["files"]) >= {"llm_decoder_int8.onnx", "llm_decoder_int8.onnx.data"}
+    assert m.parts["llm_route"]["files"].keys() == {"llm_route.onnx"}  # its weights are the decoder's files
+    # the graph: every projection on the int8 GEMM, the int4 weights not referenced, the step graph's cache I/O
+    g = onnx.load(str(folder / "llm_route.onnx"), load_external_data=False).graph
+    step = onnx.load(str(folder / "llm_step.onnx"), load_external_data=False).graph
+    ops = [n.op_type for n in g.node]
+    layers = m.model["layers"]
+    assert "MatMulNBits" not in ops and ops.count("MatMulInteger") == 5 * layers  # qkv, o, gate, up, down
+    assert ops.count("ReduceMax") == 4 * layers  # gate and up share their input's quantization
+    assert not any(t.name.endswith(("_Q4", "_scales")) and not t.name.endswith("_Q8_scales") for t in g.initializer)
+    io = {(v.name, v.type.tensor_type.elem_type) for v in [*g.input, *g.output]}
+    assert io == {(v.name, v.type.tensor_type.elem_type) for v in [*step.input, *step.output]}
+    locations = {e.value for t in g.initializer for e in t.external_data if e.key == "location"}
+    assert {"llm_decoder.onnx.data", "llm_decoder_int8.onnx.data"} <= locations <= {
+        "llm_decoder.onnx.data", "llm_decoder_int8.onnx.data", "audio_embed.onnx.data", "audio_heads.onnx.data"}
+
+
+@pytest.mark.slow
+def test_the_route_writes_the_same_cache_and_each_call_goes_by_its_rows(builds):
+    """One request's cache prefilled on the route and continued on int4 (and the other way round): the same
+    buffers, the rows close to the int4-only run; a pool's batched step on the route writes every row in place."""
+    from higgs_onnx.runtime.model import HiggsTTS
+
+    tts = HiggsTTS(builds["int4"], verify=False, route="on")
+    dec = tts.backend.decoder
+    assert tts.backend.route_part == "llm_route" and "llm_route" in tts.preload()
+    f = tts.facts
+    embeds = (np.random.default_rng(1).standard_normal((12, f.hidden)) * 0.05).astype(np.float32)
+    states = {}
+    for policy in (routes.NEVER, routes.ALWAYS):
+        dec.policy = policy
+        cache = dec.new_cache(16)
+        dec.run(cache, embeds)
+        states[policy.active] = dec.snapshot(cache)
+    for name, a in states[False].items():
+        b = states[True][name]
+        assert a.shape == b.shape == (1, f.kv_heads, 12, f.head_dim)
+        assert llm_route._cosine(a, b) > 0.9 and not np.array_equal(a, b)  # int8 cache values of two routes
+    dec.policy = RoutePolicy(prefill=8, batch=2)
+    dec.calls = {False: 0, True: 0}
+    cache = dec.new_cache(20)
+    dec.run(cache, embeds[:7])  # 7 positions: int4
+    dec.run(cache, embeds[7:])  # 5 positions: int4
+    cache2 = dec.new_cache(20)
+    dec.run(cache2, embeds[:8])  # 8: the route
+    assert dec.calls == {False: 2, True: 1}
+    pool = dec.pool(3, 24)
+    slots = [pool.acquire(24) for _ in range(3)]
+    for s in slots:
+        pool.run_one(s, embeds)  # 12 positions each: the route
+    codes = np.random.default_rng(2).integers(0, f.codebook_size, (3, f.num_codebooks))
+    before = {n: a.copy() for n, a in pool.arrays.items()}
+    hidden, logits = pool.step_batch(slots, codes)  # 3 rows: the route
+    assert dec.calls == {False: 2, True: 5}
+    assert hidden.shape == (3, f.hidden) and logits.shape == (3, f.num_codebooks, f.codebook_vocab)
+    for n, a in pool.arrays.items():  # position 12 of every row written, in place, by the route's session
+        assert not np.array_equal(a[:, :, 12], before[n][:, :, 12])
+    assert pool.lengths == [13, 13, 13]
+    pool.step_batch(slots[:1], codes[:1])  # one row: int4
+    assert dec.calls[False] == 3
+
+
+@pytest.mark.slow
+def test_every_mode_speaks_and_a_deterministic_job_is_the_same_bytes_as_alone(builds):
+    """`route="off"` never loads the route; "on" puts a clone's prefill and batched steps on it. A job run
+    exclusively on a busy scheduler makes the calls it made alone (their shapes decide the route): same rows."""
+    from higgs_onnx.generation.options import GenerationOptions
+    from higgs_onnx.runtime.model import HiggsTTS
+
+    off = HiggsTTS(builds["int4"], verify=False, route="off")
+    assert off.backend.route_part is None and "llm_route" not in off.preload()
+    with pytest.raises(ValueError, match="route must be one of auto, off, on"):
+        HiggsTTS(builds["int4"], verify=False, route=True)
+    tts = HiggsTTS(builds["int4"], verify=False, route="on")
+    opts = GenerationOptions(seed=5, max_rows=40)
+    alone = tts.generate(TEXT, options=opts)
+    assert len(alone.rows) > 8
+    dec = tts.backend.decoder
+    dec.calls = {False: 0, True: 0}
+    positions = tts.slot_positions
+    with tts.scheduler(3, positions) as sched:
+        others = [sched.submit(tts.request(f"Another line, number {i}.", options=GenerationOptions(
+            seed=i, max_rows=30), slot=positions), audio="speech") for i in range(2)]
+        mine = sched.submit(tts.request(TEXT, options=opts, slot=positions), audio="speech", exclusive=True)
+        sched.run_until_idle()
+        speech = mine.wait()
+        for h in others:
+            h.wait()
+    np.testing.assert_array_equal(speech.rows, alone.rows)
+    assert dec.calls[True] >= 3  # the prefills, and the others' batched steps, ran on the route
+
+
+# -- the gate refuses a damaged route -----------------------------------------------------------------------------
+@pytest.mark.slow
+def test_a_damaged_route_is_refused_and_not_written(tiny_ckpt, tmp_path, monkeypatch, capsys):
+    from higgs_onnx import quantize
+    from higgs_onnx.export import PART_CACHE_ENV, Exporter, ExportOptions
+    from higgs_onnx.manifest import load_manifest
+
+    real = quantize.quantize_columns
+
+    def damaged(w):  # every column's scale off by up to +-40 %: a wrong route, not a rounding
+        q, s = real(w)
+        return q, s * np.random.default_rng(q.shape[1]).uniform(0.6, 1.4, s.shape).astype(np.float32)
+
+    monkeypatch.setattr(quantize, "quantize_columns", damaged)
+    monkeypatch.setenv(PART_CACHE_ENV, str(tmp_path / "parts"))  # the decoder is built again, with the damage
+    root = tmp_path / "out"
+    folder = Exporter(str(tiny_ckpt), root, ExportOptions("cpu", "int4")).run()
+    m = load_manifest(folder, verify=True)
+    r = m.decoder["route"]
+    assert r["kind"] == "none" and r["refused"]["gate"]["failed"]
+    assert r["refused"]["gate"]["worst"]["int8"]["hidden_distance"] > r["refused"]["gate"]["worst"]["int4"][
+        "hidden_distance"]
+    out = capsys.readouterr().out
+    assert "int8 route refused, not written: hidden_distance" in out and "(int4 " in out
+    assert "llm_route" not in m.parts and not (folder / "llm_route.onnx").exists()
+    assert not (folder / "llm_decoder_int8.onnx.data").exists()
+    assert set(m.parts["llm_decoder"]["files"]) == {"llm_decoder.onnx", "llm_decoder.onnx.data"}
+    from higgs_onnx.runtime.model import HiggsTTS
+
+    assert HiggsTTS(folder, verify=False).backend.route_part is None  # runs on int4 alone
+    # asked for by name, the same damage fails the build and leaves the folder as it was
+    before = json.loads((folder / "manifest.json").read_text())
+    with pytest.raises(RuntimeError, match="int8 route fails its gate against fp32: hidden_distance.*"
+                                           "--prefill-route none"):
+        Exporter(str(tiny_ckpt), root, ExportOptions("cpu", "int4", prefill_route="int8")).run()
+    assert json.loads((folder / "manifest.json").read_text()) == before
+    # and without a route the same folder is up to date again (the refusal stands for the same policy)
+    Exporter(str(tiny_ckpt), root, ExportOptions("cpu", "int4")).run()
+    assert "is up to date: nothing to do" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_prefill_route_none_builds_the_int4_graph_alone(tiny_ckpt, tmp_path):
+    from higgs_onnx.export import Exporter, ExportOptions
+    from higgs_onnx.manifest import load_manifest
+
+    folder = Exporter(str(tiny_ckpt), tmp_path / "none", ExportOptions("cpu", "int4", prefill_route="none")).run()
+    m = load_manifest(folder, verify=True)
+    assert m.decoder["route"] == {"kind": "none"} and "llm_route" not in m.parts
+    assert not list(folder.glob("llm_decoder_int8*")) and not (folder / "llm_route.onnx").exists()
