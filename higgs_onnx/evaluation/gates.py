@@ -122,9 +122,18 @@ def _kv_cache(fig: dict, gates: dict) -> list[Check]:
                   fig[name], limit) for name, limit in fig["thresholds"].items()]
 
 
+def _route(fig: dict, gates: dict) -> list[Check]:
+    """The int8 route no further from the reference than the int4 route (the build's gate, `parts/llm_route.py`)."""
+    w, allow = fig["gate"]["worst"], fig["gate"]["allowance"]
+    return [Check("route", name, w["int8"][name] <= allow * w["int4"][name],
+                  f"int8 route vs int4 route, 1 - cosine of the {name.split('_')[0]} against the reference: "
+                  f"{w['int8'][name]:.3e} vs {w['int4'][name]:.3e}", w["int8"][name], allow * w["int4"][name])
+            for name in ("hidden_distance", "logit_distance")]
+
+
 GATED: dict[str, Callable[[dict, dict], list[Check]]] = {
     "parts": _parts, "decoder_steps": _decoder_steps, "teacher_forced": _teacher_forced, "greedy": _greedy,
-    "sampled": _sampled, "kv_cache": _kv_cache}
+    "sampled": _sampled, "kv_cache": _kv_cache, "route": _route}
 
 
 def apply_gates(sections: dict[str, dict], gates: dict[str, float | None]) -> list[Check]:

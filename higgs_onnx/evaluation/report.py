@@ -158,6 +158,26 @@ def _kv_cache(s: dict, m: dict) -> list[str]:
     return lines
 
 
+def _route(s: dict, m: dict) -> list[str]:
+    c = s.get("crossover") or {}
+    lines = [f"Both decoder routes on the same prompts against the {s['reference']} reference: prefill hidden states "
+             f"and the audio head's logits on them (1 - cosine; top-1 codes agreeing with the reference's). The "
+             f"export's crossover: one-row calls from {c.get('prefill') or 'never'} positions, batched steps from "
+             f"{c.get('batch') or 'never'} rows.", "",
+             "| prompt | positions | hidden int4 | hidden int8 | logits int4 | logits int8 | top-1 int4 | top-1 int8 |",
+             "|---|---|---|---|---|---|---|---|"]
+    for p in s["gate"]["prompts"]:
+        a, b = p["int4"], p["int8"]
+        lines.append(f"| {p['prompt']} | {p['positions']} | {a['hidden_distance']:.2e} | {b['hidden_distance']:.2e} "
+                     f"| {a['logit_distance']:.2e} | {b['logit_distance']:.2e} | {a['top1']:.1%} | {b['top1']:.1%} |")
+    ms = s["clone_prefill_ms"]
+    first = "-" if s["greedy_first_difference"] is None else s["greedy_first_difference"]
+    lines += ["", f"A cloned voice's prefill ({s['clone_positions']} positions): {ms['int4']:.1f} ms on int4, "
+              f"{ms['int8']:.1f} ms on the int8 route ({ms['int4'] / max(ms['int8'], 1e-9):.2f} x). Greedy rows with "
+              f"the prompt prefilled on each route: {s['greedy_equal']:.1%} equal (first difference: {first})."]
+    return lines
+
+
 RENDER: dict[str, tuple[str, Callable[[dict, dict], list[str]]]] = {
     "parts": ("Parts", _parts), "decoder_steps": ("Decoder steps", _decoder_steps),
     "encoder": ("Encoder on recordings", _encoder), "greedy": ("Greedy free-running", _greedy),
@@ -165,7 +185,7 @@ RENDER: dict[str, tuple[str, Callable[[dict, dict], list[str]]]] = {
     "audio": ("Audio", _audio), "sampled": ("Sampled runs", _sampled),
     "text_lm": ("Text LM (tied text head)", _text_lm),
     "teacher_codes": ("Teacher codes", _teacher_codes), "intelligibility": ("Intelligibility", _intelligibility),
-    "kv_cache": ("int8 KV cache", _kv_cache),
+    "kv_cache": ("int8 KV cache", _kv_cache), "route": ("Decoder routes: int4 and the int8 GEMM", _route),
 }
 
 

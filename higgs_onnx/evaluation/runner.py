@@ -76,6 +76,10 @@ def _fp32_cache(ev) -> str | None:
     return None if ev.tts.manifest.kv_cache == "int8" else "the KV cache is fp32"
 
 
+def _no_route(ev) -> str | None:
+    return None if "llm_route" in ev.tts.manifest.parts else "the export has no int8 route"
+
+
 def _not_asked_teacher_codes(o: EvalOptions) -> str | None:
     return None if o.teacher_codes else "no --teacher-codes file"
 
@@ -102,6 +106,7 @@ SECTIONS: dict[str, Section] = {
     "teacher_codes": Section(sections.teacher_codes, GENERATION, _not_asked_teacher_codes),
     "intelligibility": Section(sections.intelligibility, (*GENERATION, "audio_tokenizer")),
     "kv_cache": Section(sections.kv_cache, GENERATION, needless=_fp32_cache),
+    "route": Section(sections.route, GENERATION, needless=_no_route),
 }
 
 

@@ -15,6 +15,7 @@ import numpy as np
 from ..generation.delay import read_code_rows
 from ..generation.engine import generate
 from ..generation.options import GREEDY_OPTIONS
+from ..part_facts import ROUTE_PART
 from ..parity import check_part, compare_decoder
 
 if TYPE_CHECKING:
@@ -31,6 +32,9 @@ def parts(ev: EvalContext) -> dict:
     """Every exported part on fixed inputs vs the reference: {part: figures with `ok` and `precision`}."""
     rows = {}
     for part, entry in ev.tts.manifest.parts.items():
+        if part == ROUTE_PART:  # its figures are the route section's, beside the int4 route's
+            rows[part] = {"precision": entry["precision"], "skipped": "the int8 route: see the route section"}
+            continue
         try:
             fig = check_part(part, ev.tts.manifest.part_file(part), ev.ref, entry["precision"], ev.tts.provider,
                              seed=PARTS_SEED)
@@ -146,6 +150,47 @@ def kv_cache(ev: EvalContext) -> dict:
                              rows=kv.gate_rows(ev.tts.facts))
     int4 = ev.tts.manifest.parts["llm_decoder"].get("parity", {}).get("cosine_vs_dequantized")
     return {**figures, "mode": info.get("mode"), "thresholds": kv.gates(int4)}
+
+
+def route(ev: EvalContext) -> dict:
+    """Both decoder routes side by side (`parts/llm_route.py`). Per part: the build's gate measured again, prefill
+    hidden states and logits of real prompts against the reference (1 - cosine, top-1 codes), int4 and int8.
+    End to end: a cloned voice's prefill timed on each route, and greedy rows of the first prompt decoded with its
+    prefill on either route (the steps on int4 both times)."""
+    from ..generation.pipeline import stop_rules
+    from ..generation.prompt import build_prompt
+    from ..parts import llm_route
+    from ..runtime.model import HiggsTTS
+    from ..runtime.route import NEVER, RoutePolicy
+
+    info = ev.tts.manifest.decoder.get("route", {})
+    tts = ev.tts
+    if getattr(tts.backend.decoder, "route", None) is None:  # not loaded under this CPU's policy: load it to measure
+        tts = HiggsTTS(ev.tts.manifest.folder, provider=ev.tts.provider, verify=False, route="on")
+    dec = tts.backend.decoder
+    gate = llm_route.gate(tts, ev.ref)
+    prompts = dict(llm_route.gate_prompts(tts))
+    clone = prompts["clone prefix"]
+    prefill_ms = {label: round(llm_route.time_prefill(dec, clone, route) * 1e3, 2)
+                  for label, route in (("int4", False), ("int8", True))}
+    text = ev.options.prompts[0]
+    options = dataclasses.replace(GREEDY_OPTIONS, max_rows=ev.options.max_rows)
+    rows, saved = {}, dec.policy
+    try:
+        for label, policy in (("int4", NEVER), ("int8", RoutePolicy(prefill=2))):
+            dec.policy = policy
+            rows[label] = generate(tts.backend, build_prompt(tts.tokenizer, tts.tokens, text), stop_rules(tts.facts),
+                                   options, tts.facts.placeholder).rows
+    finally:
+        dec.policy = saved
+    a, b = rows["int4"], rows["int8"]
+    m = min(len(a), len(b))
+    same = (a[:m] == b[:m]).all(axis=1) if m else np.ones(0, bool)
+    return {"kind": info.get("kind", "none"), "crossover": info.get("crossover"), "gate": gate,
+            "reference": str(ev.ref.dtype).removeprefix("torch."), "clone_positions": len(clone),
+            "clone_prefill_ms": prefill_ms, "greedy_rows": [len(a), len(b)],
+            "greedy_equal": float(same.mean()) if m else 1.0,
+            "greedy_first_difference": None if same.all() else int(np.argmin(same))}
 
 
 def intelligibility(ev: EvalContext) -> dict:
