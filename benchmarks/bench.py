@@ -672,6 +672,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-graph", action="store_true", help="only the decode step through the step graph against "
                     "the three parts apart, with the host ms per row (B from --batch, default 1 4)")
     ap.add_argument("--repeats", type=int, default=3, help="--batch: interleaved rounds, best kept per B")
+    ap.add_argument("--routes", action="store_true", help="only both decoder routes side by side (int4 alone, the "
+                    "int8 GEMM route, the measured crossover): prefill, a new clone's first frame, rows/s at B = 1-16, "
+                    "peak RSS (benchmarks/routes.py)")
     ap.add_argument("--skip-stream", action="store_true", help="skip the streaming figures (TTFA, 10 s / 60 s)")
     ap.add_argument("--long-seconds", type=float, default=60.0, help="the long line of the memory check")
     args = ap.parse_args(argv)
@@ -694,6 +697,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.step_graph:
         return step_graph_main(args)
+    if args.routes:
+        import routes
+
+        out = routes.run(resolve_export(args)[1], args.threads, min(args.repeats, 2))
+        routes.print_table(out)
+        if args.json:
+            args.json.write_text(json.dumps(out, indent=2))
+        return 0
     if args.batch:
         return batch_main(args)
     if args.context_curve:

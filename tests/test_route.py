@@ -233,3 +233,13 @@ def test_prefill_route_none_builds_the_int4_graph_alone(tiny_ckpt, tmp_path):
     m = load_manifest(folder, verify=True)
     assert m.decoder["route"] == {"kind": "none"} and "llm_route" not in m.parts
     assert not list(folder.glob("llm_decoder_int8*")) and not (folder / "llm_route.onnx").exists()
+
+
+def test_the_default_mode_comes_from_the_environment(monkeypatch):
+    monkeypatch.delenv(routes.ENV, raising=False)
+    assert routes.check_mode(None) == "auto"
+    monkeypatch.setenv(routes.ENV, "off")
+    assert routes.check_mode(None) == "off" and routes.check_mode("on") == "on"
+    monkeypatch.setenv(routes.ENV, "sometimes")
+    with pytest.raises(ValueError, match=r"\$HIGGS_ROUTE must be one of auto, off, on, got 'sometimes'"):
+        routes.check_mode(None)

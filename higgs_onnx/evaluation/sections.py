@@ -15,8 +15,8 @@ import numpy as np
 from ..generation.delay import read_code_rows
 from ..generation.engine import generate
 from ..generation.options import GREEDY_OPTIONS
-from ..part_facts import ROUTE_PART
 from ..parity import check_part, compare_decoder
+from ..part_facts import ROUTE_PART
 
 if TYPE_CHECKING:
     from .context import EvalContext

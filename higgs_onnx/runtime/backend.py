@@ -35,11 +35,11 @@ class OnnxBackend:
     False drives the three parts apart. `route`: "auto" / "off" / "on" for the step graph's int8 GEMM twin where the
     export has one (`runtime/route.py`; it needs the bound cache and the step graph)."""
 
-    def __init__(self, parts, kv_cache: str = "bound", step_graph: bool = True, route: str = "auto"):
+    def __init__(self, parts, kv_cache: str = "bound", step_graph: bool = True, route: str | None = None):
         self.parts = parts
         if kv_cache not in KV_LAYOUTS:
             raise ValueError(f"kv_cache must be one of {', '.join(KV_LAYOUTS)}, got {kv_cache!r}")
-        routes.check_mode(route)
+        route = routes.check_mode(route)
         self.decoder_part = decoder_part(parts.manifest, step_graph)
         p = providers.get(parts.provider)
         if kv_cache == "bound" and p.ort_name is None:  # the OpenVINO runtime: the cache is the model's state

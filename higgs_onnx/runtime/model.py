@@ -64,14 +64,15 @@ class HiggsTTS:
     `step_graph`: decode through the export's one-call step graph where it has one (False: the three parts apart,
     for comparisons); `guard`: the guard's thresholds (`guard.GuardOptions`; None: the defaults, docs/guard.md);
     `route`: the int8 GEMM route for calls of many rows, where the export has one: "auto" (its measured crossover),
-    "off" (int4 for every call) or "on" (every call of two or more rows; `runtime/route.py`)."""
+    "off" (int4 for every call) or "on" (every call of two or more rows); None: `$HIGGS_ROUTE`, else "auto"
+    (`runtime/route.py`)."""
 
     def __init__(self, model_path: str | os.PathLike, provider: str | None = None, threads: int = 0,
                  verify: bool = True, kv_cache: str = "bound", voice_cache_bytes: int = DEFAULT_VOICE_CACHE_BYTES,
-                 step_graph: bool = True, guard: GuardOptions | None = None, route: str = "auto"):
+                 step_graph: bool = True, guard: GuardOptions | None = None, route: str | None = None):
         if kv_cache not in KV_LAYOUTS:  # before the (slow) hashing of the model files
             raise ValueError(f"kv_cache must be one of {', '.join(KV_LAYOUTS)}, got {kv_cache!r}")
-        check_route(route)
+        route = check_route(route)
         if not isinstance(step_graph, bool):
             raise TypeError(f"step_graph must be True or False, got {step_graph!r}")
         if guard is not None and not isinstance(guard, GuardOptions):

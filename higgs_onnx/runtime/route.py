@@ -10,12 +10,14 @@ deterministic job runs alone, where its prefill is one call and its steps are si
 
 `HiggsTTS(route=...)`: "auto" (the export's crossovers, where this CPU has the int8 dot product the route was
 built for), "off" (int4 for every call; the route's session is never loaded), "on" (every call of two or more
-rows on the route: comparisons and benchmarks).
+rows on the route: comparisons and benchmarks); None (the default): `$HIGGS_ROUTE`, else "auto", so a server or a
+corpus run can be switched without a flag of its own.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -68,7 +70,16 @@ def int8_dot() -> bool:
     return not flags or any(f in flags for f in INT8_DOT_FLAGS)
 
 
+ENV = "HIGGS_ROUTE"  # the default mode of every HiggsTTS made without one (servers, corpus workers, benchmarks)
+
+
 def check_mode(mode) -> str:
+    """`mode` checked; None: `$HIGGS_ROUTE`, else "auto"."""
+    if mode is None:
+        env = os.environ.get(ENV, "").strip()
+        if env and env not in MODES:
+            raise ValueError(f"${ENV} must be one of {', '.join(MODES)}, got {env!r}")
+        return env or "auto"
     if mode not in MODES:
         raise ValueError(f"route must be one of {', '.join(MODES)}, got {mode!r}")
     return mode
