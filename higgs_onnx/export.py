@@ -418,7 +418,7 @@ class Exporter:
         path = llm_route.compose(staging, {p: parts_manifest[p]["file"] for p in llm_route.USES})
         parts_manifest[llm_route.NAME] = {
             "part": llm_route.NAME, "precision": "int8", "file": path.name, "uses": list(llm_route.USES),
-            "derived": True, "parity": {"skipped": "gated as the route (manifest decoder.route)"},
+            "derived": True, "parity": {"skipped": "not gated yet"},
             "files": {path.name: {"size": path.stat().st_size, "sha256": sha256_file(path)}}, **io_signature(path)}
         # loadable with the route (its crossover not measured yet: the gate and the timing force each route)
         write_manifest(staging, self.manifest(ckpt, facts, parts_manifest, kv, {"kind": llm_route.KIND}))
@@ -446,6 +446,10 @@ class Exporter:
                                    f"build with --prefill-route none")
             say(f"int8 route refused, not written: {why} ({llm_route.summary(gate)})")
             return {"kind": "none", "refused": info}
+        w = gate["worst"]  # its parity: the gate's worst prompt, hidden states against the fp32 reference
+        parts_manifest[llm_route.NAME]["parity"] = {"ok": True, "cosine": 1.0 - w["int8"]["hidden_distance"],
+                                                    "int4_cosine": 1.0 - w["int4"]["hidden_distance"],
+                                                    "against": "fp32 reference, the gate's worst prompt"}
         say(f"int8 route: {llm_route.summary(gate)}; timing both routes for the crossover")
         timing = llm_route.measure(tts.backend.decoder)
         del tts

@@ -15,7 +15,9 @@ import numpy as np
 FP32_REL_ATOL = 1e-4
 THRESHOLDS = {
     "int4": {"llm_decoder": 0.5, "audio_embed": 0.99, "audio_heads": 0.99, "text_embed": 0.99},
-    "int8": {"audio_embed": 0.999, "audio_heads": 0.999, "text_embed": 0.999},
+    # the int8 route's decoder (llm_route): a floor that catches wrecks, as int4's; its gate is the build's
+    # comparison with the int4 route against fp32 (parts/llm_route.py)
+    "int8": {"audio_embed": 0.999, "audio_heads": 0.999, "text_embed": 0.999, "llm_decoder": 0.5},
     "fp16": {"llm_decoder": 0.999, "audio_embed": 0.999, "audio_heads": 0.999, "text_embed": 0.9999,
              "audio_tokenizer": 0.999, "audio_tokenizer_stream": 0.999},
 }
@@ -262,7 +264,7 @@ CHECKS = {"text_embed": check_text_embed, "audio_embed": check_audio_embed, "aud
           "audio_tokenizer": check_audio_tokenizer, "audio_tokenizer_stream": check_audio_tokenizer_stream,
           # the step graph holds the decoder: its hidden states are checked as the decoder's (its logits against
           # the parts chained at build time, parts/llm_step.check)
-          "llm_step": check_llm_decoder}
+          "llm_step": check_llm_decoder, "llm_route": check_llm_decoder}
 
 
 def check_part(name: str, path, ref, precision: str, provider: str = "cpu", seed: int = 0) -> dict:

@@ -48,6 +48,9 @@ class Provider:
     host_parts: tuple[str, ...] = field(default=())  # parts that run on the CPU beside it, by design
     int8_kv_cache: bool = False  # its GroupQueryAttention keeps a quantized (int8) cache (measured: the CPU EP)
     int8_gemm_route: bool = False  # an int4 gqa decoder may get the int8 GEMM route for many rows (parts/llm_route)
+    # ONNX Runtime provider options every session of it gets (cuda: no TF32, so fp32 parts compute in fp32: measured on
+    # an H200 with TF32 on, fp32 parts missed their 1e-4 parity by 30-200 x)
+    ort_options: tuple[tuple[str, str], ...] = ()
 
     @property
     def attentions(self) -> tuple[str, ...]:
@@ -91,7 +94,7 @@ PROVIDERS: dict[str, Provider] = {p.name: p for p in (
     Provider("cuda", "onnxruntime", "CUDAExecutionProvider", "cuda",
              {"gqa": ("int4", "fp16", "fp32"), "portable": ("int4", "fp16", "fp32")},
              memory="cuda", offset_binding=True, runs=("cuda",), status=BUILT_ONLY,
-             install="onnxruntime-gpu (same version as onnxruntime, replacing it)"),
+             install="onnxruntime-gpu (same version as onnxruntime, replacing it)", ort_options=(("use_tf32", "0"),)),
     Provider("dml", "onnxruntime", "DmlExecutionProvider", "dml",
              {"gqa": ("int4", "fp16"), "portable": ("int4", "fp32")},
              memory="dml", offset_binding=False, runs=("dml",), status=BUILT_ONLY,

@@ -35,7 +35,8 @@ def test_manifests_name_the_decoder_graph_and_cache_layout(exports):
             "openvino_int4": ("portable", "concat", "openvino-ir")}
     for name, (attention, cache, fmt) in want.items():
         m = load_manifest(exports[name], verify=True)
-        assert m.decoder == {"attention": attention, "cache": cache, "format": fmt, "kv_cache": {"dtype": "fp32"}}
+        assert m.decoder == {"attention": attention, "cache": cache, "format": fmt, "kv_cache": {"dtype": "fp32"},
+                             "route": {"kind": "none"}}
         assert m.parts["llm_decoder"]["parity"]["ok"], name
     fp16 = load_manifest(exports["cpu_fp16_portable"], verify=False)
     assert fp16.parts["llm_decoder"]["parity"]["ok"] and fp16.parts["llm_decoder"]["inputs"][0]["dtype"] == "float16"

@@ -105,6 +105,8 @@ def test_failing_gates_in_two_sections_still_write_both_reports(builds, tiny_ckp
     skipped = {k: v["skipped"] for k, v in rep["sections"].items() if "skipped" in v}
     assert skipped.pop("teacher_codes").startswith("not asked")
     assert skipped.pop("kv_cache") == "nothing to compare (the KV cache is fp32)"
+    assert skipped.pop("route", "nothing to compare (the export has no int8 route)") == (
+        "nothing to compare (the export has no int8 route)")
     assert not skipped or list(skipped) == ["intelligibility"] and "faster-whisper" in skipped["intelligibility"]
     assert not any("error" in v for v in rep["sections"].values())
     assert not (tmp_path / "r_plots").exists() and "![" not in md

@@ -32,10 +32,11 @@ def optimize(*args, **kw):
 def test_every_part_and_manifest(builds, precision):
     m = load_manifest(builds[precision], verify=True)
     assert m.data["schema_version"] == 1 and m.data["execution_provider"] == "CPUExecutionProvider"
-    assert set(m.parts) == {*PART_NAMES, "llm_step"}  # the step graph, derived at assembly
+    # the step graph, derived at assembly; an int4 build also its int8 GEMM twin (the route)
+    assert set(m.parts) == {*PART_NAMES, "llm_step", *(("llm_route",) if precision == "int4" else ())}
     expected = {"int4": {"llm_decoder": "int4", "text_embed": "fp16", "audio_embed": "fp16", "audio_heads": "fp32",
                          "audio_encoder": "fp32", "audio_tokenizer": "fp32", "audio_tokenizer_stream": "fp32",
-                         "llm_step": "int4"},
+                         "llm_step": "int4", "llm_route": "int8"},
                 "fp32": dict.fromkeys((*PART_NAMES, "llm_step"), "fp32")}[precision]
     assert {p: e["precision"] for p, e in m.parts.items()} == expected
     assert m.parts["audio_heads"]["parity"]["argmax_agreement"] >= 0.99  # voice-critical: above int4 by default
@@ -182,7 +183,8 @@ def test_gpu_graphs_build_here(builds, tiny_ckpt, out_root, device, precision):
     assert m.data["device"] == device
     assert m.data["execution_provider"] == {"cuda": "CUDAExecutionProvider", "dml": "DmlExecutionProvider"}[device]
     assert m.parts["llm_decoder"]["parity"] == {"skipped": f"{device} graph (built, not run here)"}
-    assert m.decoder == {"attention": "gqa", "cache": "shared-buffer", "format": "onnx", "kv_cache": {"dtype": "fp32"}}
+    assert m.decoder == {"attention": "gqa", "cache": "shared-buffer", "format": "onnx", "kv_cache": {"dtype": "fp32"},
+                         "route": {"kind": "none"}}
     assert m.parts["llm_decoder"]["precision"] == precision
     heads = m.parts["audio_heads"]  # voice-critical: fp32 in an int4 build, fp16 in an fp16 one
     assert heads["precision"] == {"int4": "fp32", "fp16": "fp16"}[precision] and heads["parity"]["ok"]

@@ -6,6 +6,7 @@ gate."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -16,6 +17,7 @@ from higgs_onnx.runtime import route as routes
 from higgs_onnx.runtime.route import RoutePolicy
 
 TEXT = "The route speaks the same words."
+DATA = Path(__file__).resolve().parent / "data"
 
 
 # -- the policy (no export) ---------------------------------------------------------------------------------------
@@ -243,3 +245,22 @@ def test_the_default_mode_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv(routes.ENV, "sometimes")
     with pytest.raises(ValueError, match=r"\$HIGGS_ROUTE must be one of auto, off, on, got 'sometimes'"):
         routes.check_mode(None)
+
+
+@pytest.mark.slow
+def test_a_new_cached_and_saved_voice_speak_the_same_rows_on_the_route(builds, tmp_path):
+    """The voice's prefix is prefilled once (on the route: a long call) and its state reused: a new voice, the
+    cached one and one saved and loaded make the same calls after the prefix, so the same rows."""
+    from higgs_onnx.runtime.model import HiggsTTS
+    from higgs_onnx.runtime.voice import Voice
+
+    ref, text = DATA / "ref_en_24k.wav", (DATA / "ref_en_24k.txt").read_text().strip()
+    tts = HiggsTTS(builds["int4"], verify=False, route="on")
+    first = tts.generate(TEXT, ref_audio=ref, ref_text=text, seed=4, max_rows=40)
+    assert tts.backend.decoder.calls[True] >= 2  # the voice's prefix and the line's prefill
+    again = tts.generate(TEXT, ref_audio=ref, ref_text=text, seed=4, max_rows=40)
+    saved = tts.make_voice(ref, text).save(tmp_path / "v.npz")
+    fresh = HiggsTTS(builds["int4"], verify=False, route="on")
+    loaded = fresh.generate(TEXT, voice=Voice.load(saved, fresh.model_id), seed=4, max_rows=40)
+    np.testing.assert_array_equal(first.rows, again.rows)
+    np.testing.assert_array_equal(first.rows, loaded.rows)

@@ -52,7 +52,8 @@ def test_composed_from_the_parts_files_without_weights_of_its_own(builds, precis
 @pytest.mark.parametrize("precision", ["int4", "fp32"])
 def test_same_codes_as_the_parts_apart(builds, precision):
     """Zero-shot and cloned, sampled, alone and as a batch of three of different lengths, and streamed."""
-    step, parts = (HiggsTTS(builds[precision], step_graph=s) for s in (True, False))
+    # the route off: the parts apart have none, and it rounds differently from int4 (tests/test_route.py)
+    step, parts = (HiggsTTS(builds[precision], step_graph=s, route="off") for s in (True, False))
     assert step.backend.fused and step.backend.decoder_part == "llm_step"
     assert not parts.backend.fused and parts.backend.decoder_part == "llm_decoder"
     for seed in (1, 2):

@@ -303,7 +303,7 @@ def _twin(export: Path, dst: Path, rewrite, dtype: str, kv: dict) -> Path:
     import shutil
 
     from ..manifest import MANIFEST, link_or_copy, sha256_file, write_manifest
-    from . import llm_step
+    from . import llm_route, llm_step
 
     data = json.loads((export / MANIFEST).read_text())
     entry = data["parts"]["llm_decoder"]
@@ -320,9 +320,12 @@ def _twin(export: Path, dst: Path, rewrite, dtype: str, kv: dict) -> Path:
             if e["name"].startswith(("past_key_values.", "present.")):
                 e["dtype"] = dtype
     data["decoder"]["kv_cache"] = kv
-    if llm_step.NAME in data["parts"]:  # the step graph holds the decoder's graph: compose it again from the new one
-        step = data["parts"][llm_step.NAME]
-        path = llm_step.compose(dst, {p: data["parts"][p]["file"] for p in llm_step.USES})
+    # the step graph and the int8 route hold the decoder's graph: compose them again from the new one
+    for derived in (llm_step, llm_route):
+        if derived.NAME not in data["parts"]:
+            continue
+        step = data["parts"][derived.NAME]
+        path = derived.compose(dst, {p: data["parts"][p]["file"] for p in derived.USES})
         step["files"] = {path.name: {"size": path.stat().st_size, "sha256": sha256_file(path)}}
         for io in ("inputs", "outputs"):
             for e in step[io]:

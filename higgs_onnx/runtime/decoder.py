@@ -333,14 +333,16 @@ class BoundDecoder(_Graph):
 
     def allocate(self, shape: tuple, name: str):
         """One KV buffer: (host array or None, OrtValue). np.zeros maps untouched pages lazily, so only the
-        positions written cost memory; device buffers are left uninitialised (GQA reads only written rows)."""
+        positions written cost memory. Device buffers are zeroed too (one host-to-device copy when made): CUDA's
+        attention reads past the written rows and weighs them by zero, and uninitialised memory holding a NaN turns
+        that zero into NaN (NaN hidden states on an H200 with ORT 1.31.1 before this)."""
         import onnxruntime as ort
 
         dtype = self.part.input_types[name]
         if self.host:
             a = np.zeros(shape, dtype)
             return a, ort.OrtValue.ortvalue_from_numpy(a)
-        return None, ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, self.memory, 0)
+        return None, ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, dtype), self.memory, 0)
 
     def new_cache(self, max_len: int, state: dict[str, np.ndarray] | None = None) -> BoundCache:
         """Buffers for `max_len` positions (prompt + generated rows), empty or holding a `snapshot`'s prefix."""

@@ -77,7 +77,8 @@ def create_session(path: Path, provider: str = "cpu", threads: int = 0, spin: bo
     if wanted != cpu:
         options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
     try:
-        sess = ort.InferenceSession(str(path), options, providers=[wanted] if wanted == cpu else [wanted, cpu])
+        chosen = (wanted, dict(p.ort_options)) if p.ort_options else wanted
+        sess = ort.InferenceSession(str(path), options, providers=[chosen] if wanted == cpu else [chosen, cpu])
     except Exception as e:  # noqa: BLE001 - a damaged graph raises ORT's Fail/InvalidProtobuf or even UnicodeDecodeError
         raise RuntimeError(f"ONNX Runtime cannot load {path.name}: {e} (a damaged file? the sha256 check at load, "
                            f"skipped with --no-verify, finds those)") from None
