@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--parts-apart", action="store_true",
                     help="drive the decoder, audio embedding and heads as three sessions even where the export has "
                          "the one-call step graph")
+    ap.add_argument("--route", choices=("auto", "off", "on"), help="the int8 prefill route where the export has one: "
+                    "auto (its measured crossover), off (the int4 graph for every call) or on (every call of two or "
+                    "more rows); default: $HIGGS_ROUTE, else auto (docs/building.md, the int8 prefill route)")
     ap.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the model files")
     add_log_level(ap)
     return ap
@@ -72,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
                           teacher_codes=args.teacher_codes, tolerance=args.tolerance,
                           gates=parse_thresholds(args.threshold))
     report, md = evaluate(args.model_path, args.checkpoint, options, outputs, verify=not args.no_verify,
-                          provider=args.provider, kv_cache=args.kv_cache, step_graph=not args.parts_apart)
+                          provider=args.provider, kv_cache=args.kv_cache, step_graph=not args.parts_apart,
+                          route=args.route)
     print("\n" + md)
     if report.failures:
         print(f"FAILED: {len(report.failures)} check(s); first: {report.failures[0]}", file=sys.stderr)

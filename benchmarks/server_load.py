@@ -259,14 +259,15 @@ def arrivals(s: Stream, zero: float) -> list[float]:
 
 
 def throughput_phase(server: Server, args) -> dict:
-    """4 closed-loop clients: each sends its next request as soon as its last one ends, for `--duration` s; the
-    rows the server made in that window (its /health row counter at both ends) / the window. Requests stop on EOC
+    """`--clients` closed-loop clients: each sends its next request as soon as its last one ends, for `--duration`
+    s; the rows the server made in that window (its /health row counter at both ends) / the window. Requests stop on EOC
     at different lengths, so only clients that keep sending keep the batch full (continuous batching)."""
     server.wait(lambda s: s["in_flight"] == 0, "an idle server")
     stop, done = threading.Event(), []
     # warm-up (not timed): the voice made on first use, the batch's bindings, every session's first run
-    with ThreadPoolExecutor(4) as pool:
-        list(pool.map(Stream.run, [Stream(server, THROUGHPUT_TEXT, seed=190 + i, max_rows=16) for i in range(4)]))
+    n = args.clients
+    with ThreadPoolExecutor(n) as pool:
+        list(pool.map(Stream.run, [Stream(server, THROUGHPUT_TEXT, seed=190 + i, max_rows=16) for i in range(n)]))
 
     def client(i: int) -> None:
         k = 0
@@ -274,7 +275,7 @@ def throughput_phase(server: Server, args) -> dict:
             done.append(Stream(server, THROUGHPUT_TEXT, seed=200 + 10 * i + k, max_rows=args.rows, stop=stop).run())
             k += 1
 
-    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(4)]
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(n)]
     before = server.stats()
     t0 = time.perf_counter()
     for t in threads:
@@ -289,7 +290,7 @@ def throughput_phase(server: Server, args) -> dict:
     rows = after["rows"] - before["rows"]
     steps = after["decoder_steps"] - before["decoder_steps"]
     audio = sum(s.audio_s() for s in done)
-    return {"clients": 4, "requests": len(done), "rows": rows, "decoder_steps": steps,
+    return {"clients": n, "requests": len(done), "rows": rows, "decoder_steps": steps,
             "mean_batch": rows / steps if steps else None, "wall_s": wall,
             "step_ms": wall / steps * 1e3 if steps else None, "rows_per_s": rows / wall,
             "codec_busy_s": after["codec_busy_s"] - before["codec_busy_s"], "audio_s": audio,
@@ -447,6 +448,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-path", type=Path, required=True, help="an onnx/<device>_<precision> export")
     ap.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (0 = one per core)")
     ap.add_argument("--max-batch", type=int, default=4)
+    ap.add_argument("--clients", type=int, default=4, help="closed-loop clients of the throughput phase (8 with "
+                    "--max-batch 8: the int8 route's batched steps; HIGGS_ROUTE=off for the int4 route alone)")
     ap.add_argument("--prefill-chunk", type=int, help="passed to the server (default: sized by time)")
     ap.add_argument("--clone-words", type=int, default=40, help="words of the clone request's text (40: a prompt of "
                     "~310 positions with the bundled reference)")

@@ -107,8 +107,9 @@ def test_the_fp32_twin_is_the_fp32_cache_build_on_the_same_weights(builds, tiny_
     plain = Exporter(str(tiny_ckpt), out_root, opts).run()
     assert kv_cache.cache_dtype(plain / "llm_decoder.onnx") == "fp32"
     twin = kv_cache.fp32_twin(builds["int4"], tmp_path / "twin")
-    a = HiggsTTS(plain, verify=True).generate("Twins.", temperature=0, max_rows=40).rows
-    b = HiggsTTS(twin, verify=True).generate("Twins.", temperature=0, max_rows=40).rows
+    # the int8 route off: each export measured its own crossover (tests/test_route.py)
+    a = HiggsTTS(plain, verify=True, route="off").generate("Twins.", temperature=0, max_rows=40).rows
+    b = HiggsTTS(twin, verify=True, route="off").generate("Twins.", temperature=0, max_rows=40).rows
     np.testing.assert_array_equal(a, b)
     with pytest.raises(ValueError, match="quantized already"):
         kv_cache.quantize_cache(builds["int4"] / "llm_decoder.onnx", tmp_path / "x.onnx",

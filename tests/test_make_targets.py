@@ -122,6 +122,7 @@ def test_the_readme_names_only_targets_that_exist():
 # (export, eval.py flags, the decoder part it runs, where its KV cache lives)
 ROUTES = {
     "ort-step-graph": ("cpu_int4", None, "llm_step", "cpu"),  # None: the make target's report
+    "ort-int4-only": ("cpu_int4", ["--route", "off"], "llm_step", "cpu"),  # without the int8 prefill route
     "ort-parts-apart": ("cpu_int4", ["--parts-apart"], "llm_decoder", "cpu"),
     "ort-host-cache": ("cpu_int4", ["--kv-cache", "host"], "llm_step", "host"),
     "openvino-state": ("openvino_int4", None, "llm_decoder", "state"),
@@ -198,9 +199,12 @@ def test_every_route_reports_the_same_quantities(reports):
 
 
 def test_routes_of_one_export_agree(reports):
-    """The ORT routes of cpu_int4 run the same weights and kernels: the decoder's hidden states agree to rounding and
-    the text LM's greedy tokens are equal; the OpenVINO export's two cache routes too."""
-    for a, b in (("ort-step-graph", "ort-parts-apart"), ("ort-step-graph", "ort-host-cache"),
+    """The ORT routes of cpu_int4 on the int4 graph run the same weights and kernels: the decoder's hidden states
+    agree to rounding and the text LM's greedy tokens are equal; the OpenVINO export's two cache routes too. (The
+    make target's report runs prefills on the int8 route: its own section compares the two, and its gate holds.)"""
+    assert reports["ort-step-graph"][1]["meta"]["route"]["int8_route"] in (True, False)
+    assert all(c["ok"] for c in reports["ort-step-graph"][1]["checks"] if c["section"] == "route")
+    for a, b in (("ort-int4-only", "ort-parts-apart"), ("ort-int4-only", "ort-host-cache"),
                  ("openvino-state", "openvino-host-cache")):
         sa, sb = reports[a][1]["sections"], reports[b][1]["sections"]
         assert sa["decoder_steps"]["cosine"] == pytest.approx(sb["decoder_steps"]["cosine"], abs=1e-5), (a, b)

@@ -67,8 +67,8 @@ class EvalContext:
         or `llm_decoder` with the embedding and heads apart) and where its KV cache lives (`backend.kv_memory`:
         "cpu"/"cuda"/"dml" bound buffers, "state" inside OpenVINO's compiled model, "host" arrays fed back)."""
         be = self.tts.backend
-        return {"decoder": be.decoder_part, "kv_cache": be.kv_memory, "asked": {"kv_cache": self.tts.kv_cache,
-                                                                                "step_graph": self.tts.step_graph}}
+        return {"decoder": be.decoder_part, "kv_cache": be.kv_memory, "int8_route": be.route_part is not None,
+                "asked": {"kv_cache": self.tts.kv_cache, "step_graph": self.tts.step_graph, "route": self.tts.route}}
 
     def ran_on(self) -> dict[str, str]:
         """part -> the provider/device its session ran on (each checked at load: no silent fallback)."""

@@ -111,7 +111,8 @@ SECTIONS: dict[str, Section] = {
 
 
 def load_models(model_path: Path, checkpoint: str | None, verify: bool = True, provider: str | None = None,
-                options: EvalOptions | None = None, kv_cache: str = "bound", step_graph: bool = True):
+                options: EvalOptions | None = None, kv_cache: str = "bound", step_graph: bool = True,
+                route: str | None = None):
     """(HiggsTTS, ReferenceModel): the export on the route `provider` / `kv_cache` / `step_graph` pick (HiggsTTS's
     arguments of those names) and its reference (default: the checkpoint its manifest names). The prompts of
     `options` are checked against the request contract first, before the reference loads."""
@@ -119,7 +120,8 @@ def load_models(model_path: Path, checkpoint: str | None, verify: bool = True, p
     from ..reference.model import ReferenceModel, parity_dtype
     from ..runtime.model import HiggsTTS
 
-    tts = HiggsTTS(model_path, provider=provider, verify=verify, kv_cache=kv_cache, step_graph=step_graph)
+    tts = HiggsTTS(model_path, provider=provider, verify=verify, kv_cache=kv_cache, step_graph=step_graph,
+                   route=route)
     check_prompts(tts, options or EvalOptions())
     source = checkpoint or manifest_checkpoint(tts.manifest)
     ref = ReferenceModel(resolve(source), dtype=parity_dtype(tts.facts))
@@ -206,11 +208,11 @@ def check_prompts(tts, options: EvalOptions) -> None:
 
 def evaluate(model_path: Path, checkpoint: str | None = None, options: EvalOptions | None = None,
              outputs: Outputs | None = None, verify: bool = True, provider: str | None = None,
-             kv_cache: str = "bound", step_graph: bool = True) -> tuple[Report, str]:
+             kv_cache: str = "bound", step_graph: bool = True, route: str | None = None) -> tuple[Report, str]:
     """Load (on the route `provider` / `kv_cache` / `step_graph` pick, see `load_models`), run every section, write
     the reports; (report, Markdown text)."""
     outputs = outputs or Outputs()
     outputs.check()
-    tts, ref = load_models(model_path, checkpoint, verify, provider, options, kv_cache, step_graph)
+    tts, ref = load_models(model_path, checkpoint, verify, provider, options, kv_cache, step_graph, route)
     report = Evaluator(tts, ref, options).run()
     return report, write_reports(report, outputs)

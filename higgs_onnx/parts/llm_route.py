@@ -51,6 +51,8 @@ POLICY = 1  # bump when the gate or the crossover rule changes: a build that ref
 ALLOWANCE = 1.0
 PREFILL_LADDER = (2, 4, 8, 16, 32, 64, 128)  # positions of a one-row call
 BATCH_LADDER = (2, 4, 8, 16)  # rows of a batched step
+GATE_TEXTS = ("Hello there, this is a test of the prefill route, spoken clearly.",
+              "A second line with other words: 3.5 kilos at 7:45, and then a question?")
 
 
 def _qname(x: str) -> str:
@@ -131,7 +133,6 @@ def gate_prompts(tts) -> list[tuple[str, np.ndarray]]:
     """(name, (P, D) embeddings) of real prompts: two zero-shot lines and a clone of the bundled reference."""
     from ..generation.engine import prompt_embeddings
     from ..generation.prompt import build_prompt
-    from .kv_cache import GATE_TEXTS
 
     rec = Path(__file__).resolve().parent.parent / "assets" / "recordings" / "ref_en_24k.flac"
     be, f = tts.backend, tts.facts
