@@ -25,10 +25,13 @@ ATTENTIONS = ("gqa", "portable")
 CACHE_LAYOUT = {"gqa": "shared-buffer", "portable": "concat"}
 
 # Ops that an accelerator EP may leave on the CPU by design (shape arithmetic on small int64 tensors); any other
-# node assigned to the CPU EP is a fallback, and a fallback is an error.
+# node assigned to the CPU EP is a fallback, and a fallback is an error. Transpose: the codec encoder's padding
+# reverses its int64 `pads` pairs with one (torch's F.pad export), which the CUDA EP leaves on the host (seen on an
+# H200, ORT 1.31.1); a float Transpose has a CUDA kernel and never falls back.
 SHAPE_OPS = frozenset({"Shape", "Size", "Gather", "Concat", "Unsqueeze", "Squeeze", "Slice", "Cast", "Range",
                        "ConstantOfShape", "Reshape", "Equal", "Where", "Add", "Sub", "Mul", "Div", "ReduceSum",
-                       "CumSum", "Expand", "Less", "Greater", "Not", "And", "Or", "Max", "Min", "Identity"})
+                       "CumSum", "Expand", "Less", "Greater", "Not", "And", "Or", "Max", "Min", "Identity",
+                       "Transpose"})
 
 
 @dataclass(frozen=True)

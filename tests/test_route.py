@@ -264,3 +264,13 @@ def test_a_new_cached_and_saved_voice_speak_the_same_rows_on_the_route(builds, t
     loaded = fresh.generate(TEXT, voice=Voice.load(saved, fresh.model_id), seed=4, max_rows=40)
     np.testing.assert_array_equal(first.rows, again.rows)
     np.testing.assert_array_equal(first.rows, loaded.rows)
+
+
+@pytest.mark.slow
+def test_asking_for_the_route_on_an_export_without_it_says_so(builds, caplog):
+    from higgs_onnx.runtime.model import HiggsTTS
+
+    with caplog.at_level("WARNING"):
+        tts = HiggsTTS(builds["fp32"], verify=False, route="on")
+        assert tts.backend.route_part is None
+    assert "route 'on': this export has no int8 route" in caplog.text

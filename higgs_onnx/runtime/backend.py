@@ -55,6 +55,10 @@ class OnnxBackend:
             policy = routes.NEVER
             if self.decoder_part == STEP_PART and ROUTE_PART in parts.manifest.parts:
                 policy = routes.policy(parts.manifest.decoder.get("route"), route)
+            elif route == "on":  # asked for by name: say why every call stays on int4
+                routes.log.warning("route 'on': this export has no int8 route next to its step graph (built with "
+                                   "--prefill-route none, refused by its gate, or not a cpu int4 build); every call "
+                                   "runs on int4")
             self.decoder = BoundDecoder(part, parts.facts, p.memory, p.offset_binding,
                                         route=parts.part(ROUTE_PART) if policy.active else None, policy=policy)
         self.fused = self.decoder.fused  # decode steps from codes to logits in one call
