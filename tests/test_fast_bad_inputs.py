@@ -147,3 +147,27 @@ def test_part_cache_rows(capsys, tiny_ckpt, tmp_path, monkeypatch):
     err = capsys.readouterr().err
     assert code == 2 and "$HIGGS_PART_CACHE" in err and "is a file, not a folder" in err, err
     assert not (tmp_path / "onnx").exists()
+
+
+def test_a_lexicon_that_is_no_regular_file_or_too_large_is_refused_at_once(capsys, no_model, tmp_path):
+    """/dev/zero once ran until the OOM killer stopped it, a FIFO blocked for ever: each is refused by name in
+    well under a second, before any model loads (the model path does not exist)."""
+    import os
+    import time
+
+    from higgs_onnx.text.lexicon import MAX_FILE_BYTES
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    big = tmp_path / "big.tsv"
+    with open(big, "wb") as f:
+        f.truncate(MAX_FILE_BYTES + 1)  # sparse: nothing written
+    rows = [(Path("/dev/zero"), "not a regular file (a device, a FIFO or a socket)"),
+            (fifo, "not a regular file (a device, a FIFO or a socket)"),
+            (big, f"{MAX_FILE_BYTES + 1:,} bytes; a lexicon file holds at most {MAX_FILE_BYTES:,}")]
+    for path, message in rows:
+        t0 = time.perf_counter()
+        code, err, out = run_inference(capsys, no_model, "--text", "Hi.", "--lexicon", path)
+        assert time.perf_counter() - t0 < 1.0, path
+        assert code == 2 and f"--lexicon {path}: {message}" in err and err.count("\n") == 1, err
+        assert "Traceback" not in err and not out.exists()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -24,6 +25,8 @@ from ..tags import CONTROL_TAG, between_tags
 MAX_ENTRIES = 10_000
 MAX_WORD = 100
 MAX_RESPELLING = 200
+# a file of MAX_ENTRIES entries of the longest word and respelling, with separators, fits in 4 MiB
+MAX_FILE_BYTES = 4 * 2**20
 
 
 class LexiconError(ValueError):
@@ -87,19 +90,40 @@ def check_entries(entries, label: str = "lexicon") -> dict[str, str]:
     return out
 
 
+def read_file(path: Path, label: str) -> str:
+    """The file's text, checked before it is opened: a regular file (not a device such as /dev/zero, a FIFO that
+    would block, a folder) of at most `MAX_FILE_BYTES`, and UTF-8; read with that bound, so a file that grows while
+    it is read is refused too."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise LexiconError(f"{label} {path}: no such file") from None
+    except OSError as e:
+        raise LexiconError(f"{label} {path}: cannot be read ({e.strerror})") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise LexiconError(f"{label} {path}: is a folder, not a lexicon file")
+    if not stat.S_ISREG(st.st_mode):
+        raise LexiconError(f"{label} {path}: not a regular file (a device, a FIFO or a socket); give a text file")
+    if st.st_size > MAX_FILE_BYTES:
+        raise LexiconError(f"{label} {path}: {st.st_size:,} bytes; a lexicon file holds at most {MAX_FILE_BYTES:,} "
+                           f"({MAX_ENTRIES:,} entries)")
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)
+    except OSError as e:
+        raise LexiconError(f"{label} {path}: cannot be read ({e.strerror})") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise LexiconError(f"{label} {path}: grew past {MAX_FILE_BYTES:,} bytes while it was read")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise LexiconError(f"{label} {path}: not UTF-8 text") from None
+
+
 def load(path: str | Path, label: str = "--lexicon") -> Lexicon:
     """A lexicon file: JSON (an object), or lines `word<TAB>respelling` / `word = respelling` with `#` comments."""
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise LexiconError(f"{label} {path}: no such file") from None
-    except IsADirectoryError:
-        raise LexiconError(f"{label} {path}: is a folder, not a lexicon file") from None
-    except UnicodeDecodeError:
-        raise LexiconError(f"{label} {path}: not UTF-8 text") from None
-    except OSError as e:
-        raise LexiconError(f"{label} {path}: cannot be read ({e.strerror})") from None
+    text = read_file(path, label)
     if path.suffix.lower() == ".json":
         try:
             return Lexicon(check_entries(json.loads(text), f"{label} {path}"))
