@@ -179,3 +179,22 @@ def test_hostile_text_never_breaks_the_normaliser():
         text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
         for language in ("en", "zh"):
             assert isinstance(normalize(text, language), str)
+
+
+@pytest.mark.parametrize("text, said", [
+    ("1e308", "one e308"), ("Set 5x zoom", "Set five x zoom"), ("A 3D print", "A three D print"),
+    ("Meet on 2026-13-45.", "Meet on two thousand and twenty-six dash thirteen dash forty-five."),
+    ("2026-02-30", "two thousand and twenty-six dash two dash thirty"),
+    ("31/02/2026", "thirty-one slash two slash two thousand and twenty-six"),
+    ("At 25:61 sharp.", "At twenty-five colon sixty-one sharp."),
+    ("2024-02-29", "February twenty-ninth, twenty twenty-four"),  # a leap day is a date
+    ("at 7:45 pm", "at seven forty-five p m"),
+])
+def test_numbers_never_glue_to_letters_and_impossible_dates_read_as_written(text, said):
+    assert normalize(text, "en") == said
+
+
+def test_impossible_dates_and_times_in_chinese_read_as_written():
+    assert normalize("会议在2026-13-45举行", "zh") == "会议在二千零二十六杠十三杠四十五举行"
+    assert normalize("时间是25:61", "zh") == "时间是二十五冒号六十一"
+    assert normalize("2026-02-03", "zh") == "二零二六年二月三日"

@@ -16,6 +16,7 @@ speech is not measured here (docs/text.md).
 
 from __future__ import annotations
 
+import calendar
 import re
 import warnings
 from decimal import Decimal, InvalidOperation
@@ -68,6 +69,7 @@ EMAIL = _re(r"\b[\w.+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+\b")
 ISO_DATE = _re(r"(?<![\w-])(\d{4})-(\d{2})-(\d{2})(?![\w-])")
 SLASH_DATE = _re(r"(?<![\w/])(\d{1,2})/(\d{1,2})(?:/(\d{4}|\d{2}))?(?![\w/])")
 TIME = _re(r"(?<![\w:])([01]?\d|2[0-3]):([0-5]\d)(?::([0-5]\d))?(?:\s?([AaPp])(?:\.[Mm](?=\.)|\s?[Mm]\b))?(?![\w:])")
+CLOCK = _re(r"(?<![\w:])\d{1,2}:\d{2}(?::\d{2})?(?![\w:])")  # a time's shape that TIME found no time in (25:61)
 PERCENT = _re(rf"(?<![\w.])(-?)({NUM})\s?[%％]")
 RANGE = _re(rf"(?<![\w.,-])({NUM})\s?[-–~]\s?({NUM})(?![\w.,]*\d)")
 FRACTION = _re(r"(?<![\w/.])(\d{1,3})/(\d{1,3})(?![\w/])")
@@ -104,6 +106,13 @@ MONTH_DAY = _re(r"\b(" + "|".join(MONTHS) + "|" + "|".join(a.title() for a in MO
                        + r")\.?\s+(\d{1,2})(?:st|nd|rd|th)?(?:,?\s+(\d{4}))?\b")
 
 
+def real_date(year: int | None, month: int, day: int) -> bool:
+    """Whether the calendar has that day (no year: any year's, so February 29 is real)."""
+    if not 1 <= month <= 12 or day < 1:
+        return False
+    return day <= calendar.monthrange(2000 if year is None else year, month)[1]
+
+
 def _decimal(s: str) -> Decimal:
     return Decimal(s.replace(",", ""))
 
@@ -123,8 +132,24 @@ class _NumberReader:
 
     def read(self, text: str) -> str:
         for pattern, fn in self.rules():
-            text = pattern.sub(lambda m, fn=fn: self.safely(fn, m), text)
+            text = pattern.sub(lambda m, fn=fn: self.unglued(self.safely(fn, m), m), text)
         return text
+
+    @staticmethod
+    def unglued(said: str, m: re.Match) -> str:
+        """A reading that ends in a Latin letter where the written form's last digit touched one ("5x", "1e308")
+        gets a space, so the words never run into the letters ("five x", not "fivex")."""
+        after = m.string[m.end():m.end() + 1]
+        if said and after.isascii() and after.isalpha() and said[-1].isascii() and said[-1].isalpha() \
+                and m.group()[-1:].isdigit():
+            return said + " "
+        return said
+
+    def as_written(self, text: str) -> str:
+        """A date or time that the calendar or the clock does not have (2026-13-45, 25:61), read as it is written:
+        each number, and each separator by its name."""
+        parts = re.findall(r"\d+|[-/:.]", text)
+        return self.JOIN.join(self.SAID.get(p, p) if not p.isdigit() else self.number_words(p) for p in parts)
 
     def safely(self, fn, m: re.Match) -> str:
         """`fn(m)`; a number too long for the libraries' words (num2words stops at 10**306, cn2an at 16 digits) is
@@ -206,7 +231,7 @@ class _English(_NumberReader):
                 (MIXED, self.mixed), (SLASH_DATE, self.slash), (DAYS, self.days), (VULGAR, self.vulgar),
                 (CENTS, lambda m: f"{self.n2w(int(m.group(1)))} cent{'s' if m.group(1) != '1' else ''}"),
                 (DASH, lambda m: " to "), (LEADING_POINT, lambda m: "0" + m.group()), (TIME, self.time),
-                (HOUR, self.hour),
+                (CLOCK, lambda m: self.as_written(m.group())), (HOUR, self.hour),
                 (VERSION, self.version), (DECADE, self.decade),
                 (self.money, self.cash),
                 (PERCENT, self.percent), (self.measure, self.unit), (RANGE, self.range), (ORDINAL, self.ordinal),
@@ -247,16 +272,21 @@ class _English(_NumberReader):
         return lead + ", ".join(self.digits(g) for g in groups)
 
     def date_words(self, month: int, day: int, year: str | None) -> str | None:
-        if not (1 <= month <= 12 and 1 <= day <= 31):
+        y = None if not year else int(year) if len(year) == 4 else 2000 + int(year)
+        if not real_date(y, month, day):
             return None
         out = f"{MONTHS[month - 1]} {self.n2w(day, to='ordinal')}"
-        if year:
-            y = int(year) if len(year) == 4 else 2000 + int(year)
+        if y is not None:
             out += f", {self.n2w(y, to='year')}"
         return out
 
+    def number_words(self, s: str) -> str:
+        return self.cardinal(s)
+
+    JOIN = " "
+
     def iso_date(self, m):
-        return self.date_words(int(m.group(2)), int(m.group(3)), m.group(1)) or m.group()
+        return self.date_words(int(m.group(2)), int(m.group(3)), m.group(1)) or self.as_written(m.group())
 
     def month_day(self, m):
         month = MONTH_ABBR[m.group(1).lower()[:3]]
@@ -268,6 +298,8 @@ class _English(_NumberReader):
         dated = year or re.search(r"\b(?:on|since|by|until|till|from|due|dated|before|after)\s*$", before, re.I)
         if not dated and b <= 10 and 0 < a < b:
             return self.fraction(a, b)
+        if year:  # a day, a month and a year: a date, or written as one
+            return self.date_words(a, b, year) or self.as_written(m.group())
         return self.date_words(a, b, year) or (self.fraction(a, b) if b else m.group())
 
     def fraction(self, a: int, b: int) -> str:
@@ -376,7 +408,7 @@ class _Chinese(_NumberReader):
                 (PHONE, lambda m: ("加" if m.group().startswith("+") else "") + self.digits(m.group())),
                 (CALLED, lambda m: self.digits(m.group(1))), (ISO_DATE, self.iso_date), (self.dotted, self.iso_date),
                 (self.year_span, lambda m: self.digits(m.group(1))), (self.zh_date, self.date),
-                (TIME, self.time), (DASH, lambda m: "到"), (VULGAR, lambda m: "{1}分之{0}".format(
+                (TIME, self.time), (CLOCK, lambda m: self.as_written(m.group())), (DASH, lambda m: "到"), (VULGAR, lambda m: "{1}分之{0}".format(
                     *(self.number_words(str(n)) for n in FRACTIONS[m.group()]))), (self.money, self.cash),
                 (PERCENT, lambda m: ("负" if m.group(1) else "") + "百分之" + self.number_words(m.group(2))),
                 (PER_MILLE, lambda m: "千分之" + self.number_words(m.group(1))), (self.two, lambda m: "两"),
@@ -391,8 +423,12 @@ class _Chinese(_NumberReader):
     def url(self, m):
         return _spelled(m.group(), self.SAID, self.digits, "")
 
+    JOIN = ""
+
     def iso_date(self, m):
         y, mo, d = m.groups()
+        if not real_date(int(y), int(mo), int(d)):
+            return self.as_written(m.group())
         return f"{self.digits(y)}年{self.number_words(str(int(mo)))}月{self.number_words(str(int(d)))}日"
 
     def date(self, m):
