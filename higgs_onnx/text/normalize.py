@@ -408,7 +408,8 @@ class _Chinese(_NumberReader):
                 (PHONE, lambda m: ("加" if m.group().startswith("+") else "") + self.digits(m.group())),
                 (CALLED, lambda m: self.digits(m.group(1))), (ISO_DATE, self.iso_date), (self.dotted, self.iso_date),
                 (self.year_span, lambda m: self.digits(m.group(1))), (self.zh_date, self.date),
-                (TIME, self.time), (CLOCK, lambda m: self.as_written(m.group())), (DASH, lambda m: "到"), (VULGAR, lambda m: "{1}分之{0}".format(
+                (TIME, self.time), (CLOCK, lambda m: self.as_written(m.group())),
+                (DASH, lambda m: "到"), (VULGAR, lambda m: "{1}分之{0}".format(
                     *(self.number_words(str(n)) for n in FRACTIONS[m.group()]))), (self.money, self.cash),
                 (PERCENT, lambda m: ("负" if m.group(1) else "") + "百分之" + self.number_words(m.group(2))),
                 (PER_MILLE, lambda m: "千分之" + self.number_words(m.group(1))), (self.two, lambda m: "两"),
