@@ -84,7 +84,7 @@ MIXED = _re(r"(?<![\w./])(\d+) (\d)/(\d{1,2})(?![\w/])")
 FRACTIONS = {"½": (1, 2), "⅓": (1, 3), "⅔": (2, 3), "¼": (1, 4), "¾": (3, 4), "⅕": (1, 5), "⅛": (1, 8)}
 VULGAR = re.compile("|".join(FRACTIONS))
 SAID_DASH = re.compile(r"(?<=[点分秒年零〇一二三四五六七八九十百千])\s?[-–~]\s?(?=[零〇一二三四五六七八九十百千])")
-PER_MILLE = _re(r"(\d+(?:\.\d+)?)\s?‰")
+PER_MILLE = _re(r"(?<!\d)(\d+(?:\.\d+)?)\s?‰")  # (?<!\d): never tried again inside a number (linear time)
 CENTS = _re(r"(?<![\w.])(\d{1,2})\s?¢")
 DAY_NAMES = {"mon": "Monday", "tue": "Tuesday", "wed": "Wednesday", "thu": "Thursday", "fri": "Friday",
              "sat": "Saturday", "sun": "Sunday"}
@@ -111,6 +111,23 @@ def real_date(year: int | None, month: int, day: int) -> bool:
     if not 1 <= month <= 12 or day < 1:
         return False
     return day <= calendar.monthrange(2000 if year is None else year, month)[1]
+
+
+CONTEXT = 64  # characters around a match its reading looks at (a cue word before, punctuation after)
+
+
+def _before(m: re.Match) -> str:
+    """The text just before a match, for a cue word: a window, never the whole prefix (which made a long text's
+    reading quadratic: every number searched everything before it); where it starts after the text does, a marker
+    first, so that "nothing but spaces before it" stays true only at the text's start."""
+    start = max(0, m.start() - CONTEXT)
+    return ("" if start == 0 else "\x00") + m.string[start:m.start()]
+
+
+def _after(m: re.Match) -> str:
+    """The text just after a match; where the window ends before the text does, a marker that matches no `$`."""
+    end = m.end() + CONTEXT
+    return m.string[m.end():end] + ("" if end >= len(m.string) else "\x00")
 
 
 def _decimal(s: str) -> Decimal:
@@ -294,7 +311,7 @@ class _English(_NumberReader):
 
     def slash(self, m):
         a, b, year = int(m.group(1)), int(m.group(2)), m.group(3)
-        before = m.string[:m.start()]
+        before = _before(m)
         dated = year or re.search(r"\b(?:on|since|by|until|till|from|due|dated|before|after)\s*$", before, re.I)
         if not dated and b <= 10 and 0 < a < b:
             return self.fraction(a, b)
@@ -367,8 +384,7 @@ class _English(_NumberReader):
     def number(self, m):
         sign, s = m.group(1), m.group(2)
         if not sign and re.fullmatch(r"1\d\d\d|20\d\d", s):
-            before = m.string[:m.start()]
-            after = m.string[m.end():]
+            before, after = _before(m), _after(m)
             cued = self.YEAR_CUES.search(before)
             if cued or (s[1] != "0" and (not before.strip() or re.match(r"\s*(?:[.,;:!?)]|$|s\b)", after))):
                 return self.n2w(int(s), to="year")
@@ -389,7 +405,7 @@ class _Chinese(_NumberReader):
 
         self.cn2an = cn2an
         units = sorted(self.UNITS, key=len, reverse=True)
-        self.measure = _re(rf"(-?)({NUM})\s?(" + "|".join(re.escape(u) for u in units) + r")(?![A-Za-z/])")
+        self.measure = _re(rf"(?<!\d)(-?)({NUM})\s?(" + "|".join(re.escape(u) for u in units) + r")(?![A-Za-z/])")
         symbols = "|".join(re.escape(s) for s in sorted(self.CURRENCY, key=len, reverse=True))
         self.money = _re(rf"({symbols})\s?({NUM})(万|亿)?")
         self.zh_date = _re(r"(\d{4})年(?:(\d{1,2})月(?:(\d{1,2})[日号])?)?|(\d{1,2})月(\d{1,2})[日号]")
