@@ -47,7 +47,8 @@ def router(svc: SpeechService) -> APIRouter:
         except ValidationError as e:
             message, param = validation_message(e)
             raise ApiError(400, message, param, "invalid_value") from None
-        text, job_opts, tag, reading = svc.check_speech(r)
+        # off the event loop: the text steps (normalize, markdown, the lexicon) read up to the input bound
+        text, job_opts, tag, reading = await asyncio.to_thread(svc.check_speech, r)
         options = job_opts.generation
         if r.stream and r.stream_format == "audio" and r.response_format != "pcm":
             raise ApiError(400, f"stream: true sends raw PCM: it needs response_format 'pcm', got "

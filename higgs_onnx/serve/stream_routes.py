@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from fastapi import APIRouter, WebSocket
@@ -48,7 +49,7 @@ def router(svc: SpeechService) -> APIRouter:
                                           f"frames, as it is made", name, "unsupported_parameter")
                 inline = normalise(body)  # Boson's ref_audio/ref_text, sglang-omni's references (serve/shapes.py)
                 r = SpeechRequest.model_validate({**body, "input": "-"})
-                _, job_opts, tag, _ = svc.check_speech(r, "websocket")
+                _, job_opts, tag, _ = await asyncio.to_thread(svc.check_speech, r, "websocket")  # off the loop
                 if isinstance(inline, list):
                     raise ConfigError("references: a blend of several references is not supported on the text-in "
                                       "WebSocket (it continues one KV context across segments); send one reference",

@@ -10,6 +10,7 @@ request's `max_rows`; its seed is the session's seed + its index.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import AsyncIterator
 
@@ -82,7 +83,9 @@ class SpeechSession:
 
     async def speak(self, text: str) -> AsyncIterator[AudioChunk]:
         """The segment's chunks as they are made; afterwards its cache waits for the next segment."""
-        job = self.submit(self.prefix + (self.read(text) if self.read else text))
+        if self.read:  # the text steps, off the event loop (a segment may be up to the session's text bound)
+            text = await asyncio.to_thread(self.read, text)
+        job = self.submit(self.prefix + text)
         try:
             async for chunk in job:
                 yield chunk
