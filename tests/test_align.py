@@ -265,3 +265,30 @@ def test_the_servers_piece_cues_carry_the_words_timed_on_their_own_samples(en):
     assert isinstance(got[0], Cue) and got[0].end is None and got[0].text == text
     assert got[1:-1] == one and got[-1].end == len(x)
     assert [(w.start, w.end, w.text) for w in got[-1].words] == own
+
+
+def test_the_server_times_words_in_one_lower_priority_thread():
+    """serve.pieces.aligned: the server's aligner pool is one thread, niced below the process (Linux), and gives
+    what captions.timed gives."""
+    import asyncio
+    import os
+    import threading
+
+    from higgs_onnx.serve import pieces
+
+    seen = {}
+
+    def probe():
+        seen["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        seen["name"] = threading.current_thread().name
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        await pieces.aligned(pieces.Cue(0, 0, "x"), np.zeros(0, np.float32), 24000, "en")  # makes the pool
+        await loop.run_in_executor(pieces._aligner, probe)
+
+    asyncio.run(run())
+    assert pieces._aligner._max_workers == pieces.ALIGNER_THREADS == 1
+    assert seen["name"].startswith("higgs-align")
+    assert seen["nice"] >= os.getpriority(os.PRIO_PROCESS, 0) + min(pieces.ALIGNER_NICE, 19 - os.getpriority(
+        os.PRIO_PROCESS, 0))

@@ -27,8 +27,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -228,17 +231,40 @@ async def with_words(first, items: AsyncIterator, text: str, sample_rate: int, l
                 if item.end is None:
                     held = []
                 else:
-                    item = await asyncio.to_thread(timed, item, joined(held), sample_rate, language)
+                    item = await aligned(item, joined(held), sample_rate, language)
             else:
                 held.append(item.samples)
             yield item
             item = await anext(items, None)
         if single:
             samples = joined(held)
-            yield await asyncio.to_thread(timed, Cue(0, samples.size, text), samples, sample_rate, language)
+            yield await aligned(Cue(0, samples.size, text), samples, sample_rate, language)
 
     out = stream()
     return await anext(out), out
+
+
+ALIGNER_THREADS = 1  # word timing (0.5-1.3 s of CPU a piece) for every stream of the server, one at a time
+ALIGNER_NICE = 10  # below the decoder's threads: word timing can slow its own stream's words, not the others' audio
+_aligner: ThreadPoolExecutor | None = None
+
+
+def _lower_priority() -> None:
+    """The aligner thread at a lower scheduling priority (Linux sets a nice value per thread)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), ALIGNER_NICE)
+    except (AttributeError, OSError):  # not Linux, or not allowed: it runs at the process's priority
+        log.debug("the aligner thread keeps the process's priority")
+
+
+async def aligned(cue: Cue, samples: np.ndarray, sample_rate: int, language: str) -> Cue:
+    """`captions.timed` in the server's one aligner pool (bounded, lower priority), not the default executor that
+    the text steps and voice uploads share: 8 word-timed streams queue their pieces here instead of taking every
+    core from the decoder."""
+    global _aligner
+    if _aligner is None:
+        _aligner = ThreadPoolExecutor(ALIGNER_THREADS, thread_name_prefix="higgs-align", initializer=_lower_priority)
+    return await asyncio.get_running_loop().run_in_executor(_aligner, timed, cue, samples, sample_rate, language)
 
 
 def joined(samples: list) -> np.ndarray:
