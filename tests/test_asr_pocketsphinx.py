@@ -18,12 +18,11 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pocketsphinx  # noqa: F401 - pinned (requirements.txt): a missing one is a failure, never a silent skip
 import pytest
 
-pytest.importorskip("pocketsphinx")
-
-from higgs_onnx.asr import AsrUnavailable, PocketsphinxTranscriber, Transcriber, error_rate  # noqa: E402
-from higgs_onnx.audio import read_audio  # noqa: E402
+from higgs_onnx.asr import AsrUnavailable, PocketsphinxTranscriber, Transcriber, error_rate
+from higgs_onnx.audio import read_audio
 
 DATA = Path(__file__).resolve().parent / "data"
 

@@ -208,3 +208,30 @@ def test_closing_a_scheduler_whose_lock_a_ctrl_c_left_held_still_ends(tts):
     assert time.perf_counter() - t0 < 6
     assert all(h.finished.is_set() and h.error is not None for h in handles)
     sched._lock.release()
+
+
+def test_a_stop_keeps_its_grace_when_a_step_outlasts_it(tts, monkeypatch):
+    """A decoder call longer than the stop's timeout (a big prompt on the 4b model): stop() returns after the
+    timeout, every request ends ("shutting down"), and the loop's daemon thread finishes its call on its own."""
+    import time
+
+    sched = tts.scheduler(2, 512)
+    slow, started = threading.Event(), threading.Event()
+    real = sched.backend.prefill
+
+    def prefill(cache, embeds):
+        started.set()
+        slow.wait(10)  # held until the test lets it go
+        return real(cache, embeds)
+
+    monkeypatch.setattr(sched.backend, "prefill", prefill)
+    sched.start()
+    handles = [sched.submit(tts.request(TEXTS[i], seed=i, max_rows=40, slot=512), "speech") for i in range(2)]
+    assert started.wait(30)
+    t0 = time.perf_counter()
+    sched.stop(timeout=0.5)
+    assert time.perf_counter() - t0 < 4.0  # 0.5 s join + the close (its lock waits 2 s at most)
+    for h in handles:
+        with pytest.raises(Exception, match="shutting down"):
+            h.wait()
+    slow.set()

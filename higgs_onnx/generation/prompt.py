@@ -18,9 +18,11 @@ from dataclasses import dataclass
 
 from tokenizers import Tokenizer
 
+from ..tags import CONTROL_TAG
+
 log = logging.getLogger(__name__)
 SPECIAL_NAMES = ("tts", "text", "audio", "ref_audio", "ref_text")
-TAG_PATTERN = re.compile(r"<\|[^<>|]*\|>")
+TAG_PATTERN = CONTROL_TAG  # the one inline-tag pattern (tags.py)
 CONTROL_TAG_SHAPE = re.compile(r"<\|[a-z_]+:[a-z_]+\|>")  # <|category:name|>
 
 

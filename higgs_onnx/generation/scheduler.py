@@ -458,12 +458,17 @@ class Scheduler:
             self._thread.start()
         return self
 
-    def stop(self) -> None:
-        """End the loop's thread; requests still waiting or running fail ("shutting down")."""
+    def stop(self, timeout: float = 60.0) -> None:
+        """End the loop's thread; requests still waiting or running fail ("shutting down"). The loop ends after its
+        current step, and between the prompts it prefills; a step (one ORT call: a long prompt on a big model) that
+        outlasts `timeout` is left to finish in its daemon thread while everything is failed and freed here, so a
+        server's shutdown keeps its grace period."""
         self._stop.set()
         self._poke()
         if self._thread is not None:
-            self._thread.join(timeout=60)
+            self._thread.join(timeout=timeout)
+            if self._thread.is_alive():
+                log.warning("the scheduler's step outlasted %.0f s: shutting down without waiting for it", timeout)
             self._thread = None
         self.close(RuntimeError("the scheduler is shutting down"))
 
@@ -594,7 +599,7 @@ class Scheduler:
         """One chunk of the oldest prompt still prefilling; while nothing decodes, every waiting prompt to its end
         (nobody waits for them; in fixed chunks when the policy has them)."""
         decoding = any(x.request.decoding for x in self._running)
-        while True:
+        while not self._stop.is_set():  # stopping: not another prompt
             waiting = [h for h in self._running if h.request.prefilling]
             if not waiting:
                 return

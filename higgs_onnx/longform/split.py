@@ -25,7 +25,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-TAG = re.compile(r"<\|[^<>|]*\|>")  # = generation.prompt.TAG_PATTERN (not imported: that module needs `tokenizers`)
+from ..tags import CONTROL_TAG
+
+TAG = CONTROL_TAG  # the one inline-tag pattern (tags.py)
 CLOSERS = "\"”’')]»」』）】"
 OPENERS = "\"“‘'([«¿¡「『（【"
 _C = f"[{re.escape(CLOSERS)}]*"  # closing quotes and brackets stay with the sentence or clause they close

@@ -43,6 +43,9 @@ from ..generation.stream import AudioChunk
 __all__ = ["Job", "QueueFull", "JobScheduler", "ShuttingDown"]
 
 
+STOP_GRACE_S = 5.0  # a shutdown waits this long for the decoder loop's current step (docs/server.md)
+
+
 class ShuttingDown(RuntimeError):
     """The server stopped before the job ended (HTTP 503 for a job that had sent nothing yet)."""
 
@@ -136,10 +139,11 @@ class JobScheduler:
         self.core.start()
 
     def stop(self) -> None:
-        """End the loop's thread after its current step; jobs still waiting or running fail ("shutting down"),
-        every slot is freed and the codec worker stops."""
+        """End the loop's thread after its current step (at most `STOP_GRACE_S`: a longer step is left to its daemon
+        thread); jobs still waiting or running fail ("shutting down"), every slot is freed and the codec worker
+        stops."""
         self._stopping.set()
-        self.core.stop()
+        self.core.stop(timeout=STOP_GRACE_S)
 
     def submit(self, text: str, *, voice=None, options: GenerationOptions | None = None,
                stream_options: StreamOptions | None = None, exclusive: bool = False, keep: bool = False,
