@@ -283,6 +283,14 @@ def test_the_websocket_honours_references_and_speed(server):
 
 
 # -- hostile clients ---------------------------------------------------------------------------------------------
+def test_a_websocket_max_rows_too_small_for_a_frame_is_refused_at_config(server):
+    """max_rows 1 passes the field's bound (>= 1) but can never make a frame: refused at session.config, naming
+    the field, instead of failing every segment after it was accepted."""
+    got = asyncio.run(ws_config(server, {"response_format": "pcm", "max_rows": 1}))
+    assert got["type"] == "error" and got["param"] == "max_rows" and "at least" in got["message"], got
+    assert at_websocket(server, "max_rows", 40) is None
+
+
 def test_empty_references_and_overflowing_blend_weights_are_refused(server, builds, tmp_path, capsys):
     r = server.http.post("/v1/audio/speech", json={"model": "higgs-tts-3", "input": TEXT, "references": []})
     assert r.status_code == 400 and r.json()["error"]["param"] == "references", r.text

@@ -91,7 +91,8 @@ def test_control_tags_are_single_tokens_and_change_the_prompt(tts4):
 
 
 def test_bound_kv_cache_equals_the_simple_path(builds):
-    a = HiggsTTS(builds["int4"], kv_cache="bound").generate("Zero copies of the cache.", seed=1)
+    # the route off: the host path has none (the int8 route shares the bound buffers: tests/test_route.py)
+    a = HiggsTTS(builds["int4"], kv_cache="bound", route="off").generate("Zero copies of the cache.", seed=1)
     b = HiggsTTS(builds["int4"], kv_cache="host").generate("Zero copies of the cache.", seed=1)
     np.testing.assert_array_equal(a.rows, b.rows)
 

@@ -8,6 +8,7 @@ import logging
 from fastapi import APIRouter, WebSocket
 from pydantic import ValidationError
 
+from ..generation.contract import ContractError, check_max_rows
 from .http import (
     WS_FIELDS,
     WS_ONLY,
@@ -50,6 +51,11 @@ def router(svc: SpeechService) -> APIRouter:
                 inline = normalise(body)  # Boson's ref_audio/ref_text, sglang-omni's references (serve/shapes.py)
                 r = SpeechRequest.model_validate({**body, "input": "-"})
                 _, job_opts, tag, _ = await asyncio.to_thread(svc.check_speech, r, "websocket")  # off the loop
+                try:  # what the contract knows of max_rows before any text: here, not at every segment
+                    check_max_rows(job_opts.generation.max_rows, svc.tts.facts.num_codebooks,
+                                   svc.tts.limits(svc.scheduler.slot_positions))
+                except ContractError as e:
+                    raise ConfigError(str(e), e.param, e.code) from None
                 if isinstance(inline, list):
                     raise ConfigError("references: a blend of several references is not supported on the text-in "
                                       "WebSocket (it continues one KV context across segments); send one reference",
