@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "ONNX Runtime's int8 GEMM for calls of many rows (prefill, batched steps), gated against fp32 and "
                     "timed for the crossover (+1 byte per weight on disk and in memory); none: the int4 graph for "
                     "every call. Default: int8 for a cpu int4 gqa build if its gate holds (docs/building.md)")
+    ap.add_argument("--route-crossover", nargs=2, metavar=("POSITIONS", "ROWS"), help="record this crossover for the "
+                    "int8 route instead of measuring it here: one-row calls from POSITIONS, batched steps from ROWS "
+                    "('none': never); for a build meant for another machine")
     ap.add_argument("--part-precision", nargs="+", default=[], metavar="PART=PREC",
                     help="per-part precision overrides, e.g. audio_heads=fp16 audio_embed=fp32")
     ap.add_argument("--components", nargs="+", default=[], choices=PART_NAMES, metavar="PART",
@@ -61,6 +64,21 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def parse_crossover(values: list[str] | None) -> tuple | None:
+    """`--route-crossover 64 none` -> (64, None); the bounds are ExportOptions'."""
+    if values is None:
+        return None
+    out = []
+    for v in values:
+        if v.lower() == "none":
+            out.append(None)
+        elif v.isdigit():
+            out.append(int(v))
+        else:
+            raise ValueError(f"--route-crossover takes two sizes >= 1 (or none), got {v!r}")
+    return tuple(out)
+
+
 def parse_overrides(items: list[str]) -> dict[str, str]:
     out = {}
     for item in items:
@@ -75,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
     opts = ExportOptions(device=args.device, precision=args.precision, attention=args.attention,
                          part_precision=parse_overrides(args.part_precision), block_size=args.block_size,
                          accuracy_level=args.accuracy_level, components=tuple(args.components), force=args.force,
-                         kv_cache=args.kv_cache, prefill_route=args.prefill_route)
+                         kv_cache=args.kv_cache, prefill_route=args.prefill_route,
+                         route_crossover=parse_crossover(args.route_crossover))
     cache_from = None  # who named the part cache, when not the output's own .build/parts
     if args.part_cache is not None:
         cache_from = "--part-cache"

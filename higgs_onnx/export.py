@@ -66,6 +66,9 @@ class ExportOptions:
     force: bool = False
     kv_cache: str | None = None  # "int8" | "fp32"; None: int8 for the cpu gqa int4 decoder if its gates hold
     prefill_route: str | None = None  # "int8" | "none"; None: int8 where possible (cpu gqa int4) if its gate holds
+    # (positions, rows) from which one-row calls / batched steps take the route, instead of measuring it here (a build
+    # for another machine, or a reproducible one); None in either: never
+    route_crossover: tuple | None = None
 
 
     def __post_init__(self) -> None:
@@ -90,6 +93,13 @@ class ExportOptions:
             raise ValueError(f"the int8 prefill route runs beside an int4 GroupQueryAttention decoder on the CPU "
                              f"(--device cpu --precision int4 --attention gqa), not {self.device} "
                              f"{self.precisions['llm_decoder']} with the {self.decoder_attention} graph")
+        if self.route_crossover is not None:
+            if not self.route:
+                raise ValueError("--route-crossover sets the int8 route's crossover, but this build makes no route")
+            if len(self.route_crossover) != 2 or not all(
+                    v is None or (type(v) is int and v >= 1) for v in self.route_crossover):
+                raise ValueError(f"--route-crossover takes two sizes >= 1 (or none): positions of a one-row call and "
+                                 f"rows of a batched step, got {self.route_crossover!r}")
         if self.kv_cache == "int8" and not self.int8_cache_possible:
             raise ValueError(f"an int8 KV cache needs a GroupQueryAttention decoder on a device whose attention "
                              f"keeps one (cpu, --attention gqa), not {self.device} with the {self.decoder_attention} "
@@ -450,12 +460,17 @@ class Exporter:
         parts_manifest[llm_route.NAME]["parity"] = {"ok": True, "cosine": 1.0 - w["int8"]["hidden_distance"],
                                                     "int4_cosine": 1.0 - w["int4"]["hidden_distance"],
                                                     "against": "fp32 reference, the gate's worst prompt"}
-        say(f"int8 route: {llm_route.summary(gate)}; timing both routes for the crossover")
-        timing = llm_route.measure(tts.backend.decoder)
+        if self.opts.route_crossover is not None:  # given: not measured on this machine
+            say(f"int8 route: {llm_route.summary(gate)}; crossover given (--route-crossover), not measured")
+            info["crossover"] = dict(zip(("prefill", "batch"), self.opts.route_crossover, strict=True))
+            info["crossover_given"] = True
+        else:
+            say(f"int8 route: {llm_route.summary(gate)}; timing both routes for the crossover")
+            timing = llm_route.measure(tts.backend.decoder)
+            info["crossover"] = {k: v["crossover"] for k, v in timing.items()}
+            info["timings_ms"] = {k: v["ms"] for k, v in timing.items()}  # {size: [int4, route]}
         del tts
         release_memory()
-        info["crossover"] = {k: v["crossover"] for k, v in timing.items()}
-        info["timings_ms"] = {k: v["ms"] for k, v in timing.items()}  # {size: [int4, route]}
         info["seconds"] = round(time.perf_counter() - t0, 1)
         c = info["crossover"]
         say(f"int8 route: one-row calls from {c['prefill'] or 'never (int4 wins every size)'} positions, batched "
@@ -554,7 +569,8 @@ class Exporter:
         if not self.opts.route:
             return route.get("kind", "none") == "none" and "refused" not in route
         if route.get("kind") == KIND and route.get("policy") == ROUTE_POLICY:
-            return True
+            given = self.opts.route_crossover
+            return given is None or route.get("crossover") == dict(zip(("prefill", "batch"), given, strict=True))
         refused = route.get("refused")
         return isinstance(refused, dict) and refused.get("policy") == ROUTE_POLICY and self.opts.prefill_route is None
 

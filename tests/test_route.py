@@ -91,7 +91,7 @@ def test_the_default_int4_build_writes_a_gated_timed_route(builds):
     for k in ("hidden_distance", "logit_distance"):
         assert 0 < worst["int8"][k] <= worst["int4"][k]  # no further from fp32 than int4
     assert [p["prompt"] for p in r["gate"]["prompts"]] == ["zero-shot 1", "zero-shot 2", "clone prefix"]
-    assert set(r["crossover"]) == {"prefill", "batch"} and set(r["timings_ms"]) == {"prefill", "batch"}
+    assert r["crossover"] == {"prefill": 64, "batch": None} and r["crossover_given"]  # conftest's, not measured
     assert r["cpu"]["model"] and isinstance(r["cpu"]["flags"], list)
     assert set(m.parts["llm_decoder"]["files"]) >= {"llm_decoder_int8.onnx", "llm_decoder_int8.onnx.data"}
     assert m.parts["llm_route"]["files"].keys() == {"llm_route.onnx"}  # its weights are the decoder's files
@@ -183,6 +183,31 @@ def test_every_mode_speaks_and_a_deterministic_job_is_the_same_bytes_as_alone(bu
             h.wait()
     np.testing.assert_array_equal(speech.rows, alone.rows)
     assert dec.calls[True] >= 3  # the prefills, and the others' batched steps, ran on the route
+
+
+@pytest.mark.slow
+def test_both_routes_are_timed_for_the_crossover(builds):
+    """What a build without --route-crossover records: both routes timed along the ladders, the crossover the
+    smallest size from which the route wins at every larger size measured (or none)."""
+    from higgs_onnx.runtime.model import HiggsTTS
+
+    tts = HiggsTTS(builds["int4"], verify=False, route="on")
+    out = llm_route.measure(tts.backend.decoder, budget_s=10, repeats=1)
+    for kind, ladder in (("prefill", llm_route.PREFILL_LADDER), ("batch", llm_route.BATCH_LADDER)):
+        ms = {int(k): v for k, v in out[kind]["ms"].items()}
+        assert ms and set(ms) <= set(ladder) and all(len(v) == 2 and min(v) > 0 for v in ms.values())
+        assert out[kind]["crossover"] == llm_route.crossover({k: tuple(v) for k, v in ms.items()})
+    assert tts.backend.decoder.policy == routes.MULTI_ROW  # the timing forced each route, then put it back
+
+
+def test_a_given_crossover_is_checked_and_needs_a_route():
+    from higgs_onnx.export import ExportOptions
+
+    assert ExportOptions("cpu", "int4", route_crossover=(8, None)).route_crossover == (8, None)
+    with pytest.raises(ValueError, match="two sizes >= 1"):
+        ExportOptions("cpu", "int4", route_crossover=(0, 4))
+    with pytest.raises(ValueError, match="makes no route"):
+        ExportOptions("cpu", "int4", prefill_route="none", route_crossover=(8, 4))
 
 
 # -- the gate refuses a damaged route -----------------------------------------------------------------------------
