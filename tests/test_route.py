@@ -298,4 +298,23 @@ def test_asking_for_the_route_on_an_export_without_it_says_so(builds, caplog):
     with caplog.at_level("WARNING"):
         tts = HiggsTTS(builds["fp32"], verify=False, route="on")
         assert tts.backend.route_part is None
-    assert "route 'on': this export has no int8 route" in caplog.text
+    assert "route 'on': no int8 route next to the step graph here" in caplog.text
+
+
+@pytest.mark.slow
+def test_the_route_stays_unloaded_where_memory_is_short(builds, monkeypatch, caplog):
+    """A laptop with little free memory: the route's int8 weights (+1 byte a weight) are not loaded, one warning,
+    every call on int4."""
+    import psutil
+
+    from higgs_onnx.runtime.backend import route_bytes
+    from higgs_onnx.runtime.model import HiggsTTS
+
+    tts = HiggsTTS(builds["int4"], verify=False, route="on")
+    need = route_bytes(tts.manifest)
+    assert need > 0
+    real = psutil.virtual_memory()
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=int(need * 1.2)))
+    with caplog.at_level("WARNING"):
+        assert tts.backend.route_part is None
+    assert "int8 route off: it needs" in caplog.text

@@ -193,6 +193,8 @@ def gate(tts, reference) -> dict:
 
 def summary(g: dict) -> str:
     w = g["worst"]
+    if not w:
+        return "not measured"
     return (f"1 - cosine vs fp32: hidden {w['int8']['hidden_distance']:.2e} (int4 {w['int4']['hidden_distance']:.2e}), "
             f"logits {w['int8']['logit_distance']:.2e} (int4 {w['int4']['logit_distance']:.2e}); top-1 codes "
             f"{w['int8']['top1']:.1%} (int4 {w['int4']['top1']:.1%})")

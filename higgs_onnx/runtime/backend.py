@@ -55,10 +55,12 @@ class OnnxBackend:
             policy = routes.NEVER
             if self.decoder_part == STEP_PART and ROUTE_PART in parts.manifest.parts:
                 policy = routes.policy(parts.manifest.decoder.get("route"), route)
+                if policy.active and not routes.fits(route_bytes(parts.manifest)):
+                    policy = routes.NEVER
             elif route == "on":  # asked for by name: say why every call stays on int4
-                routes.log.warning("route 'on': this export has no int8 route next to its step graph (built with "
-                                   "--prefill-route none, refused by its gate, or not a cpu int4 build); every call "
-                                   "runs on int4")
+                routes.log.warning("route 'on': no int8 route next to the step graph here (an export built with "
+                                   "--prefill-route none, refused by its gate or not cpu int4, or step_graph=False); "
+                                   "every call runs on int4")
             self.decoder = BoundDecoder(part, parts.facts, p.memory, p.offset_binding,
                                         route=parts.part(ROUTE_PART) if policy.active else None, policy=policy)
         self.fused = self.decoder.fused  # decode steps from codes to logits in one call
@@ -114,6 +116,12 @@ class OnnxBackend:
     def decode_batch_codes(self, caches: list, codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(step graph) one step of several requests of one pool: (B, N) codes -> (B, D), (B, N, V)."""
         return caches[0].pool.step_batch(caches, codes)
+
+
+def route_bytes(manifest) -> int:
+    """Bytes the int8 route's session adds: its int8 weights (the decoder part's `llm_decoder_int8.onnx.data`)."""
+    files = manifest.parts.get("llm_decoder", {}).get("files", {})
+    return sum(meta["size"] for name, meta in files.items() if name.startswith("llm_decoder_int8"))
 
 
 def decoder_part(manifest, step_graph: bool = True) -> str:

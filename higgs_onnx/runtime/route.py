@@ -100,6 +100,23 @@ def policy(route: dict | None, mode: str = "auto") -> RoutePolicy:
     return RoutePolicy(prefill=_size(cross.get("prefill")), batch=_size(cross.get("batch")))
 
 
+# the route loads only where this much of its size is free besides it (ONNX Runtime packs the weights it loads)
+HEADROOM = 1.5
+
+
+def fits(nbytes: int) -> bool:
+    """Whether loading `nbytes` more leaves the machine room (available memory >= HEADROOM x it); where it does not,
+    one warning line, and every call runs on int4 (the route is a speed-up, never a reason to run out of memory)."""
+    import psutil
+
+    free = psutil.virtual_memory().available
+    if free >= HEADROOM * nbytes:
+        return True
+    log.warning("int8 route off: it needs %.1f GB more memory, %.1f GB is available; every call runs on int4 "
+                "(HIGGS_ROUTE=off says so without this check)", nbytes / 1e9, free / 1e9)
+    return False
+
+
 def _size(value) -> int | None:
     return value if type(value) is int and value >= 1 else None
 
