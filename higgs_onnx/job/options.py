@@ -299,15 +299,21 @@ class SpeechOptions:
         if text:
             changes["text"] = dataclasses.replace(base.text, **text)
         sampling = {k: got[k] for k in SAMPLING if k in got}
+        for name, value in sampling.items():  # each field alone first: its error carries its name
+            label = OPTIONS[name].label(door)
+            if name in ("temperature", "top_p") and isinstance(value, (bool, str)):
+                raise OptionError(f"{label} must be a number, got {value!r:.40}", name)
+            try:
+                GenerationOptions.make(base.generation, **{name: value})
+            except (TypeError, ValueError) as e:
+                message = str(e)
+                raise OptionError(label + message[len(name):] if message.startswith(name) else message,
+                                  name) from None
         if sampling:
             try:
                 changes["generation"] = GenerationOptions.make(base.generation, **sampling)
-            except (TypeError, ValueError) as e:
-                message = str(e)
-                param = next((k for k in SAMPLING if message.startswith(k)), None)
-                if door == "cli" and param is not None:
-                    message = OPTIONS[param].label(door) + message[len(param):]
-                raise OptionError(message, param) from None
+            except (TypeError, ValueError) as e:  # a rule between the sampling fields (none today)
+                raise OptionError(str(e), next(iter(sampling))) from None
         out = dataclasses.replace(base, **changes) if changes else base
         out.check_rules(door)
         return out
