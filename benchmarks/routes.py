@@ -37,13 +37,6 @@ PREFILLS = (24, 281)
 MODES = ("off", "on", "auto", "off")
 
 
-def _peak_rss_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def reference_10s(folder: Path) -> tuple[Path, str]:
     """A 10.0 s reference: the bundled English recording repeated to 10 s (a new file each run: a new voice)."""
     import soundfile as sf
@@ -101,7 +94,9 @@ def measure(model_path: Path, mode: str, threads: int, repeats: int) -> dict:
         out["rows_per_s"][str(b)] = b / best
     out["step_ms"] = 1e3 / out["rows_per_s"]["1"]
     out["calls"] = {"int4": dec.calls[False], "route": dec.calls[True]} if hasattr(dec, "calls") else None
-    out["peak_rss_mb"] = _peak_rss_mb()
+    from bench import peak_rss_mb
+
+    out["peak_rss_mb"] = peak_rss_mb()
     return out
 
 

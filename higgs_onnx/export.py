@@ -431,7 +431,9 @@ class Exporter:
             "derived": True, "parity": {"skipped": "not gated yet"},
             "files": {path.name: {"size": path.stat().st_size, "sha256": sha256_file(path)}}, **io_signature(path)}
         # loadable with the route (its crossover not measured yet: the gate and the timing force each route)
-        write_manifest(staging, self.manifest(ckpt, facts, parts_manifest, kv, {"kind": llm_route.KIND}))
+        weights = [INT8_WEIGHTS, INT8_WEIGHTS + ".data"]  # the decoder part's files the route's session loads
+        write_manifest(staging, self.manifest(ckpt, facts, parts_manifest, kv,
+                                              {"kind": llm_route.KIND, "weights": weights}))
         say(f"int8 route: {path.name} composed (the step graph's projections on the int8 GEMM); gating it and the "
             f"int4 route against an fp32 reference")
         tts = HiggsTTS(staging, verify=False, route="on")
@@ -445,13 +447,13 @@ class Exporter:
             finally:
                 del ref
                 release_memory()
-        info = {"kind": llm_route.KIND, "part": llm_route.NAME, "policy": llm_route.POLICY,
+        info = {"kind": llm_route.KIND, "part": llm_route.NAME, "policy": llm_route.POLICY, "weights": weights,
                 "gate": {k: v for k, v in gate.items() if k != "ok"}, "cpu": cpu_summary()}
         if not gate["ok"]:
             del tts
             release_memory()
             why = "; ".join(gate["failed"])
-            for name in (path.name, INT8_WEIGHTS, INT8_WEIGHTS + ".data"):
+            for name in (path.name, *weights):
                 (staging / name).unlink(missing_ok=True)
                 parts_manifest["llm_decoder"]["files"].pop(name, None)
             del parts_manifest[llm_route.NAME]

@@ -12,6 +12,7 @@ import numpy as np
 import onnx
 import pytest
 
+from higgs_onnx.parity import cosine
 from higgs_onnx.parts import llm_route
 from higgs_onnx.runtime import route as routes
 from higgs_onnx.runtime.route import RoutePolicy
@@ -130,7 +131,7 @@ def test_the_route_writes_the_same_cache_and_each_call_goes_by_its_rows(builds):
     for name, a in states[False].items():
         b = states[True][name]
         assert a.shape == b.shape == (1, f.kv_heads, 12, f.head_dim)
-        assert llm_route._cosine(a, b) > 0.9 and not np.array_equal(a, b)  # int8 cache values of two routes
+        assert cosine(a, b) > 0.9 and not np.array_equal(a, b)  # int8 cache values of two routes
     dec.policy = RoutePolicy(prefill=8, batch=2)
     dec.calls = {False: 0, True: 0}
     cache = dec.new_cache(20)

@@ -161,28 +161,25 @@ def route(ev: EvalContext) -> dict:
     from ..generation.prompt import build_prompt
     from ..parts import llm_route
     from ..runtime.model import HiggsTTS
-    from ..runtime.route import NEVER, RoutePolicy
+    from ..runtime.route import NEVER, RoutePolicy, forced
 
     info = ev.tts.manifest.decoder.get("route", {})
     tts = ev.tts
     if getattr(tts.backend.decoder, "route", None) is None:  # not loaded under this CPU's policy: load it to measure
         tts = HiggsTTS(ev.tts.manifest.folder, provider=ev.tts.provider, verify=False, route="on")
     dec = tts.backend.decoder
-    gate = llm_route.gate(tts, ev.ref)
-    prompts = dict(llm_route.gate_prompts(tts))
-    clone = prompts["clone prefix"]
+    prompts = llm_route.gate_prompts(tts)  # once: the clone's voice is encoded once for both uses
+    gate = llm_route.gate(tts, ev.ref, prompts)
+    clone = dict(prompts)["clone prefix"]
     prefill_ms = {label: round(llm_route.time_prefill(dec, clone, route) * 1e3, 2)
                   for label, route in (("int4", False), ("int8", True))}
     text = ev.options.prompts[0]
     options = dataclasses.replace(GREEDY_OPTIONS, max_rows=ev.options.max_rows)
-    rows, saved = {}, dec.policy
-    try:
-        for label, policy in (("int4", NEVER), ("int8", RoutePolicy(prefill=2))):
-            dec.policy = policy
+    rows = {}
+    for label, policy in (("int4", NEVER), ("int8", RoutePolicy(prefill=2))):
+        with forced(dec, policy):
             rows[label] = generate(tts.backend, build_prompt(tts.tokenizer, tts.tokens, text), stop_rules(tts.facts),
                                    options, tts.facts.placeholder).rows
-    finally:
-        dec.policy = saved
     a, b = rows["int4"], rows["int8"]
     m = min(len(a), len(b))
     same = (a[:m] == b[:m]).all(axis=1) if m else np.ones(0, bool)

@@ -143,43 +143,40 @@ def gate_prompts(tts) -> list[tuple[str, np.ndarray]]:
     return out
 
 
-def _cosine(a, b) -> float:
-    a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
-    return float(a @ b / max(np.linalg.norm(a) * np.linalg.norm(b), 1e-30))
+def _forced(decoder, route: bool):
+    from ..runtime.route import ALWAYS, NEVER, forced
+
+    return forced(decoder, ALWAYS if route else NEVER)
 
 
 def prefill_hidden(decoder, embeds: np.ndarray, route: bool) -> np.ndarray:
     """(P, D) hidden states of one prefill through the int4 step graph or the route (a fresh cache)."""
-    from ..runtime.route import ALWAYS, NEVER
-
-    saved = decoder.policy
-    decoder.policy = ALWAYS if route else NEVER
-    try:
-        cache = decoder.new_cache(len(embeds))
-        return np.array(decoder.run(cache, embeds))
-    finally:
-        decoder.policy = saved
+    with _forced(decoder, route):
+        return np.array(decoder.run(decoder.new_cache(len(embeds)), embeds))
 
 
-def gate(tts, reference) -> dict:
-    """The route and the int4 route against `reference` (a `ReferenceModel`, fp32) on `gate_prompts`: per prompt
-    and worst over them, 1 - cosine of the hidden states and of the logits, and the top-1 agreement of the codes
-    with the reference's. `ok`: the route no further from fp32 than the int4 route (x `ALLOWANCE`)."""
+def gate(tts, reference, prompts: list[tuple[str, np.ndarray]] | None = None) -> dict:
+    """The route and the int4 route against `reference` (a `ReferenceModel`, fp32) on `prompts` (default:
+    `gate_prompts`): per prompt and worst over them, 1 - cosine of the hidden states and of the logits, and the
+    top-1 agreement of the codes with the reference's. `ok`: the route no further from fp32 than the int4 route
+    (x `ALLOWANCE`)."""
     import torch
+
+    from ..parity import cosine
 
     decoder = tts.backend.decoder
     if getattr(decoder, "route", None) is None:
         raise ValueError("the model was loaded without its int8 route")
     rows, worst = [], {}
-    for name, embeds in gate_prompts(tts):
+    for name, embeds in prompts if prompts is not None else gate_prompts(tts):
         want = reference.hidden_states(embeds)
         want_logits = reference.audio_head(torch.from_numpy(want), exact=True).numpy()
         row = {"prompt": name, "positions": len(embeds)}
         for label, route in (("int4", False), ("int8", True)):
             got = prefill_hidden(decoder, embeds, route)
             logits = reference.audio_head(torch.from_numpy(got), exact=True).numpy()
-            row[label] = {"hidden_distance": 1.0 - _cosine(want, got), "logit_distance": 1.0 - _cosine(want_logits,
-                                                                                                       logits),
+            row[label] = {"hidden_distance": 1.0 - cosine(want, got), "logit_distance": 1.0 - cosine(want_logits,
+                                                                                                     logits),
                           "top1": float((want_logits.argmax(-1) == logits.argmax(-1)).mean())}
         rows.append(row)
     for label in ("int4", "int8"):
@@ -215,11 +212,7 @@ def _best(fn, repeats: int) -> float:
 
 def time_prefill(decoder, embeds: np.ndarray, route: bool, repeats: int = 3) -> float:
     """Best seconds of a one-row call of len(embeds) positions into a fresh cache, on either route."""
-    from ..runtime.route import ALWAYS, NEVER
-
-    saved = decoder.policy
-    decoder.policy = ALWAYS if route else NEVER
-    try:
+    with _forced(decoder, route):
         cache = decoder.new_cache(len(embeds))
 
         def once():
@@ -228,36 +221,26 @@ def time_prefill(decoder, embeds: np.ndarray, route: bool, repeats: int = 3) -> 
 
         once()  # warm-up
         return _best(once, repeats)
-    finally:
-        decoder.policy = saved
 
 
 def time_batch(decoder, rows: int, route: bool, context: int = 16, repeats: int = 3) -> float:
     """Best seconds of one batched decode step of `rows` rows (step graph: codes in), each at `context` positions."""
-    from ..runtime.route import ALWAYS, NEVER
-
     f = decoder.facts
-    saved = decoder.policy
-    decoder.policy = ALWAYS if route else NEVER
-    pool = decoder.pool(rows, context + repeats + 2)
-    slots = [pool.acquire(context + repeats + 2) for _ in range(rows)]
-    try:
-        rng = np.random.default_rng(0)
-        for s in slots:
-            pool.lengths[s.index] = context  # positions as written: their values do not change the cost
-        codes = rng.integers(0, f.codebook_size, (rows, f.num_codebooks))
+    codes = np.random.default_rng(0).integers(0, f.codebook_size, (rows, f.num_codebooks))
+    with _forced(decoder, route):
+        pool = decoder.pool(rows, context + 2)
+        slots = [pool.acquire(context + 2) for _ in range(rows)]
+        try:
+            def once():
+                for s in slots:  # positions as written (their values do not change the cost), one step past them
+                    pool.lengths[s.index] = context
+                pool.step_batch(slots, codes)
 
-        def once():
+            once()  # warm-up
+            return _best(once, repeats)
+        finally:
             for s in slots:
-                pool.lengths[s.index] = context
-            pool.step_batch(slots, codes)
-
-        once()
-        return _best(once, repeats)
-    finally:
-        for s in slots:
-            s.free()
-        decoder.policy = saved
+                s.free()
 
 
 def crossover(times: dict[int, tuple[float, float]]) -> int | None:

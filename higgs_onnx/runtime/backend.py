@@ -119,9 +119,10 @@ class OnnxBackend:
 
 
 def route_bytes(manifest) -> int:
-    """Bytes the int8 route's session adds: its int8 weights (the decoder part's `llm_decoder_int8.onnx.data`)."""
+    """Bytes the int8 route's session adds: its int8 weights, the decoder part's files its manifest entry names."""
+    names = manifest.decoder.get("route", {}).get("weights", [])
     files = manifest.parts.get("llm_decoder", {}).get("files", {})
-    return sum(meta["size"] for name, meta in files.items() if name.startswith("llm_decoder_int8"))
+    return sum(files[n]["size"] for n in names if n in files)
 
 
 def decoder_part(manifest, step_graph: bool = True) -> str:

@@ -246,7 +246,7 @@ class BoundCache:
         self.capacity = next(iter(buffers.values())).shape()[2]
         self.mask = np.ones((1, self.capacity), np.int64)
         self.length = 0
-        self._sessions = {False: decoder.session, True: decoder.route_session}
+        self._decoder = decoder
         self._io: dict[bool, object] = {}
         self.io = self.io_for(False)
         self.step_out, self.logits_out = decoder.step_outputs(1)
@@ -254,7 +254,7 @@ class BoundCache:
     def io_for(self, route: bool):
         """The IOBinding of the int4 session or of the route's (made on first use), both over the same buffers."""
         if route not in self._io:
-            io = self._sessions[route].io_binding()
+            io = self._decoder.session_for(route).io_binding()
             for n, buf in self.buffers.items():
                 io.bind_ortvalue_input(n, buf)
                 io.bind_ortvalue_output(n.replace(PAST, PRESENT), buf)
@@ -293,6 +293,10 @@ class BoundDecoder(_Graph):
         self.calls = {False: 0, True: 0}  # calls run on int4 / on the route (figures for benchmarks and tests)
         self._graph(part, facts)
         self._copy: DeviceCopy | None = None
+
+    def session_for(self, route: bool):
+        """The session a call runs on: the route's or the int4 step graph's (the same buffers bound to either)."""
+        return self.route_session if route else self.session
 
     def routed(self, rows: int, batched: bool) -> bool:
         """Whether a call of `rows` positions (one row) or rows (a batched step) runs on the route; counted."""
@@ -400,7 +404,7 @@ class BoundDecoder(_Graph):
         # one position: the cache's own outputs; a prefill: one-off buffers
         hidden, logits = (cache.step_out, cache.logits_out) if new == 1 else self.prefill_outputs(new)
         self.bind_call(io, self.new_positions(embeds, codes), hidden, logits)
-        (self.route_session if route else self.session).run_with_iobinding(io)
+        self.session_for(route).run_with_iobinding(io)
         # only the new rows' hidden states (and logits) cross to NumPy, never the cache
         logits = _logits(logits)
         return _check(hidden.numpy()[0]), None if logits is None else logits[0]
@@ -505,7 +509,7 @@ class SlotPool:
         one-position outputs)."""
         key = (first, rows, route)
         if key not in self._views:
-            io = (self.decoder.route_session if route else self.session).io_binding()
+            io = self.decoder.session_for(route).io_binding()
             for n, buf in self.buffers.items():  # a contiguous view: ORT reads and writes the pool's memory
                 present = n.replace(PAST, PRESENT)
                 if (first, rows) == (0, self.slots):
@@ -531,7 +535,7 @@ class SlotPool:
         io.bind_cpu_input("attention_mask", self.mask[:1, :start + len(embeds)])
         hidden, logits = outs if len(embeds) == 1 else self.decoder.prefill_outputs(len(embeds))
         self.decoder.bind_call(io, self.decoder.new_positions(embeds, None), hidden, logits)
-        (self.decoder.route_session if route else self.session).run_with_iobinding(io)
+        self.decoder.session_for(route).run_with_iobinding(io)
         self.lengths[i] = start + len(embeds)
         return _check(hidden.numpy()[0])
 
@@ -565,7 +569,7 @@ class SlotPool:
         io, (hidden, logits) = self._binding(0, rows, route)
         io.bind_cpu_input("attention_mask", mask)
         self.decoder.bind_call(io, feeds, hidden, logits)
-        (self.decoder.route_session if route else self.session).run_with_iobinding(io)
+        self.decoder.session_for(route).run_with_iobinding(io)
         for i in idx:
             self.lengths[i] += 1
         logits = _logits(logits)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -48,6 +49,18 @@ class RoutePolicy:
 NEVER = RoutePolicy()
 ALWAYS = RoutePolicy(prefill=1, batch=1)
 MULTI_ROW = RoutePolicy(prefill=2, batch=2)
+
+
+@contextmanager
+def forced(decoder, policy: RoutePolicy):
+    """`decoder` (a `BoundDecoder` with its route) under `policy` for the block, its own policy back afterwards:
+    the gate, the crossover's timing and eval compare the two routes on the same calls."""
+    saved = decoder.policy
+    decoder.policy = policy
+    try:
+        yield decoder
+    finally:
+        decoder.policy = saved
 
 
 @lru_cache(maxsize=1)
