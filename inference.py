@@ -26,7 +26,7 @@ from higgs_onnx.generation.blend import MODES
 from higgs_onnx.generation.codec_stream import CODEC_MODES, StreamOptions
 from higgs_onnx.generation.options import DEFAULT_MAX_ROWS, GenerationOptions
 from higgs_onnx.generation.prompt import check_text
-from higgs_onnx.job.options import TEXT, SpeechOptions, add_text_flags, text_values
+from higgs_onnx.job.options import TEXT, Shape, SpeechOptions, add_text_flags, text_values
 from higgs_onnx.runtime.session import PROVIDERS, check_threads
 
 log = logging.getLogger("inference")
@@ -168,9 +168,6 @@ def voice_files(args: argparse.Namespace) -> list[tuple[Path, float | None]] | N
     if args.text_file is not None and args.out is not None:
         raise ValueError(f"{what} is not supported for long-form (--text-file with --out: each piece continues the "
                          f"KV cache of the pieces before it); use one voice, or --out-dir for one file per line")
-    if args.takes > 1:
-        raise ValueError(f"{what} is not supported with --takes (each take would need a batch row per voice); use "
-                         f"--retries")
     return files
 
 
@@ -191,8 +188,6 @@ def check_dialogue_args(args: argparse.Namespace) -> None:
     if args.caption_level is not None:
         if args.captions is None:
             raise ValueError("--caption-level is for --captions")
-        if args.caption_level == "word" and str(args.out) == "-":
-            raise ValueError("--caption-level word needs --out FILE: the words are timed on the written audio")
     if args.caption_chars is not None:
         if args.captions is None:
             raise ValueError("--caption-chars is for --captions")
@@ -243,8 +238,12 @@ RETRIES = 2  # a file is written whole, so a degenerate take is drawn again by d
 
 def check_args(args: argparse.Namespace) -> tuple[GenerationOptions, StreamOptions]:
     # the job's options (`job.options`: the bounds and rules every door shares) and the stream's; ValueError
-    if args.retries is None:
-        args.retries = 0 if args.takes != 1 else RETRIES
+    if args.out is not None and str(args.out) == "-":
+        if args.codes is not None or args.selftest:
+            raise ValueError("--out - (raw PCM on stdout) is for generated speech; name a file for --codes")
+        args.stream = True  # stdout only ever gets audio as it is made
+    if args.retries is None:  # redraws by default, where a take is judged whole before it is written
+        args.retries = 0 if args.takes != 1 or args.stream else RETRIES
     args.job = SpeechOptions.build({"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
                                     "seed": args.seed, "max_rows": args.max_rows, "speed": args.speed,
                                     "takes": args.takes, "retries": args.retries, "loudness": args.loudness,
@@ -252,10 +251,6 @@ def check_args(args: argparse.Namespace) -> tuple[GenerationOptions, StreamOptio
                                     **text_values(args)}, "cli")
     options = args.job.generation
     stream = StreamOptions(first_frames=args.first_frames, chunk_frames=args.chunk_frames, codec=args.stream_codec)
-    if args.out is not None and str(args.out) == "-":
-        if args.codes is not None or args.selftest:
-            raise ValueError("--out - (raw PCM on stdout) is for generated speech; name a file for --codes")
-        args.stream = True  # stdout only ever gets audio as it is made
     check_threads(args.threads)
     if args.ref_text is not None and args.ref_audio is None:
         raise ValueError("--ref-text needs --ref-audio (the recording it transcribes)")
@@ -272,6 +267,8 @@ def check_args(args: argparse.Namespace) -> tuple[GenerationOptions, StreamOptio
         if not args.voice_languages:
             raise ValueError("--voice-languages needs at least one language code, e.g. en,de")
     args.voice_files = voice_files(args)
+    words = args.captions is not None and args.out is not None and str(args.out) != "-"
+    args.job.check_rules("cli", Shape(voices=len(args.voice_files or [1]), live=bool(args.stream), words=words))
     check_dialogue_args(args)
     if args.text_file is not None and (args.out_dir is None) == (args.out is None) and not args.dry_run:
         raise ValueError("--text-file needs one of --out FILE (the whole text as one recording) or --out-dir DIR "
@@ -286,9 +283,6 @@ def check_args(args: argparse.Namespace) -> tuple[GenerationOptions, StreamOptio
     if args.takes > 1 and args.text is None:
         raise ValueError("--takes is for --text (one utterance, its takes judged and the best kept); the pieces and "
                          "lines of a --text-file or --script each speak once (--retries redraws a degenerate one)")
-    if args.takes > 1 and args.stream:
-        raise ValueError("--takes is for --text without --stream (a stream's audio is out before the takes are "
-                         "judged)")
     given = [f"--{n.replace('_', '-')}" for n in TEXT if getattr(args, n) is not None]
     if given and (args.codes is not None or args.selftest or args.script is not None):
         raise ValueError(f"{given[0]} is for --text or --text-file (a script's turns are read as written)")
@@ -300,8 +294,6 @@ def check_args(args: argparse.Namespace) -> tuple[GenerationOptions, StreamOptio
         raise ValueError("--save-takes needs --takes N (N >= 2)")
     if args.save_takes is not None and args.save_takes.exists() and not args.save_takes.is_dir():
         raise ValueError(f"--save-takes {args.save_takes} is a file, not a folder")
-    if args.loudness is not None and args.stream:
-        raise ValueError("--loudness needs the whole take before it is written: not with --stream or --out -")
     if args.asr_model is not None and args.takes < 2:
         raise ValueError("--asr-model needs --takes N (N >= 2): it ranks the takes by what is heard")
     if args.text_file is not None and args.out_dir is not None and args.save_codes is not None:

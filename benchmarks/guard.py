@@ -27,6 +27,8 @@ from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
+from higgs_onnx.job.run import best_of
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -111,14 +113,14 @@ def takes_cost(folder: Path, rows: int, takes: int = 4) -> dict:
 
     tts = HiggsTTS(folder, verify=False)
     options = GenerationOptions(max_rows=rows, ignore_eoc=True, seed=1)
-    tts.best_of(TEXTS[0], takes, options=GenerationOptions(max_rows=tts.facts.num_codebooks, ignore_eoc=True))
+    best_of(tts, TEXTS[0], takes, options=GenerationOptions(max_rows=tts.facts.num_codebooks, ignore_eoc=True))
     one, many = [], []
     for _ in range(2):  # interleaved, best kept
         t0 = time.perf_counter()
         tts.generate(TEXTS[0], options=options)
         one.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        tts.best_of(TEXTS[0], takes, options=options)
+        best_of(tts, TEXTS[0], takes, options=options)
         many.append(time.perf_counter() - t0)
     gain = batch_figures(tts, [takes], rows, repeats=1)["gain"][str(takes)]
     ratio = min(many) / min(one)

@@ -332,10 +332,9 @@ class Worker:
         fields = row.get("text_options")
         if not fields:
             return row["text"]
-        from .job.options import SpeechOptions
+        from .job.run import SpeechJob
 
-        job, tags = SpeechOptions.build(fields, "corpus"), self.tts.tokens.control_tags
-        return job.lead(tags) + job.read(row["text"], tags).text
+        return SpeechJob.build(fields, "corpus", self.tts.tokens.control_tags).prepare(row["text"], "text").text
 
     def run(self, rows: list[dict]) -> list[dict]:
         """Make `rows` on this worker's scheduler (called from several threads at once); their manifest entries."""

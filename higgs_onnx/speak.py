@@ -5,7 +5,6 @@ the thin door; this is its job."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -18,7 +17,9 @@ from .generation.contract import ContractError
 from .generation.delay import read_code_rows
 from .generation.options import DEFAULT_MAX_ROWS
 from .generation.scheduler import choose_batch, measure_batch_gain
-from .job.options import speed_tag
+from .job import run
+from .job.options import Shape, speed_tag
+from .job.run import SpeechJob
 from .longform import captions
 from .longform.dialogue import Dialogue
 from .longform.files import read_text_file
@@ -26,7 +27,6 @@ from .longform.render import LongForm, LongFormOptions
 from .loudness import normalise
 from .outputs import OutputError, write_or_keep
 from .runtime.model import HiggsTTS, Voice
-from .tags import CONTROL_TAG
 
 log = logging.getLogger("inference")
 CAPTION_CHARS = 150  # the pieces (cues) of a job with --captions: ~10 s, whole sentences
@@ -68,21 +68,24 @@ def speak_all(args) -> int:
         say(f"voice: reference encoded and prefilled in {time.perf_counter() - t0:.2f} s (reused for every line)")
         if args.save_voice:
             say(f"voice saved to {voice.save(args.save_voice, getattr(args, 'voice_languages', None))}")
+    args.speech = SpeechJob(args.job, tts.tokens.control_tags, "cli")  # the lead, made once
+    args.speech.check(Shape(voices=getattr(voice, "width", 1), live=bool(args.stream)))
+    pace_warning(tts, args)
     if args.dry_run:
         return dry_run(tts, args, voice)
     if args.text is not None:
-        speak(tts, speed_prefix(tts, args) + read(tts, args, args.text).text, args.out, args, voice)
+        speak(tts, args.speech.prepare(args.text, "the text").text, args.out, args, voice)
         return 0
     if args.script is not None:
         return speak_dialogue(tts, args)
 
     text = read_text_file(args.text_file)  # empty, binary and non-UTF-8 files are refused here
-    if args.out is not None:
-        return speak_long(tts, speed_prefix(tts, args, long=True) + read(tts, args, text).text, args, voice)
+    if args.out is not None:  # the lead once, before the first piece (--speed is refused for a long text)
+        return speak_long(tts, args.speech.prepare(text, "the text").text, args, voice)
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     if not lines:
         raise ValueError(f"{args.text_file} has no non-empty lines")
-    return speak_lines(tts, [read(tts, args, line).text for line in lines], args, voice)
+    return speak_lines(tts, [args.speech.prepare(line, "the text").text for line in lines], args, voice)
 
 
 def dry_run(tts, args, voice) -> int:
@@ -96,43 +99,23 @@ def dry_run(tts, args, voice) -> int:
         slot = tts.slot_positions
         if not texts:
             raise ValueError(f"{args.text_file} has no non-empty lines")
-    prefix = speed_prefix(tts, args)
     for i, text in enumerate(texts, 1):
-        reading = read(tts, args, text)
-        said = prefix + reading.text
-        req = tts.request(said, voice=voice, options=args.options, slot=slot)
-        steps = [{"step": name, "text": after} for name, after in reading.steps]
-        print(json.dumps({"line": i, "text": text, "lead": prefix or None, "steps": steps,
-                          **tts.prompt_figures(said, req)}, ensure_ascii=False))
+        ready = args.speech.prepare(text, "the text")
+        req = tts.request(ready.text, voice=voice, options=args.options, slot=slot)
+        steps = [{"step": name, "text": after} for name, after in ready.reading.steps]
+        print(json.dumps({"line": i, "text": text, "lead": ready.tag, "steps": steps,
+                          **tts.prompt_figures(ready.text, req)}, ensure_ascii=False))
     loaded = ", ".join(sorted(tts.ran_on())) or "none"
     print(f"dry run: {len(texts)} request{'s' if len(texts) > 1 else ''} checked, nothing generated; model parts "
           f"loaded: {loaded}", file=sys.stderr)
     return 0
 
 
-def read(tts, args, text: str):
-    """The text steps the flags ask for (docs/text.md) on `text`: a `text.pipeline.Reading`. An empty result is an
-    error (a text of only markdown, directions or emoji)."""
-    reading = args.job.read(text, tts.tokens.control_tags)
-    if reading.steps and not CONTROL_TAG.sub("", reading.text).strip():
-        raise ValueError(f"the text has nothing to speak after {', '.join(s for s, _ in reading.steps)}: "
-                         f"{text[:60]!r}")
-    return reading
-
-
-def speed_prefix(tts, args, long: bool = False) -> str:
-    """What every request starts with: `--instructions` as the model's tags, then `--speed` as its prosody tag
-    ("" when neither, at about 1, or where the model has none). `long`: a long text's lead, put before its first
-    piece (--instructions only: --speed is refused there)."""
-    tags = tts.tokens.control_tags
-    lead = dataclasses.replace(args.job, speed=1.0).lead(tags)  # the instructions' tags
-    if long:
-        return lead
+def pace_warning(tts, args) -> None:
+    """One warning when `--speed` asks for a pace this model has no prosody tag for."""
     speed = args.job.speed
-    tag = speed_tag(speed, tags)
-    if tag is None and not 0.9 <= speed <= 1.1:
+    if speed_tag(speed, tts.tokens.control_tags) is None and not 0.9 <= speed <= 1.1:
         log.warning("--speed %g: this model has no prosody speed tag for it; the text is spoken at its own pace", speed)
-    return lead + (tag or "")
 
 
 def speak(tts, text: str, out: Path, args, voice) -> object:
@@ -164,13 +147,12 @@ def speak(tts, text: str, out: Path, args, voice) -> object:
 
 
 def speak_once(tts, text: str, out: Path, args, voice, progress):
-    if getattr(args, "takes", 1) > 1:
-        speech = tts.best_of(text, args.takes, voice=voice, options=args.options, save_takes=args.save_takes,
-                             asr=getattr(args, "asr", None))
-    else:
-        speech = tts.generate(text, voice=voice, options=args.options, on_row=progress,
-                              retries=getattr(args, "retries", 0))
-    wav = level(speech.waveform, speech.sample_rate, args, out)
+    """One whole take by the job's policy (`job.run.speak`: best of takes, redraws, loudness), written to `out`."""
+    speech, lv = run.speak(tts, args.job, text, voice, on_row=progress, save_takes=args.save_takes,
+                           asr=getattr(args, "asr", None))
+    if lv is not None:
+        say_level(out, lv)
+    wav = speech.waveform
     write_or_keep(lambda: write_audio(out, wav, speech.sample_rate), wav, speech.sample_rate, out)
     if args.save_codes:
         save_codes(args.save_codes, speech.rows, speech.codes)
@@ -184,6 +166,12 @@ def level(wav, sample_rate: int, args, out: Path):
         return wav
 
     wav, lv = normalise(wav, sample_rate, args.loudness)
+    say_level(out, lv)
+    return wav
+
+
+def say_level(out: Path, lv) -> None:
+    """One line on what a loudness target did."""
     if lv.measured is None:
         print(f"{out}: too short or silent to measure its loudness; left as it is", file=sys.stderr)
     else:
@@ -191,7 +179,6 @@ def level(wav, sample_rate: int, args, out: Path):
             else ""
         print(f"{out}: loudness {lv.measured:.1f} -> {lv.reached:.1f} LUFS (gain {lv.gain_db:+.1f} dB){short}",
               file=sys.stderr)
-    return wav
 
 
 def level_file(path: Path, args) -> None:
@@ -263,11 +250,11 @@ def speak_lines(tts, lines: list[str], args, voice) -> int:
     """One file per line, the lines generated together through one scheduler (`--lanes` at a time, one decoder
     call for all of them). Every line is checked against the request contract before any work."""
 
-    slot, prefix = tts.slot_positions, speed_prefix(tts, args)
+    slot = tts.slot_positions
     requests = []
     for i, line in enumerate(lines, 1):
         try:
-            requests.append(tts.request(prefix + line, voice=voice, options=args.options, slot=slot))
+            requests.append(tts.request(line, voice=voice, options=args.options, slot=slot))
         except ContractError as e:
             raise ContractError(f"line {i} of {args.text_file}: {e}", e.param, e.code, e.status) from None
         except ValueError as e:

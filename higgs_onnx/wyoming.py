@@ -11,6 +11,7 @@ from pathlib import Path
 
 from .cli import add_log_level, run_main
 from .job.options import SpeechOptions, add_text_flags, text_values
+from .job.run import SpeechJob
 from .runtime.model import HiggsTTS
 from .serve.scheduler import JobScheduler
 from .serve.voices import VoiceError, VoiceStore, check_languages
@@ -45,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     tts = HiggsTTS(args.model_path, threads=args.threads, verify=not args.no_verify)
     store = VoiceStore(args.voices or Path(args.model_path) / "voices", tts.model_id)
     service = WyomingService(tts, JobScheduler(tts, max_batch=args.max_batch), store, languages, args.default_voice,
-                             read=base.reader(tts.tokens.control_tags))
+                             job=SpeechJob(base, tts.tokens.control_tags, "wyoming"))
     try:
         service.voice(None)
     except VoiceError as e:

@@ -221,10 +221,10 @@ def _chunks(x: np.ndarray, sr: int, size: int = 4800) -> list:
 
 
 def _served(first, rest: list, text: str, sr: int) -> list:
-    """What the server's stream carries with `"caption_level": "word"` (serve.pieces.with_words), as a list."""
+    """What the server's stream carries with `"caption_level": "word"` (job.run.with_words), as a list."""
     import asyncio
 
-    from higgs_onnx.serve.pieces import with_words
+    from higgs_onnx.job.run import with_words
 
     async def run():
         async def items():
@@ -268,13 +268,14 @@ def test_the_servers_piece_cues_carry_the_words_timed_on_their_own_samples(en):
 
 
 def test_the_server_times_words_in_one_lower_priority_thread():
-    """serve.pieces.aligned: the server's aligner pool is one thread, niced below the process (Linux), and gives
+    """job.run.aligned: the server's aligner pool is one thread, niced below the process (Linux), and gives
     what captions.timed gives."""
     import asyncio
     import os
     import threading
 
-    from higgs_onnx.serve import pieces
+    from higgs_onnx.job import run as pieces
+    from higgs_onnx.longform.captions import Cue
 
     seen = {}
 
@@ -284,7 +285,7 @@ def test_the_server_times_words_in_one_lower_priority_thread():
 
     async def run():
         loop = asyncio.get_running_loop()
-        await pieces.aligned(pieces.Cue(0, 0, "x"), np.zeros(0, np.float32), 24000, "en")  # makes the pool
+        await pieces.aligned(Cue(0, 0, "x"), np.zeros(0, np.float32), 24000, "en")  # makes the pool
         await loop.run_in_executor(pieces._aligner, probe)
 
     asyncio.run(run())

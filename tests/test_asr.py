@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from higgs_onnx.asr import AsrUnavailable, Transcriber, error_rate, metric_for
+from higgs_onnx.job.run import best_of
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = "Hello there, a line for the guard."
@@ -75,13 +76,13 @@ def test_best_of_keeps_the_take_heard_best(builds):
     from higgs_onnx.runtime.model import HiggsTTS
 
     tts = HiggsTTS(builds["fp32"])
-    plain = tts.best_of(TEXT, 4, seed=3)
+    plain = best_of(tts, TEXT, 4, seed=3)
     good = [t for t in plain.takes if t["verdict"] == "good"]
     assert len(good) >= 2 and len({t["rows"] for t in good}) >= 2  # the test needs takes of different lengths
     longest = max(good, key=lambda t: (t["rows"], -t["take"]))
     hearer = LengthHearer()
     hearer.longest = len(tts.generate(TEXT, seed=longest["seed"]).waveform)
-    s = tts.best_of(TEXT, 4, seed=3, asr=hearer)
+    s = best_of(tts, TEXT, 4, seed=3, asr=hearer)
     assert len(hearer.heard) == len(good)  # every good take heard, no degenerate one
     kept = next(t for t in s.takes if t["kept"])
     assert kept["take"] == longest["take"] and kept["wer"] == 0.0 and len(s.waveform) == hearer.longest

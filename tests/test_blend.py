@@ -23,6 +23,7 @@ from higgs_onnx.generation.blend import (
 )
 from higgs_onnx.generation.options import GenerationOptions
 from higgs_onnx.generation.sampling import GREEDY, SamplingOptions, sample_codes, softmax
+from higgs_onnx.job.run import best_of
 
 DATA = Path(__file__).resolve().parent / "data"
 TEXT = "Hello there, this is a blend of two voices."
@@ -282,7 +283,7 @@ def test_a_blend_streams_retries_and_refuses_what_it_cannot_do(tts, voices):
     assert isinstance(again, BlendRequest) and again.width == 2 and again.weights == req.weights
     assert again.options.seed == 99 and again.watch is not None and again.followers[0].watch is None
     with pytest.raises(ValueError, match="takes of a voice blend"):
-        tts.best_of(TEXT, 2, voice=blend, options=SAMPLED)
+        best_of(tts, TEXT, 2, voice=blend, options=SAMPLED)
     with pytest.raises(ValueError, match="cannot continue earlier speech"):
         tts.request(TEXT, voice=blend, options=SAMPLED, history=[("Before.", a.rows[:10])])
 

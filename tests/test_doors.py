@@ -29,7 +29,18 @@ from wyoming.tts import Synthesize
 
 import inference
 from higgs_onnx.corpus import read_rows
-from higgs_onnx.job.options import DOORS, OPTIONS, OptionError, SpeechOptions, door_table, refuse
+from higgs_onnx.job.options import (
+    DOORS,
+    OPTIONS,
+    RULES,
+    OptionError,
+    Shape,
+    SpeechOptions,
+    door_table,
+    refuse,
+    rules_table,
+)
+from higgs_onnx.job.run import best_of
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -126,7 +137,7 @@ def at_corpus(tmp, name, value):
 def at_python(tts, name, value):
     try:
         if name == "takes":
-            tts.best_of("Hi.", value)
+            best_of(tts, "Hi.", value)
         elif name in ("references", "voice"):
             raise AssertionError("not a bound")
         else:
@@ -201,6 +212,104 @@ def test_a_field_a_door_cannot_honour_is_refused_by_name(door, name, server, bui
     assert got[0] == e.value.message and e.value.code == "unsupported_parameter", got
     if got[1] is not None:
         assert got[1] == "unsupported_parameter"
+
+
+# -- the rules between fields (job.options.RULES): each broken at every door its row lists ------------------------
+BLEND = "default:0.5,alloy:0.5"  # two zero-shot voices (a stock name is the default voice): nothing to encode
+LONG = " ".join(["A long input sentence that goes on."] * 150)  # over one request: read in pieces
+# (rule, door) -> (the job's values as the door takes them, the shape the door sees, how to ask)
+RULE_CASES = {
+    ("takes or retries", "cli"): ({"takes": 2, "retries": 1}, Shape(), ["--takes", "2", "--retries", "1"]),
+    ("takes or retries", "http"): ({"takes": 2, "retries": 1}, Shape(), {"takes": 2, "retries": 1}),
+    ("takes need sampling", "cli"): ({"takes": 2, "temperature": 0.0}, Shape(),
+                                     ["--takes", "2", "--retries", "0", "--temperature", "0"]),
+    ("takes need sampling", "http"): ({"takes": 2, "temperature": 0.0}, Shape(), {"takes": 2, "temperature": 0}),
+    ("takes need sampling", "python"): ({"takes": 2, "temperature": 0.0}, Shape(), {"temperature": 0.0}),
+    ("one pace", "cli"): ({"speed": 1.5, "instructions": "slowly"}, Shape(),
+                          ["--speed", "1.5", "--instructions", "slowly"]),
+    ("one pace", "http"): ({"speed": 1.5, "instructions": "slowly"}, Shape(), {"speed": 1.5, "instructions": "slowly"}),
+    ("one pace", "websocket"): ({"speed": 1.5, "instructions": "slowly"}, Shape(),
+                                {"speed": 1.5, "instructions": "slowly"}),
+    ("takes of a blend", "cli"): ({"takes": 2, "retries": 0}, Shape(voices=2), ["--takes", "2", "--retries", "0"]),
+    ("takes of a blend", "http"): ({"takes": 2}, Shape(voices=2), {"takes": 2, "voice": BLEND}),
+    ("takes of a blend", "python"): ({"takes": 2}, Shape(voices=2), {"voice": "blend"}),
+    ("a whole take, live", "cli"): ({"loudness": -20.0}, Shape(live=True), ["--stream", "--loudness", "-20"]),
+    ("takes of pieces", "http"): ({"takes": 2}, Shape(pieces=2), {"takes": 2, "input": LONG, "max_rows": None}),
+    ("a lone run of pieces", "http"): ({"deterministic": True}, Shape(pieces=2),
+                                       {"deterministic": True, "input": LONG, "max_rows": None}),
+    ("a blend of pieces", "http"): ({}, Shape(pieces=2, voices=2), {"voice": BLEND, "input": LONG, "max_rows": None}),
+    ("a blend of pieces", "websocket"): ({}, Shape(voices=2, continues=True), {"voice": BLEND}),
+    ("words need a place", "cli"): ({"caption_level": "word"}, Shape(words=False), "words"),
+    ("words need a place", "http"): ({"caption_level": "word"}, Shape(words=False), {"caption_level": "word"}),
+}
+
+
+def rule_cases() -> list:
+    return [pytest.param(r.name, door, id=f"{r.name}@{door}") for r in RULES for door in r.doors]
+
+
+def test_every_rule_has_a_case_at_every_door_it_lists_and_the_docs_hold_the_table():
+    assert {(n, d) for n, d in (p.values for p in rule_cases())} == set(RULE_CASES)
+    assert rules_table() in (ROOT / "docs" / "server.md").read_text(), "docs/server.md: the rules table is stale"
+
+
+def pieces_free(message: str) -> str:
+    import re
+
+    return re.sub(r"read in \d+ pieces", "read in N pieces", message)
+
+
+@pytest.mark.parametrize("rule, door", rule_cases())
+def test_a_broken_rule_gets_the_same_sentence_at_every_door(rule, door, server, builds, tts, tmp_path, capsys):
+    values, shape, asked = RULE_CASES[(rule, door)]
+    row = next(r for r in RULES if r.name == rule)
+    with pytest.raises(OptionError) as e:
+        SpeechOptions.build(values, door).check_rules(door, shape)
+    assert e.value.code == ("unsupported_parameter" if row.shaped else "invalid_value")
+    want = e.value.message
+    if door == "http":
+        r = server.http.post("/v1/audio/speech", json={k: v for k, v in {
+            "model": "higgs-tts-3", "input": TEXT, "max_rows": 40, "response_format": "pcm", **asked}.items()
+            if v is not None}, timeout=300)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        got = err["message"]
+        assert err["param"] == e.value.param and err["code"] == e.value.code, err
+    elif door == "websocket":
+        answer = asyncio.run(ws_config(server, {"response_format": "pcm", **asked}))
+        assert answer["type"] == "error", answer
+        got = answer["message"]
+        assert answer["param"] == e.value.param and answer["code"] == e.value.code, answer
+    elif door == "python":
+        from higgs_onnx.generation.blend import Blend
+
+        kw = {"voice": Blend.make([None, None], [0.5, 0.5], "mixture", ["a", "b"])} if "voice" in asked else asked
+        with pytest.raises(OptionError) as raised:
+            best_of(tts, "Hi.", 2, **kw)
+        got = raised.value.message
+    else:
+        got = cli_error(builds, tmp_path, capsys, asked)
+    assert pieces_free(got) == pieces_free(want), (door, got, want)
+
+
+def cli_error(builds, tmp, capsys, asked) -> str:
+    """The command line's one error line for `asked` (extra flags after --text, or "words": a long text with
+    --captions streamed to stdout, where no file can be timed)."""
+    if asked == "words":
+        (tmp / "t.txt").write_text("One line. Another line.\n")
+        argv = ["--text-file", str(tmp / "t.txt"), "--out", "-", "--captions", str(tmp / "c.srt"),
+                "--caption-level", "word"]
+    else:
+        argv = ["--text", "Hi.", "--out", str(tmp / "x.wav"), *asked]
+        if "--takes" in asked and "--retries" in asked and asked[asked.index("--retries") + 1] == "0" \
+                and "--temperature" not in asked:  # a blend of two voice files (never read: refused first)
+            for name in ("a.npz", "b.npz"):
+                (tmp / name).write_bytes(b"x")
+            argv += ["--voice", f"{tmp / 'a.npz'}:0.5,{tmp / 'b.npz'}:0.5"]
+    code = inference.main(["--model-path", str(builds["fp32"]), *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and not (tmp / "x.wav").exists(), err
+    return err.strip().removeprefix("error: ")
 
 
 def test_blend_modes_refused(tts):

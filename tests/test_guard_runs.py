@@ -1,6 +1,6 @@
 """The guard in the runtime: the engine stops a loop online, the scheduler draws a degenerate take again with a new
 seed and a cooler temperature (never a greedy one, never one cut by the caller's row limit), and the command
-`python -m higgs_onnx.guard` judges a saved take with exit codes 0 / 1 / 2."""
+`python -m higgs_onnx.judge` judges a saved take with exit codes 0 / 1 / 2."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 from higgs_onnx.generation.engine import Request, StopRules
 from higgs_onnx.generation.options import GenerationOptions
 from higgs_onnx.guard import GuardOptions, RetryPolicy, RowWatch
+from higgs_onnx.job.run import best_of
 
 ROOT = Path(__file__).resolve().parent.parent
 REF = ROOT / "tests" / "data" / "ref_en_24k.wav"
@@ -69,7 +70,7 @@ def test_a_clean_take_is_judged_good_and_kept(builds):
 
 
 def _guard(*args):
-    return subprocess.run([sys.executable, "-m", "higgs_onnx.guard", *map(str, args)], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "higgs_onnx.judge", *map(str, args)], capture_output=True, text=True,
                           cwd=ROOT, timeout=300)
 
 
@@ -118,7 +119,7 @@ def test_best_of_takes_in_one_batch(builds, tmp_path):
         return real(cache, embeds)
 
     be.prefill = counted
-    s = tts.best_of(TEXT, 4, seed=3, save_takes=tmp_path / "takes")
+    s = best_of(tts, TEXT, 4, seed=3, save_takes=tmp_path / "takes")
     del be.prefill
     prompt = s.stats.prompt_tokens
     assert calls == [prompt]  # the prompt once: every take starts from its state and last hidden state
@@ -131,14 +132,14 @@ def test_best_of_takes_in_one_batch(builds, tmp_path):
     files = sorted(p.name for p in (tmp_path / "takes").iterdir())
     assert files == ["take-1.wav", "take-2.wav", "take-3.wav", "take-4.wav", "takes.json"]
     assert json.loads((tmp_path / "takes" / "takes.json").read_text()) == s.takes
-    clone = tts.best_of(TEXT, 2, ref_audio=REF, seed=1)  # the voice's prefix under every take
+    clone = best_of(tts, TEXT, 2, ref_audio=REF, seed=1)  # the voice's prefix under every take
     assert len(clone.takes) == 2 and len(tts.voices) == 1
     for bad, match in (({"takes": 0}, "takes must be from 1 to 16"),
                        ({"takes": 17}, "from 1 to 16"), ({"takes": 2, "temperature": 0}, "needs sampling"),
                        ({"takes": 2, "save_takes": builds["fp32"] / "manifest.json"}, "is a file, not a folder")):
         kw = dict(bad)
         with pytest.raises(ValueError, match=match):
-            tts.best_of(TEXT, kw.pop("takes"), **kw)
+            best_of(tts, TEXT, kw.pop("takes"), **kw)
 
 
 @pytest.mark.slow

@@ -161,6 +161,18 @@ def test_the_package_has_no_folder_import_circle():
     assert not found, "folder circles: " + "; ".join(" -> ".join(c) for c in found)
 
 
+def test_runtime_imports_nothing_from_job_and_no_command_sits_in_a_library_folder():
+    """`job/` runs a job one floor above `runtime/` (issue 42): no runtime module imports a job module, even inside
+    a function. And the guard (NumPy only, imported by the engine) holds no command: a `__main__` inside it drew
+    the only arrows from guard/ up to the runtime; its command is `higgs_onnx.judge`."""
+    graph = import_graph()
+    up = sorted(f"{a} -> {b}" for a, targets in graph.items() if a.startswith("higgs_onnx.runtime")
+                for b in targets if b.startswith("higgs_onnx.job"))
+    assert not up, up
+    guard = folder_graph(graph)["higgs_onnx.guard"]
+    assert "higgs_onnx.guard.__main__" not in graph and guard <= {"higgs_onnx.tags"}, guard
+
+
 def test_the_folder_graph_sees_a_circle_through_three_folders():
     graph = {"p.a.x": {"p.b.y"}, "p.b.y": {"p.c.z"}, "p.c.z": {"p.a.w"}, "p.a.w": set(), "p.a.__main__": {"p.c.z"}}
     assert cycles(folder_graph(graph)) == [["p.a", "p.b", "p.c", "p.a"]]

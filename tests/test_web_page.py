@@ -312,7 +312,7 @@ def test_read_along_highlights_the_piece_being_played(url, browser):
 def test_read_along_word_by_word(url, browser):
     """With "read along word by word" the page asks for word timing (`caption_level` "word"): a short text is one
     piece. The tiny model's audio is not speech, so its piece says why it has no word timing. Then the server's own
-    events for the real recording in tests/data (serve.pieces.with_words, as the server makes them) and that
+    events for the real recording in tests/data (job.run.with_words, as the server makes them) and that
     recording in the <audio> element: the word highlighted is the one whose [start_s, end_s) holds the time."""
     import base64
     import concurrent.futures

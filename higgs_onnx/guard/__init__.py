@@ -4,8 +4,8 @@ request's stop reason.
     watch = RowWatch(GuardOptions(), expected, num_codebooks, frame_rate)   # online: told every row as it is made
     watch.see(rows, n)            # -> "loop" | "overlong" | None (the request stops at once on a verdict)
     verdict = judge(rows, text, frame_rate, num_codebooks, stop_reason, wav, hop)   # a finished take
-    python -m higgs_onnx.guard CODES.npy --text "..." --model-path onnx/cpu_int4 [--audio]   # exit 0 / 1 / 2
-                                                                        # (the command: guard/__main__.py)
+    python -m higgs_onnx.judge CODES.npy --text "..." --model-path onnx/cpu_int4 [--audio]   # exit 0 / 1 / 2
+                                                                        # (the command: higgs_onnx/judge.py)
 
 Verdicts (thresholds in `GuardOptions`, defaults justified beside each field):
 - `loop`: the same row, or the same cycle of up to `loop_period` rows, over `loop_rows` rows in a row: a tone loop.
@@ -258,7 +258,7 @@ def take_scores(rows: list[int], good: list[bool]) -> list[float]:
 
 def best_take(scores: list[float], made: list[bool] | None = None) -> int:
     """The take a best-of keeps: the highest score among those made (a take that made no audio comes last), ties
-    to the lower take. One rule for every door (`HiggsTTS.best_of`, the server's `takes`)."""
+    to the lower take. One rule for every door (`job.run.best_of`, the server's `takes`: `job.run.Runner`)."""
     return max(range(len(scores)), key=lambda i: (scores[i] if made is None or made[i] else -9.0, -i))
 
 

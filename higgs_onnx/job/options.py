@@ -42,7 +42,8 @@ DOORS = {
 }
 ABSENT = "absent"  # the door's protocol has no place for the field (Wyoming's events carry text and a voice name)
 STREAMED = "audio is sent as it is made, segment by segment, so nothing can wait for a whole take"
-PREPARE = "prepare the text first: HiggsTTS.read_text(text, normalize=..., markdown=...) returns what to pass"
+PREPARE = ("prepare the text first: higgs_onnx.job.run.read_text(tts, text, normalize=..., markdown=...) returns "
+           "what to pass")
 SPEED_RANGE = (0.25, 4.0)
 MAX_TAKES = 16  # takes of one request: each is a batch row (its own slot)
 CAPTION_LEVELS = ("piece", "word")
@@ -318,14 +319,121 @@ class SpeechOptions:
         out.check_rules(door)
         return out
 
-    def check_rules(self, door: str) -> None:
-        """The rules between fields, the same at every door."""
-        label = OPTIONS["takes"].label(door)
-        if self.takes > 1 and self.retries:
-            raise OptionError(f"give {label} or {OPTIONS['retries'].label(door)}, not both", "takes")
-        if self.takes > 1 and self.generation.temperature == 0:
-            raise OptionError(f"{label} > 1 needs sampling ({OPTIONS['temperature'].label(door)} > 0): greedy takes "
-                              f"are all the same", "takes")
+    def check_rules(self, door: str, shape: Shape | None = None) -> None:
+        """The rules between fields (`RULES`), the same at every door: OptionError naming the first that breaks.
+        `shape`: what the door knows of the job besides its options (pieces, a blend, a live stream); the rules
+        that need it are checked again once it is known (`job.run.SpeechJob.check`)."""
+        shape = shape or Shape()
+        for rule in RULES:
+            if rule.breaks(self, shape):
+                raise OptionError(rule.message(self, shape, door), rule.param(self), "unsupported_parameter"
+                                  if rule.shaped else "invalid_value")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a door knows of a job besides its options, that a rule between fields needs: `pieces` (the input is
+    read in this many pieces, each continuing the one before; 0: one request), `voices` (a blend's voices), `live`
+    (audio leaves as it is made, before the take is whole: a stream to a player), `words` (the door's output has
+    a place for timed words: SSE events, a captions file), `continues` (each segment continues the one before: the
+    text-in WebSocket's session)."""
+
+    pieces: int = 0
+    voices: int = 1
+    live: bool = False
+    words: bool = True
+    continues: bool = False
+
+
+WORDS_PLACE = {"http": 'stream_format "sse": the words come on the stream\'s piece events',
+               "cli": "--captions FILE with --out FILE: the words are timed on the written audio"}
+
+
+def _labels(door: str) -> dict[str, str]:
+    return {name: opt.label(door) for name, opt in OPTIONS.items()}
+
+
+def _pieces(shape: Shape) -> str:
+    if shape.continues:
+        return "a session's segments each continue the one before"
+    return (f"this input is read in {shape.pieces} pieces (it does not fit one request), each continuing the one "
+            f"before")
+
+
+def _paces(o: SpeechOptions) -> list[str]:
+    from ..text.directions import paces
+
+    return paces(o.text.instructions or "")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One rule between fields (or between a field and the job's `Shape`): `fields` (the first is the one an error
+    names, unless `names` picks another), `breaks(options, shape)`, and `why` (the message; `{takes}` ... are the
+    fields as the door names them, `{pieces}` the pieces sentence, `{words}` where the door sends words).
+    `shaped`: it depends on the shape, so it is a field the job cannot honour here (unsupported_parameter)."""
+
+    name: str
+    fields: tuple[str, ...]
+    doors: tuple[str, ...]  # where a job can break it (the doors that honour its fields and have its shape)
+    breaks: Any
+    why: str
+    shaped: bool = True
+    names: Any = None  # options -> the field the error names (None: the first of `fields`)
+
+    def param(self, o: SpeechOptions) -> str:
+        return self.names(o) if self.names else self.fields[0]
+
+    def message(self, o: SpeechOptions, shape: Shape, door: str) -> str:
+        labels = _labels(door)
+        return self.why.format(**labels, field=labels[self.param(o)], pieces=_pieces(shape),
+                               words=WORDS_PLACE.get(door, ""), paces=", ".join(repr(w) for w in _paces(o)),
+                               speed_value=f"{o.speed:g}")
+
+
+def _judged(o: SpeechOptions) -> str:
+    return "takes" if o.takes > 1 else "retries"
+
+
+def _whole(o: SpeechOptions) -> str:
+    return "takes" if o.takes > 1 else "retries" if o.retries else "loudness"
+
+
+_EXAMPLE_SHAPE = Shape(pieces=3)
+RULES: tuple[Rule, ...] = (
+    Rule("takes or retries", ("takes", "retries"), ("cli", "http"), lambda o, s: o.takes > 1 and o.retries > 0,
+         "give {takes} or {retries}, not both", shaped=False),
+    Rule("takes need sampling", ("takes", "temperature"), ("cli", "http", "python"),
+         lambda o, s: o.takes > 1 and o.generation.temperature == 0,
+         "{takes} > 1 needs sampling ({temperature} > 0): greedy takes are all the same", shaped=False),
+    Rule("one pace", ("speed", "instructions"), ("cli", "http", "websocket"),
+         lambda o, s: o.speed != 1.0 and bool(_paces(o)),
+         "{instructions} set a pace ({paces}) and {speed} sets another ({speed_value}): give one of them",
+         shaped=False),
+    Rule("takes of a blend", ("takes", "voice"), ("cli", "http", "python"), lambda o, s: o.takes > 1 and s.voices > 1,
+         "{takes} > 1 is not supported with a blend of voices (each take would need a batch row per voice); use "
+         "{retries}"),
+    Rule("a whole take, live", ("takes", "retries", "loudness"), ("cli",),
+         lambda o, s: s.live and (o.takes > 1 or o.retries > 0 or o.loudness is not None),
+         "{field} needs the whole take before it is sent, but this audio leaves as it is made", names=_whole),
+    Rule("takes of pieces", ("takes", "retries"), ("http",),
+         lambda o, s: s.pieces > 1 and (o.takes > 1 or o.retries > 0),
+         "{field} judge one whole take, but {pieces}; send it without {field}, or in shorter requests",
+         names=_judged),
+    Rule("a lone run of pieces", ("deterministic",), ("http",), lambda o, s: s.pieces > 1 and o.deterministic,
+         "{deterministic} runs one request alone, but {pieces}, which the scheduler batches; send it without "
+         "{deterministic}, or in shorter requests"),
+    Rule("a blend of pieces", ("voice",), ("http", "websocket"),
+         lambda o, s: (s.pieces > 1 or s.continues) and s.voices > 1,
+         "a blend of voices cannot continue earlier speech (it runs a KV cache per voice), but {pieces}; use one "
+         "voice"),
+    Rule("words need a place", ("caption_level",), ("cli", "http"),
+         lambda o, s: o.caption_level == "word" and not s.words,
+         "{caption_level} word needs {words}"),
+)
+
+
+_EXAMPLE = SpeechOptions(speed=1.5, takes=2, text=TextOptions(instructions="slowly"))
 
 
 def _checked(got: Mapping[str, Any], checks, door: str) -> dict[str, Any]:
@@ -383,6 +491,14 @@ def door_table() -> str:
             cells.append(cell)
         rows.append(f"| `{o.name}` | {o.bound or '—'} | " + " | ".join(cells) + " |")
     return "\n".join([head, rule, *rows])
+
+
+def rules_table() -> str:
+    """The markdown table of the rules between fields (docs/server.md holds it; a test checks it is this one, and
+    tests/test_doors.py breaks every rule at every door it lists)."""
+    rows = [f"| {r.name} | {', '.join(f'`{f}`' for f in r.fields)} | {', '.join(r.doors)} | "
+            f"{r.message(_EXAMPLE, _EXAMPLE_SHAPE, 'http')} |" for r in RULES]
+    return "\n".join(["| rule | fields | checked at | the error (as HTTP words it) |", "|---|---|---|---|", *rows])
 
 
 def speed_tag(speed: float, tags) -> str | None:

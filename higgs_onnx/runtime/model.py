@@ -41,9 +41,7 @@ from ..generation.pipeline import Speech, Synthesizer, reference_rows, speech_fr
 from ..generation.prompt import encode_user_text
 from ..generation.scheduler import PrefillPolicy, Scheduler
 from ..generation.stream import AudioChunk
-from ..guard import GuardOptions, RetryPolicy, best_take, judge, take_record, take_scores, take_seeds
-from ..job.options import SpeechOptions, check_takes
-from ..outputs import write_atomic
+from ..guard import GuardOptions, RetryPolicy
 from .backend import KV_LAYOUTS, OnnxBackend
 from .codec import OnnxCodec
 from .parts import STATEFUL_CODEC, ModelParts
@@ -233,21 +231,6 @@ class HiggsTTS:
         return self.prompts.request(text, options, voice_s=voice_s, started=time.perf_counter(),
                                         history=list(history), slot=slot, continues=continues, **kwargs)
 
-    def read_text(self, text: str, **fields) -> str:
-        """What the model should read of `text`, through the text steps the keywords ask for (`normalize`, `markdown`,
-        `emoji`, `stage_directions`, `lexicon` (a dict or `text.lexicon.Lexicon`), `instructions`; docs/text.md), with
-        the bounds of every door; pass the result to `generate`, `stream` or `best_of`. With no keywords the text is
-        returned as it is."""
-        from ..job.options import TEXT, SpeechOptions
-
-        unknown = sorted(set(fields) - set(TEXT))
-        if unknown:
-            raise TypeError(f"read_text() got an unexpected keyword argument {unknown[0]!r}; it takes "
-                            f"{', '.join(TEXT)}")
-        job = SpeechOptions.build(fields, "http")  # the fields' own names in its messages (the python door's are
-        tags = self.tokens.control_tags            # refused by generate: the text is prepared here instead)
-        return job.lead(tags) + job.read(text, tags).text
-
     def prompt_figures(self, text: str, req) -> dict:
         """What a dry run shows of a built request for `text` (`request`): the text, its own tokens, the prompt's
         positions (`voice_positions` of them a saved voice's), the row budget and the voices (a blend: a request
@@ -296,94 +279,38 @@ class HiggsTTS:
                            top_p=top_p, seed=seed, max_rows=_rows(max_rows, max_frames))
         return self.run(req, "speech", on_row=on_row, retry=policy)
 
-    def best_of(self, text: str, takes: int, ref_audio=None, ref_text: str | None = None, voice: Voice | None = None,
-                options: GenerationOptions | None = None, *, save_takes: str | os.PathLike | None = None,
-                asr=None, **keywords) -> Speech:
-        """`takes` draws of one request as rows of one batch, each judged by the guard; the best is returned, with
-        every take's record (seed, temperature, rows, verdict, score, kept) in `Speech.takes`. Take i draws with seed
-        `seed + i * guard.TAKE_SEED_STEP`. The prompt is prefilled once: every take starts from its saved state and last
-        hidden state (a voice's prefix included), so the takes cost what batching the rows costs; only the takes the
-        choice needs are decoded (the best by its rows, checked for dead air; all with `save_takes`). Best: a good take
-        before a degenerate one, then the one whose length is nearest the good takes' median (an outlier length is the
-        likelier failure); ties go to the lower take. `save_takes`: a folder for `take-<i>.wav` of every take and
-        `takes.json`. `asr` (an `asr.Transcriber`): every good take is also decoded and heard, and the best is the good
-        take with the lowest word (character) error rate, then as above; each record gets what was heard and its
-        `wer` or `cer`. Sampling only (greedy takes would all be the same)."""
+    def draw_takes(self, text: str, seeds: list[int], voice: Voice | None = None,
+                   options: GenerationOptions | None = None) -> list[Request]:
+        """One request drawn once per seed, as rows of one batch, to their end (rows only: decode a take with
+        `speech_of`). The prompt is prefilled once: every take starts from its saved state and last hidden state (a
+        voice's prefix included), so the takes cost what batching the rows costs. The policy that judges and
+        chooses them is the job's (`job.run.best_of`)."""
         import dataclasses
 
         from ..generation.engine import prompt_embeddings
 
-        if isinstance(voice, Blend):
-            raise ValueError("takes of a voice blend are not supported (each take would need a slot per voice); "
-                             "use retries instead")
-        options = GenerationOptions.make(options, **keywords)
-        SpeechOptions(options, takes=check_takes(takes)).check_rules("python")  # the bound and rules of every door
-        folder = None if save_takes is None else _takes_folder(save_takes)
+        options = GenerationOptions.make(options)
         positions = self.slot_positions
-        if voice is not None and ref_audio is not None:
-            raise ValueError("give either voice or ref_audio, not both")
-        if voice is None and ref_audio is not None:
-            voice = self.make_voice(ref_audio, ref_text)  # once: every take hears it
         first = self.request(text, voice=voice, options=options, slot=positions)
         f, be = self.facts, self.backend
         prompt, cached = first.prompt, first.cached
         state = None if first.prefix is None else first.prefix[1]
         if np.count_nonzero(np.asarray(prompt[cached:]) == f.placeholder):  # reference rows still to prefill
-            raise ValueError("best_of needs the voice made first (make_voice): its rows are then in its prefix")
+            raise ValueError("takes need the voice made first (make_voice): its rows are then in its prefix")
         cache = be.new_cache(len(prompt), state)  # the whole prompt, prefilled once for every take
         hidden = be.prefill(cache, prompt_embeddings(be, prompt[cached:], f.placeholder, None))
         shared = (len(prompt), be.snapshot(cache))
         del cache
         kw = {} if voice is None else {"ref_rows": voice.rows, "ref_text": voice.ref_text}
         reqs = [self.prompts.request(text, dataclasses.replace(options, seed=seed), prefix=shared, slot=positions,
-                                     **kw) for seed in take_seeds(options.seed, takes)]
+                                     **kw) for seed in seeds]
         for r in reqs:
             r.start_hidden = hidden  # the prompt's last hidden state: each take samples its first row from it
-        with self.scheduler(takes, positions) as sched:
+        with self.scheduler(len(reqs), positions) as sched:
             handles = [sched.submit(r, None) for r in reqs]  # rows only: only the takes it needs get decoded
-            done = [h.wait() for h in handles]
-        g = self.guard or GuardOptions()
-        verdicts = [judge(r.generated, text, f.frame_rate, f.num_codebooks, r.stop_reason, options=g) for r in done]
-        speeches: dict[int, Speech] = {}
+            return [h.wait() for h in handles]
 
-        def decoded(i: int) -> Speech:  # a take's audio, and its verdict with the dead-air check on it
-            if i not in speeches:
-                s = speeches[i] = self._speech_of(done[i])
-                if verdicts[i].good:
-                    verdicts[i] = judge(done[i].generated, text, f.frame_rate, f.num_codebooks, done[i].stop_reason,
-                                        s.waveform, f.hop, g)
-            return speeches[i]
-
-        heard: dict[int, dict] = {}
-        if asr is not None:  # every good take decoded (dead air checked) and heard; the best says the text best
-            for i in range(takes):
-                if verdicts[i].good:
-                    decoded(i)  # may find dead air
-                if verdicts[i].good:
-                    heard[i] = asr.score(text, speeches[i].waveform, f.sample_rate)
-            scores = take_scores([r.n for r in done], [v.good for v in verdicts])
-            best = max(range(takes), key=lambda i: (verdicts[i].good, -_heard_rate(heard.get(i)), scores[i], -i))
-            decoded(best)
-        while asr is None:  # the best by its rows; its audio checked; a take with dead air gives way to the next
-            scores = take_scores([r.n for r in done], [v.good for v in verdicts])
-            best = best_take(scores)
-            was_good = verdicts[best].good
-            decoded(best)
-            if verdicts[best].good or not was_good:
-                break
-        if folder is not None:
-            for i in range(takes):
-                decoded(i)
-            scores = take_scores([r.n for r in done], [v.good for v in verdicts])
-        records = [{**take_record(r.options, r.n, r.stop_reason, v), "take": i + 1, "score": round(scores[i], 4),
-                    **heard.get(i, {}), "kept": i == best} for i, (r, v) in enumerate(zip(done, verdicts, strict=True))]
-        if folder is not None:
-            _save_takes(folder, [speeches[i] for i in range(takes)], records)
-        kept = speeches[best]
-        kept.verdict, kept.takes = verdicts[best], records
-        return kept
-
-    def _speech_of(self, req: Request) -> Speech:
+    def speech_of(self, req: Request) -> Speech:
         """A finished request's audio, decoded in one codec call (every frame of its rows)."""
         f = self.facts
         return speech_from(req, req.new_frames(), self.decode_audio, f.sample_rate, f.codebook_size)
@@ -461,40 +388,6 @@ class HiggsTTS:
         return self.voices.forget(voice) > 0
 
 
-
-
-def _heard_rate(record: dict | None) -> float:
-    """A heard take's error rate (`asr.Transcriber.score`); a take not heard ranks after every heard one."""
-    if record is None:
-        return float("inf")
-    return record.get("wer", record.get("cer"))
-
-
-def _takes_folder(path):
-    """The `save_takes` folder (a `Path`): created, and writable, before any work."""
-    from pathlib import Path
-
-    folder = Path(path)
-    if folder.exists() and not folder.is_dir():
-        raise ValueError(f"save_takes {folder} is a file, not a folder")
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / ".write-test"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise ValueError(f"cannot write into save_takes {folder} ({e.strerror or type(e).__name__})") from None
-    return folder
-
-
-def _save_takes(folder, speeches: list, records: list[dict]) -> None:
-    import json
-
-    from ..audio import write_audio
-
-    for i, s in enumerate(speeches, 1):
-        write_audio(folder / f"take-{i}.wav", s.waveform, s.sample_rate)
-    write_atomic(folder / "takes.json", json.dumps(records, indent=2))
 
 
 def retry_policy(retries: int | RetryPolicy | None) -> RetryPolicy | None:

@@ -64,7 +64,8 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
                 from .wyoming_server import WyomingService, start
 
                 beside = await start(wyoming, WyomingService(tts, scheduler, svc.store, default_voice=default_voice,
-                                                               send_s=timeouts.send_s, read=svc.reader(svc.base)))
+                                                               send_s=timeouts.send_s,
+                                                               job=svc.speech_job(svc.base, "wyoming")))
                 log.info("Wyoming server on %s", wyoming)
             yield
         finally:

@@ -23,11 +23,12 @@ import numpy as np
 
 from ..generation.contract import LONG_FORM_HINT, ContractError
 from ..generation.stream import AudioChunk
+from ..job.run import joined
 from ..longform.captions import Cue
 from ..longform.joins import fade_edges
 from ..longform.script import Turn
 from ..longform.split import split_text
-from .pieces import JOIN, Timeline, joined, no_audio, pause_after, piece_options, restart_when_full, speak_waiting
+from .pieces import JOIN, Timeline, no_audio, pause_after, piece_options, restart_when_full, speak_waiting
 
 SPEAKER_SEED_STEP = 7919  # speaker k's pieces are seeded seed + k * this + their index in its session
 

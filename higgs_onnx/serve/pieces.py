@@ -19,7 +19,7 @@ silence, 0.7 s after a paragraph, an 8 ms raised-cosine fade at each piece's edg
 `PieceReader` yields that stream as `AudioChunk`s, and a `captions.Cue` when a piece's first samples are handed out
 (`end` None) and when its last are (`end` set): `start` is the stream position of the piece's first sample, `end`
 the position just past its last, so `[start, end)` is exactly the piece's samples and the pauses lie between the
-cues. `with_words` times each finished piece's words on those samples (a request's `"caption_level": "word"`).
+cues. `job.run.with_words` times each finished piece's words on those samples (`"caption_level": "word"`).
 """
 
 from __future__ import annotations
@@ -27,17 +27,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
-import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from ..generation.contract import LONG_FORM_HINT, ContractError, NoAudioError
 from ..generation.stream import AudioChunk
-from ..longform.captions import Cue, timed
+from ..longform.captions import Cue
 from ..longform.joins import Edges
 from ..longform.render import LongFormOptions, piece_rows
 from ..longform.split import Piece, split_text
@@ -213,63 +210,6 @@ class PieceReader:
                 if self.first_job is None:
                     self.first_job = self.piece_job
             yield c
-
-
-async def with_words(first, items: AsyncIterator, text: str, sample_rate: int, language: str = "en"):
-    """(first, rest) of a stream of `AudioChunk`s and piece `Cue`s (`first` the stream's first item, `items` the
-    rest), with each finished piece's words timed on its own samples (`captions.timed`, in a worker thread). A stream
-    with no piece cues (one request) is one piece of `text`: its cue comes before its first chunk and after its
-    last, as a long input's do."""
-
-    async def stream():
-        held, single = [], not isinstance(first, Cue)
-        if single:
-            yield Cue(0, None, text)
-        item = first
-        while item is not None:
-            if isinstance(item, Cue):
-                if item.end is None:
-                    held = []
-                else:
-                    item = await aligned(item, joined(held), sample_rate, language)
-            else:
-                held.append(item.samples)
-            yield item
-            item = await anext(items, None)
-        if single:
-            samples = joined(held)
-            yield await aligned(Cue(0, samples.size, text), samples, sample_rate, language)
-
-    out = stream()
-    return await anext(out), out
-
-
-ALIGNER_THREADS = 1  # word timing (0.5-1.3 s of CPU a piece) for every stream of the server, one at a time
-ALIGNER_NICE = 10  # below the decoder's threads: word timing can slow its own stream's words, not the others' audio
-_aligner: ThreadPoolExecutor | None = None
-
-
-def _lower_priority() -> None:
-    """The aligner thread at a lower scheduling priority (Linux sets a nice value per thread)."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), ALIGNER_NICE)
-    except (AttributeError, OSError):  # not Linux, or not allowed: it runs at the process's priority
-        log.debug("the aligner thread keeps the process's priority")
-
-
-async def aligned(cue: Cue, samples: np.ndarray, sample_rate: int, language: str) -> Cue:
-    """`captions.timed` in the server's one aligner pool (bounded, lower priority), not the default executor that
-    the text steps and voice uploads share: 8 word-timed streams queue their pieces here instead of taking every
-    core from the decoder."""
-    global _aligner
-    if _aligner is None:
-        _aligner = ThreadPoolExecutor(ALIGNER_THREADS, thread_name_prefix="higgs-align", initializer=_lower_priority)
-    return await asyncio.get_running_loop().run_in_executor(_aligner, timed, cue, samples, sample_rate, language)
-
-
-def joined(samples: list) -> np.ndarray:
-    """Chunks' samples as one array (an empty float32 one for none)."""
-    return np.concatenate(samples) if samples else np.zeros(0, np.float32)
 
 
 async def speak_waiting(session, text: str, wait: bool = True) -> AsyncIterator[AudioChunk]:

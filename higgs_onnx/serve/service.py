@@ -18,18 +18,13 @@ from fastapi import Request
 from ..generation.blend import Blend, normalise_weights, parse_members
 from ..generation.contract import ContractError, NoAudioError
 from ..generation.options import GenerationOptions
-from ..guard import GuardOptions, RetryPolicy, judge, take_record, take_scores, take_seeds
-from ..guard import best_take as choose
 from ..job.options import SAMPLING, OptionError, SpeechOptions
+from ..job.run import Gone, Prepared, Runner, SpeechJob
 from ..longform.captions import Cue
-from ..loudness import normalise
-from ..tags import CONTROL_TAG
-from ..text.directions import DirectionError
 from ..text.pipeline import Reading
 from .formats import FORMATS, encoder
 from .http import (
     ALIASES,
-    GONE,
     JOB_FIELDS,
     OPENAI_ALIASES,
     OPENAI_VOICES,
@@ -191,10 +186,9 @@ class SpeechService:
         except OptionError as e:
             raise ApiError(400, e.message, e.param, e.code) from None
 
-    def check_speech(self, r: SpeechRequest, door: str = "http") -> tuple[str, SpeechOptions, str | None, Reading]:
-        """The text to submit (the lead first), the job's options, the lead (the instructions' tags and the speed
-        tag, which every piece starts with) and the reading of the input (the text steps); ApiError for the first
-        bad field (a field `door` cannot honour is refused by name)."""
+    def check_speech(self, r: SpeechRequest, door: str = "http") -> tuple[SpeechJob, Prepared]:
+        """The job (`job.run.SpeechJob`: its options, its lead) and what the model reads of the input; ApiError for
+        the first bad field (a field `door` cannot honour is refused by name)."""
         self.check_model(r)
         if not r.input.strip():
             raise ApiError(400, "input is empty: give the text to speak", "input", "invalid_value")
@@ -202,34 +196,29 @@ class SpeechService:
             raise ApiError(400, f"input is {len(r.input)} characters long; the limit is {MAX_INPUT_CHARS} (an input "
                            f"beyond one request is read in pieces, up to that)", "input", "string_above_max_length")
         self.check_output(r)
-        job = self.job_options(r, JOB_FIELDS, door)
-        lead, reading = self.read(job, r.input)
-        return lead + reading.text, job, lead or None, reading
+        job = self.speech_job(self.job_options(r, JOB_FIELDS, door), door)
+        return job, self.optioned(job.prepare, r.input)
 
-    def reader(self, job: SpeechOptions):
-        """The job's text steps as text -> text (None: it has none), for a stream's segments."""
-        return job.reader(self.tts.tokens.control_tags)
+    def speech_job(self, options: SpeechOptions, door: str) -> SpeechJob:
+        """The job of `options` at `door` on this model (its lead made once); ApiError for instructions it cannot
+        map."""
+        return self.optioned(SpeechJob, options, self.tts.tokens.control_tags, door)
 
-    def read(self, job: SpeechOptions, text: str) -> tuple[str, Reading]:
-        """The job's lead and its reading of `text` (job.options); ApiError for instructions it cannot map or a
-        text the steps leave empty."""
-        tags = self.tts.tokens.control_tags
+    @staticmethod
+    def optioned(call, *args):
+        """`call(*args)`, an `OptionError` as the 400 that names its field."""
         try:
-            lead = job.lead(tags)
-        except DirectionError as e:
-            raise ApiError(400, str(e), "instructions", "invalid_value") from None
-        reading = job.read(text, tags)
-        if reading.steps and not CONTROL_TAG.sub("", reading.text).strip():
-            raise ApiError(400, f"input has nothing to speak after {', '.join(s for s, _ in reading.steps)}",
-                           "input", "invalid_value")
-        return lead, reading
+            return call(*args)
+        except OptionError as e:
+            raise ApiError(400, e.message, e.param, e.code) from None
 
     async def opening(self, job, chunks: AsyncIterator, request: Request):
-        """`first_chunk`, with its failures as the error response (no audio was sent yet); GONE: the client left."""
+        """`first_chunk`, with its failures as the error response (no audio was sent yet); `Gone`: the client
+        left."""
         try:
             return await self.first_chunk(job, chunks, request)
         except ConnectionAbortedError:
-            return GONE
+            raise Gone from None
         except Exception as e:  # noqa: BLE001 - failed before any audio: a proper error response
             log.error("request %s failed before its first audio: %s: %s", job.id, type(e).__name__, e)
             raise self.failure(e) from None
@@ -301,21 +290,6 @@ class SpeechService:
         steps = [{"step": name, "text": said} for name, said in (reading.steps if reading else ())]
         return {"object": "speech.dry_run", "input": given, "lead": tag, "steps": steps, **whole, "pieces": parts}
 
-    def check_pieces(self, job_opts: SpeechOptions, voice, n: int) -> None:
-        """What an input read in pieces cannot be combined with: a 400 that says why."""
-        why = f"this input is read in {n} pieces (it does not fit one request), each continuing the one before"
-        if job_opts.takes > 1 or job_opts.retries:
-            field = "takes" if job_opts.takes > 1 else "retries"
-            raise ApiError(400, f"{field} judge one whole take, but {why}; send it without {field}, or in shorter "
-                           f"requests", field, "unsupported_parameter")
-        if job_opts.deterministic:
-            raise ApiError(400, f"deterministic runs one request alone, but {why}, which the scheduler batches; send "
-                           f"it without deterministic, or in shorter requests", "deterministic",
-                           "unsupported_parameter")
-        if getattr(voice, "width", 1) > 1:  # a `Blend` runs a cache per voice and cannot continue one
-            raise ApiError(400, f"a blend of voices cannot continue earlier speech, but {why}; use one voice, or "
-                           f"shorter requests", "voice", "unsupported_parameter")
-
     def read_pieces(self, pieces: list, voice, options, tag: str | None) -> PieceReader:
         """The job of an input read in pieces: one `SpeechSession` speaking them in order (`pieces.PieceReader`).
         Zero-shot, a restart of the context speaks in the first piece's voice (made from its codes)."""
@@ -338,95 +312,27 @@ class SpeechService:
             raise ApiError(400, str(e), next((k for k in SAMPLING if str(e).startswith(k)), "input"),
                            "invalid_value") from None
 
-    async def judged_takes(self, text: str, voice, options, job_opts: SpeechOptions, request: Request):
-        """(job, chunks, takes): whole takes, each judged by the guard, until a good one or the retries run out
-        (the same `guard.RetryPolicy` as everywhere). (None, None, takes) when the client left meanwhile."""
+    def runner(self, request: Request) -> Runner:
+        """The job's async driver (`job.run.Runner`) for one request: its jobs on the server's scheduler, cancelled
+        when the client leaves."""
+        return Runner(self.tts, self.start_job, lambda job: self.collect(job, request),
+                      lambda job, chunks: self.opening(job, chunks, request), self.sample_rate)
 
-        policy, takes = RetryPolicy(retries=job_opts.retries), []
-        while True:
-            job = self.start_job(text, voice, options, job_opts.deterministic)
-            done = await self.collect(job, request)
-            if done is None:
-                return None, None, takes
-            if not done:
-                return job, done, takes
-            v = self.judged(text, done)
-            takes.append(self.take_entry(options, done, v))
-            nxt = policy.after(v, options, len(takes))
-            if nxt is None:
-                return job, done, takes
-            log.info("request %s: take %d is %s (%s); drawing again", job.id, len(takes), v.name, v.reason)
-            options = nxt
-
-    async def collect(self, job, request: Request) -> list | None:
-        """Every chunk of a job (None: the client left, and the job is cancelled)."""
+    async def collect(self, job, request: Request) -> list:
+        """Every chunk of a job; `Gone` when the client left (the job is cancelled)."""
         done = []
         try:
             async for chunk in job:
                 done.append(chunk)
                 if await request.is_disconnected():
                     job.cancel()
-                    return None
+                    raise Gone
+        except Gone:
+            raise
         except Exception as e:  # noqa: BLE001 - a take that fails is the request's error
             log.error("request %s failed: %s: %s", job.id, type(e).__name__, e)
             raise self.failure(e) from None
         return done
-
-    def judged(self, text: str, done: list):
-        """The guard's verdict of a whole take."""
-        import numpy as np
-
-        f, last = self.tts.facts, done[-1]
-        return judge(last.rows, text, f.frame_rate, f.num_codebooks, last.stats.stop_reason,
-                     np.concatenate([c.samples for c in done]), f.hop, self.tts.guard or GuardOptions())
-
-    def take_entry(self, options, done: list, v) -> dict:
-        return take_record(options, len(done[-1].rows), done[-1].stats.stop_reason, v)
-
-    async def best_take(self, text: str, voice, options, job_opts: SpeechOptions, request: Request):
-        """(job, chunks, takes): `job_opts.takes` draws submitted together (they batch with every other request),
-        each
-        judged; the best (`guard.best_take`) is sent. (None, None, takes) when the client left."""
-        import dataclasses
-
-        opts = [dataclasses.replace(options, seed=seed) for seed in take_seeds(options.seed, job_opts.takes)]
-        jobs = []
-        try:
-            for o in opts:
-                jobs.append(self.start_job(text, voice, o, job_opts.deterministic))
-        except BaseException:
-            for j in jobs:
-                j.cancel()
-            raise
-        made = []
-        for j in jobs:
-            done = await self.collect(j, request)
-            if done is None:
-                for other in jobs:
-                    other.cancel()
-                return None, None, []
-            made.append(done)
-        verdicts = [self.judged(text, d) if d else None for d in made]
-        good = [v is not None and v.good for v in verdicts]
-        scores = take_scores([len(d[-1].rows) if d else 0 for d in made], good)
-        best = choose(scores, [bool(d) for d in made])
-        takes = [{**(self.take_entry(o, d, v) if d else {"seed": o.seed, "verdict": "no_audio"}), "take": i + 1,
-                  "score": round(scores[i], 4), "kept": i == best}
-                 for i, (o, d, v) in enumerate(zip(opts, made, verdicts, strict=True))]
-        return jobs[best], made[best], takes
-
-    def leveled(self, done: list, lufs: float) -> tuple[list, object]:
-        """A whole take's chunks brought to `lufs` together (one gain), and the `loudness.Loudness` record."""
-        import dataclasses
-
-        import numpy as np
-
-        audio = [c for c in done if not isinstance(c, Cue)]  # a long input's piece cues stay where they are
-        wav, level = normalise(np.concatenate([c.samples for c in audio]), self.sample_rate, lufs)
-        ends = np.cumsum([c.samples.size for c in audio])
-        made = iter([dataclasses.replace(c, samples=wav[e - c.samples.size:e])
-                     for c, e in zip(audio, ends, strict=True)])
-        return [c if isinstance(c, Cue) else next(made) for c in done], level
 
     async def stream_body(self, job, first, chunks: AsyncIterator, fmt: str, sse: bool, input_chars: int,
                           tag: str | None, takes: list | None = None, level=None,

@@ -10,19 +10,19 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 
 from ..generation.contract import ContractError
+from ..job.options import Shape
+from ..job.run import Gone
 from .formats import FORMATS
 from .http import (
-    GONE,
     ApiError,
     JobResponse,
     SpeechRequest,
     media_type,
     read_form,
     read_json,
-    replay,
     validation_message,
 )
-from .pieces import plan_pieces, with_words
+from .pieces import plan_pieces
 from .service import SpeechService
 from .shapes import ShapeError, normalise
 
@@ -48,62 +48,35 @@ def router(svc: SpeechService) -> APIRouter:
             message, param = validation_message(e)
             raise ApiError(400, message, param, "invalid_value") from None
         # off the event loop: the text steps (normalize, markdown, the lexicon) read up to the input bound
-        text, job_opts, tag, reading = await asyncio.to_thread(svc.check_speech, r)
-        options = job_opts.generation
+        job, ready = await asyncio.to_thread(svc.check_speech, r)
+        options, sse = job.options.generation, r.stream_format == "sse"
         if r.stream and r.stream_format == "audio" and r.response_format != "pcm":
             raise ApiError(400, f"stream: true sends raw PCM: it needs response_format 'pcm', got "
                            f"{r.response_format!r} (every format streams here without it)", "stream", "invalid_value")
-        if job_opts.caption_level == "word" and r.stream_format != "sse":
-            raise ApiError(400, 'caption_level "word" needs stream_format "sse": the words come on the stream\'s '
-                           'piece events', "caption_level", "invalid_value")
-        voice = await svc.job_voice(inline, r)
+        svc.optioned(job.check, Shape(words=sse))  # what is known before a voice is made
+        job_opts, voice = job.options, await svc.job_voice(inline, r)
         if r.model_extra:
             log.info("ignored fields: %s", ", ".join(sorted(r.model_extra)))
         try:  # an input beyond one request: read in pieces (serve/pieces.py); None: one request, as ever
-            pieces = await asyncio.to_thread(plan_pieces, svc.tts, svc.scheduler.slot_positions, reading.text, tag,
-                                             voice, options)
+            pieces = await asyncio.to_thread(plan_pieces, svc.tts, svc.scheduler.slot_positions, ready.reading.text,
+                                             ready.tag, voice, options)
         except ContractError as e:
             raise svc.contract_error(e, {"ref_text": "voice"}) from None
         except ValueError as e:
             raise ApiError(400, str(e), "input", "invalid_value") from None
-        if pieces is not None:
-            svc.check_pieces(job_opts, voice, len(pieces))
+        svc.optioned(job.check, Shape(pieces=len(pieces or ()), voices=getattr(voice, "width", 1), words=sse))
         if job_opts.dry_run:
-            return await svc.dry_run(r.input, text, tag, voice, options, pieces, reading)
-        takes = None
-        if job_opts.takes > 1:
-            job, done, takes = await svc.best_take(text, voice, options, job_opts, request)
-            if job is None:
-                return Response(status_code=499)
-            first, chunks = (done[0] if done else None), replay(done[1:])
-        elif job_opts.retries:
-            job, done, takes = await svc.judged_takes(text, voice, options, job_opts, request)
-            if job is None:
-                return Response(status_code=499)
-            first, chunks = (done[0] if done else None), replay(done[1:])
-        elif job_opts.loudness is not None:  # measured whole: the take is collected, then sent
-            job = svc.read_pieces(pieces, voice, options, tag) if pieces else svc.start_job(text, voice, options,
-                                                                                     job_opts.deterministic)
-            done = await svc.collect(job, request)
-            if done is None:
-                return Response(status_code=499)
-            first, chunks = (done[0] if done else None), replay(done[1:])
-        else:
-            job = svc.read_pieces(pieces, voice, options, tag) if pieces else svc.start_job(text, voice, options,
-                                                                                     job_opts.deterministic)
-            chunks = aiter(job)
-            first = await svc.opening(job, chunks, request)
-            if first is GONE:
-                return Response(status_code=499)
+            return await svc.dry_run(r.input, ready.text, ready.tag, voice, options, pieces, ready.reading)
+        read_pieces = (lambda: svc.read_pieces(pieces, voice, options, ready.tag)) if pieces else None
+        try:
+            made = await svc.runner(request).run(job_opts, ready, voice, read_pieces)
+        except Gone:
+            return Response(status_code=499)
+        first, chunks, takes, level = made.first, made.rest, made.takes, made.level
         if first is None:  # ended without a chunk and without an error: never a 200 with no audio
-            log.error("request %s ended without audio", job.id)
+            log.error("request %s ended without audio", made.job.id)
             raise ApiError(500, "the generation ended without audio; no audio to send", None, "no_audio")
-        sse, level = r.stream_format == "sse", None
-        if job_opts.loudness is not None and first is not None:
-            done, level = svc.leveled([first, *[c async for c in chunks]], job_opts.loudness)
-            first, chunks = done[0], replay(done[1:])
-        if job_opts.caption_level == "word":  # each piece's words timed on its samples (one piece: the input)
-            first, chunks = await with_words(first, chunks, reading.text, svc.sample_rate)
+        job, tag = made.job, ready.tag
         body = svc.stream_body(job, first, chunks, r.response_format, sse, len(r.input), tag, takes, level,
                            sglang=sse and r.stream)
         fmt = FORMATS[r.response_format]

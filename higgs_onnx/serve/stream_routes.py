@@ -9,6 +9,7 @@ from fastapi import APIRouter, WebSocket
 from pydantic import ValidationError
 
 from ..generation.contract import ContractError, check_max_rows
+from ..job.options import Shape
 from .http import (
     WS_FIELDS,
     WS_ONLY,
@@ -50,7 +51,8 @@ def router(svc: SpeechService) -> APIRouter:
                                           f"frames, as it is made", name, "unsupported_parameter")
                 inline = normalise(body)  # Boson's ref_audio/ref_text, sglang-omni's references (serve/shapes.py)
                 r = SpeechRequest.model_validate({**body, "input": "-"})
-                _, job_opts, tag, _ = await asyncio.to_thread(svc.check_speech, r, "websocket")  # off the loop
+                job, _ = await asyncio.to_thread(svc.check_speech, r, "websocket")  # off the loop
+                job_opts = job.options
                 try:  # what the contract knows of max_rows before any text: here, not at every segment
                     check_max_rows(job_opts.generation.max_rows, svc.tts.facts.num_codebooks,
                                    svc.tts.limits(svc.scheduler.slot_positions))
@@ -61,11 +63,8 @@ def router(svc: SpeechService) -> APIRouter:
                                       "WebSocket (it continues one KV context across segments); send one reference",
                                       "references", "unsupported_parameter")
                 voice = await svc.job_voice(inline, r)  # blend_mode: refused by the table above
-                if getattr(voice, "width", 1) > 1:  # a `Blend`
-                    raise ConfigError("voice: a blend of voices is not supported on the text-in WebSocket (it "
-                                      "continues one KV context across sentences); use one voice",
-                                      "voice", "unsupported_parameter")
-                return r.response_format, job_opts.generation, voice, (tag or "", svc.reader(job_opts))
+                svc.optioned(job.check, Shape(voices=getattr(voice, "width", 1), continues=True))  # job.options.RULES
+                return r.response_format, job_opts.generation, voice, (job.lead, job.reader())
             except ValidationError as e:
                 message, param = validation_message(e)
                 raise ConfigError(message, param, "invalid_value") from None

@@ -98,9 +98,11 @@ class WyomingService:
     """What every connection shares: the model, the scheduler, the voices."""
 
     def __init__(self, tts, scheduler, store, languages=DEFAULT_LANGUAGES, default_voice: str = "default",
-                 send_s: float = SEND_S, read=None):
-        """`read`: the server's text steps as text -> text (docs/text.md; None: texts are read as written)."""
-        self.tts, self.scheduler, self.store, self.read = tts, scheduler, store, read
+                 send_s: float = SEND_S, job=None):
+        """`job`: the server's own job (`job.run.SpeechJob`: its lead, from --instructions, and its text steps,
+        docs/text.md) under every text; None: texts are read as written."""
+        self.tts, self.scheduler, self.store = tts, scheduler, store
+        self.lead, self.read = (job.lead, job.reader()) if job is not None else ("", None)
         self.languages, self.default_voice, self.send_s = list(languages), default_voice, send_s
         self.rate = tts.facts.sample_rate
 
@@ -196,7 +198,7 @@ class Connection:
     def new_session(self, voice):
         """A session in the request's voice (a `SynthesizeVoice` or None); VoiceError for an unknown one."""
         voice = self.service.voice(self.service.voice_name(voice))
-        return SpeechSession(self.service.scheduler, voice, read=self.service.read)
+        return SpeechSession(self.service.scheduler, voice, prefix=self.service.lead, read=self.service.read)
 
     async def on(self, event) -> bool:
         from wyoming.info import Describe

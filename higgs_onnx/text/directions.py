@@ -114,16 +114,8 @@ def stage_directions(text: str, mode: str, tags) -> str:
 
 def instruction_tags(instructions: str, tags) -> list[str]:
     """The tags `instructions` asks for, in order, once each; DirectionError naming every word it cannot map."""
-    words = re.findall(r"[A-Za-z][A-Za-z'-]*", instructions.lower())
-    out, unknown, i = [], [], 0
-    while i < len(words):
-        two = " ".join(words[i:i + 2])
-        if len(words) > i + 1 and two in WORDS:
-            phrase, i = two, i + 2
-        else:
-            phrase, i = words[i], i + 1
-        if phrase in FILLERS:
-            continue
+    out, unknown = [], []
+    for phrase in _phrases(instructions):
         tag = _tag(phrase, tags)
         if tag is None:
             unknown.append(phrase)
@@ -134,6 +126,26 @@ def instruction_tags(instructions: str, tags) -> list[str]:
                              f"(docs/text.md lists the words it knows: emotions such as 'cheerful' or 'sad', "
                              f"'whispering', 'shouting', 'slowly', 'quickly', 'low', 'high', 'expressive')", unknown)
     return out
+
+
+def _phrases(instructions: str):
+    """The words and two-word phrases of `instructions` that are not fillers, in order."""
+    words = re.findall(r"[A-Za-z][A-Za-z'-]*", instructions.lower())
+    i = 0
+    while i < len(words):
+        two = " ".join(words[i:i + 2])
+        if len(words) > i + 1 and two in WORDS:
+            phrase, i = two, i + 2
+        else:
+            phrase, i = words[i], i + 1
+        if phrase not in FILLERS:
+            yield phrase
+
+
+def paces(instructions: str) -> list[str]:
+    """The phrases of `instructions` that set a pace ('slowly', 'very fast'): a `speed` beside them contradicts
+    them (`job.options.RULES`)."""
+    return [p for p in _phrases(instructions) if WORDS.get(p, "").startswith("prosody:speed_")]
 
 
 def table(tags) -> list[tuple[str, str]]:

@@ -1,7 +1,8 @@
-"""`python -m higgs_onnx.guard CODES.npy --text "..." --model-path DIR [--audio] [--json]`: judge a saved take.
+"""`python -m higgs_onnx.judge CODES.npy --text "..." --model-path DIR [--audio] [--json]`: judge a saved take.
 
 Prints the verdict with its figures; exit 0 for a good take, 1 for a degenerate one, 2 for bad input. Apart from
-the guard itself (`higgs_onnx.guard`) so that the engine's imports of the guard never reach the runtime.
+the guard (`higgs_onnx.guard`, NumPy only) so that no arrow runs from guard/ up to the runtime: the guard stays
+below the engine that imports it.
 """
 
 from __future__ import annotations
@@ -11,11 +12,11 @@ import json
 import sys
 from pathlib import Path
 
-from . import judge
+from .guard import judge
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m higgs_onnx.guard",
+    ap = argparse.ArgumentParser(prog="python -m higgs_onnx.judge",
                                  description="Check a saved take (inference.py --save-codes) and print its verdict: "
                                              "exit 0 for a good take, 1 for a degenerate one, 2 for bad input.")
     ap.add_argument("codes", type=Path, help="the delayed rows .npy that --save-codes wrote")
@@ -31,9 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:
         return 2 if e.code else 0
     try:
-        from ..checkpoint import ModelFacts
-        from ..generation.delay import read_code_rows
-        from ..manifest import load_manifest
+        from .checkpoint import ModelFacts
+        from .generation.delay import read_code_rows
+        from .manifest import load_manifest
 
         manifest = load_manifest(args.model_path, verify=False)
         f = ModelFacts.from_dict(manifest.model)
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         stop = args.stop or ("eoc" if rows[-1, 0] == f.eoc else "max_rows")
         wav = None
         if args.audio:
-            from ..runtime.model import HiggsTTS
+            from .runtime.model import HiggsTTS
 
             wav = HiggsTTS(args.model_path, verify=False).decode_rows(rows)
         v = judge(rows, args.text, f.frame_rate, f.num_codebooks, stop, wav, f.hop)
