@@ -85,6 +85,25 @@ def builds(tiny_ckpt: Path, out_root: Path) -> dict[str, Path]:
 ROUTE_CROSSOVER = (64, None)
 
 
+# The loaded models, defined once here: a test module that asks for one loads it once (module scope: a module's
+# voices and schedulers never meet another module's). A test that needs a model of its own (a guard, a KV layout,
+# the route off) makes it in the test.
+@pytest.fixture(scope="module")
+def tts(builds):
+    """The tiny fp32 export, loaded (exact: the tests that compare bytes use it)."""
+    from higgs_onnx.runtime.model import HiggsTTS
+
+    return HiggsTTS(builds["fp32"], verify=False)
+
+
+@pytest.fixture(scope="module")
+def tts4(builds):
+    """The tiny int4 export (with its int8 route, at the suite's crossover), loaded."""
+    from higgs_onnx.runtime.model import HiggsTTS
+
+    return HiggsTTS(builds["int4"], verify=False)
+
+
 @pytest.fixture(scope="session")
 def openvino_build(builds, tiny_ckpt: Path, out_root: Path) -> Path:
     """The tiny checkpoint exported for the OpenVINO runtime at int4 (`openvino_int4`: an IR decoder; every other

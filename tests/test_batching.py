@@ -22,12 +22,7 @@ TEXTS = ["Short one.",
 
 
 @pytest.fixture(scope="module")
-def tts32(builds):
-    return HiggsTTS(builds["fp32"], verify=False)
-
-
-@pytest.fixture(scope="module")
-def tts4(builds):
+def tts4_off(builds):
     # the int4 kernel on every call: batched steps past the crossover take the int8 route, whose rows are its own
     # but round apart from int4's alone (tests/test_route.py; a deterministic job runs alone for exactness)
     return HiggsTTS(builds["int4"], verify=False, route="off")
@@ -58,35 +53,35 @@ def requests(tts, options, voice=None):
 
 @pytest.mark.parametrize("options", [GenerationOptions(temperature=0, max_rows=300), GenerationOptions(max_rows=300)],
                          ids=["greedy", "sampled"])
-def test_batched_codes_equal_each_request_alone_fp32(tts32, options):
-    voice = tts32.make_voice(Path(__file__).parent / "data" / "ref_en_24k.wav")
-    alone = [tts32.generate(t, voice=voice if i == 1 else None, options=dataclasses.replace(options, seed=i)).rows
+def test_batched_codes_equal_each_request_alone_fp32(tts, options):
+    voice = tts.make_voice(Path(__file__).parent / "data" / "ref_en_24k.wav")
+    alone = [tts.generate(t, voice=voice if i == 1 else None, options=dataclasses.replace(options, seed=i)).rows
              for i, t in enumerate(TEXTS)]
-    got, widest = run_batched(tts32, requests(tts32, options, voice), join_at=[0, 0, 3, 11])
+    got, widest = run_batched(tts, requests(tts, options, voice), join_at=[0, 0, 3, 11])
     assert widest >= 3  # they really shared decoder calls
     for a, b in zip(alone, got, strict=True):
         np.testing.assert_array_equal(a, b)
 
 
-def test_a_full_pool_admits_the_next_request_when_one_leaves(tts32):
+def test_a_full_pool_admits_the_next_request_when_one_leaves(tts):
     options = GenerationOptions(temperature=0, max_rows=300)
-    alone = [tts32.generate(t, options=options).rows for t in TEXTS]
-    reqs = [tts32.request(t, options=options) for t in TEXTS]
-    got, widest = run_batched(tts32, reqs, join_at=[0, 0, 0, 0], slots=2)  # two slots, four requests
+    alone = [tts.generate(t, options=options).rows for t in TEXTS]
+    reqs = [tts.request(t, options=options) for t in TEXTS]
+    got, widest = run_batched(tts, reqs, join_at=[0, 0, 0, 0], slots=2)  # two slots, four requests
     assert widest == 2
     for a, b in zip(alone, got, strict=True):
         np.testing.assert_array_equal(a, b)
 
 
-def test_int4_batched_agreement(tts4):
+def test_int4_batched_agreement(tts4_off):
     """int4 MatMulNBits quantizes activations per row block, so rows of a batch do not mix: every request's greedy
     rows batched equal its rows alone for a long stretch. Not always to its end: the batched kernels round in their
     last bits by the batch (on a 2 vCPU AMD EPYC with AVX2 only, 3 of 4 requests are identical and the 4th flips a
     greedy near-tie at row 58 of 235; on an AVX-512 Xeon all 4 were identical). Rows that mixed would differ from
     the first rows on."""
     options = GenerationOptions(temperature=0, max_rows=300)
-    alone = [tts4.generate(t, options=options).rows for t in TEXTS]
-    got, _ = run_batched(tts4, [tts4.request(t, options=options) for t in TEXTS], join_at=[0, 1, 2, 3])
+    alone = [tts4_off.generate(t, options=options).rows for t in TEXTS]
+    got, _ = run_batched(tts4_off, [tts4_off.request(t, options=options) for t in TEXTS], join_at=[0, 1, 2, 3])
     first = []
     for a, b in zip(alone, got, strict=True):
         n = min(len(a), len(b))
@@ -97,13 +92,13 @@ def test_int4_batched_agreement(tts4):
     assert same >= len(first) // 2 and all(f is None or f >= 30 for f in first), first
 
 
-def test_gqa_takes_each_rows_length_from_its_mask_sum(tts32):
+def test_gqa_takes_each_rows_length_from_its_mask_sum(tts):
     """The layout the pool relies on, found on the raw decoder: rows of lengths 5 and 9 (cache rows at [0, length)
     of each slot, one shared past/present buffer) in one call with right-padded masks match each row run alone.
     GroupQueryAttention reads only each row's mask *sum* (its position and its cache write offset): the same sums
     left-padded give the same result, while one shared length for all rows (no per-row lengths) breaks the short
     row."""
-    f, dec = tts32.facts, tts32.backend.decoder
+    f, dec = tts.facts, tts.backend.decoder
     rng = np.random.default_rng(0)
     prompts = [rng.standard_normal((n, f.hidden)).astype(np.float32) for n in (5, 9)]
     step = rng.standard_normal((2, f.hidden)).astype(np.float32)

@@ -161,7 +161,7 @@ def voice_files(tmp_path):
     (["--voice", "{d}/alice.npz", "--blend-mode", "product"], "--blend-mode is for a blend"),
     (["--blend-mode", "product"], "--blend-mode is for a blend of voices"),
     (["--voices", "{d}"], "--voices is for --voice (or --voices-map with --script)"),
-    (["--voice", "alice,bob", "--voices", "{d}", "--takes", "2"], "not supported with --takes"),
+    (["--voice", "alice,bob", "--voices", "{d}", "--takes", "2"], "--takes > 1 is not supported with a blend"),
 ])
 def test_cli_blend_refusals(capsys, voice_files, args, message):
     d = str(voice_files)
@@ -180,13 +180,6 @@ def test_cli_refuses_a_blend_for_long_form(capsys, voice_files):
 
 
 # -- on the tiny fp32 export ----------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tts(builds):
-    from higgs_onnx.runtime.model import HiggsTTS
-
-    return HiggsTTS(builds["fp32"], verify=False)
-
-
 @pytest.fixture(scope="module")
 def voices(tts):
     a = tts.make_voice(DATA / "ref_en_24k.wav", (DATA / "ref_en_24k.txt").read_text().strip())
@@ -282,7 +275,7 @@ def test_a_blend_streams_retries_and_refuses_what_it_cannot_do(tts, voices):
     again = req.redraw(dataclasses.replace(SAMPLED, seed=99))  # a retried take: every voice drawn again
     assert isinstance(again, BlendRequest) and again.width == 2 and again.weights == req.weights
     assert again.options.seed == 99 and again.watch is not None and again.followers[0].watch is None
-    with pytest.raises(ValueError, match="takes of a voice blend"):
+    with pytest.raises(ValueError, match="takes > 1 is not supported with a blend of voices"):
         best_of(tts, TEXT, 2, voice=blend, options=SAMPLED)
     with pytest.raises(ValueError, match="cannot continue earlier speech"):
         tts.request(TEXT, voice=blend, options=SAMPLED, history=[("Before.", a.rows[:10])])
@@ -377,9 +370,9 @@ def test_server_blends(server):
                               ({"references": [{**clip, "weight": "1"}, other]}, "references", "invalid_value"),
                               ({"references": [{**clip, "weight": 1}, other]}, "references", "invalid_value")):
         assert_error(post(**body), 400, param, code)
-    for extra in ({"takes": 2}, {"retries": 1}):  # each take a blended job of its own; judged whole, then sent
-        r = post(voice="alice,bob", **{**extra, "deterministic": False})
-        assert r.status_code == 200 and len(r.content) > 0 and "X-Takes" in r.headers, (extra, r.text)
+    r = post(voice="alice,bob", retries=1, deterministic=False)  # each take a blended job; judged whole, then sent
+    assert r.status_code == 200 and len(r.content) > 0 and "X-Takes" in r.headers, r.text
+    assert_error(post(voice="alice,bob", takes=2), 400, "takes", "unsupported_parameter")  # one rule, every door
     got = asyncio.run(session(server, {"voice": "alice:0.5,bob:0.5", "response_format": "pcm"}, []))
     assert [(e["code"], e["param"]) for e in events(got, "error")] == [("unsupported_parameter", "voice")], got
     wide = post(voice=",".join(["alice", "bob", "default", "alloy", "echo"]))  # 5 rows, --max-batch 4

@@ -62,7 +62,7 @@ def test_bad_fields_are_row_errors_found_before_ray(tmp_path):
     assert errors == {"a": "empty or missing text",
                       "b": "speed is not supported by a corpus row (python -m higgs_onnx.corpus): write the speed "
                            "tag in the row's text",
-                      "c": "seed must be an integer, got 'abc'",
+                      "c": "seed must be a whole number, got 'abc'",
                       "d": "voice 7 must be a voice file or a name in --voices", "8": None,
                       "line 6": "line 6: id True must be 1-128 letters, digits, '.', '_' or '-' (it names the output "
                                 "file)", "e": None}

@@ -26,7 +26,6 @@ from higgs_onnx.longform import captions
 from higgs_onnx.longform.dialogue import Dialogue
 from higgs_onnx.longform.render import LongForm, LongFormOptions
 from higgs_onnx.longform.script import ScriptError, Turn, check_cast, parse_script, parse_voice_map, turns_from_json
-from higgs_onnx.runtime.model import HiggsTTS
 from higgs_onnx.serve.limits import MAX_INPUT_CHARS
 from higgs_onnx.serve.process import ServerProcess
 
@@ -99,11 +98,6 @@ def test_voice_map_and_cast():
 
 
 # -- rendering (tiny fp32) ------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tts(builds):
-    return HiggsTTS(builds["fp32"], verify=False)
-
-
 @pytest.fixture(scope="module")
 def voice(tts):
     return tts.make_voice(DATA / "ref_en_24k.wav", (DATA / "ref_en_24k.txt").read_text().strip())
@@ -279,7 +273,7 @@ def test_cli_bad_dialogues_are_one_line_before_the_model_loads(builds, tmp_path)
         (("--text", "Hi.", "--captions", tmp_path / "a.srt", "--out", tmp_path / "a.wav"),
          "--captions is for one"),
         (("--script", script, "--voices-map", "Alice=default,Bob=default", "--out", tmp_path / "a.wav",
-          "--caption-level", "word"), "--caption-level is for --captions"),
+          "--caption-level", "word"), "--caption-level word needs --captions FILE"),
         (("--script", script, "--voices-map", "Alice=default,Bob=default", "--out", tmp_path / "a.wav",
           "--captions", tmp_path / "a.txt"), "captions are .srt (SubRip) or .vtt (WebVTT)"),
         (("--script", script, "--voices-map", "Alice=default,Bob=default", "--out", tmp_path / "a.wav",

@@ -79,13 +79,6 @@ def server(builds, tmp_path_factory):
     assert "Traceback" not in log, log[-3000:]
 
 
-@pytest.fixture(scope="module")
-def tts(builds):
-    from higgs_onnx.runtime.model import HiggsTTS
-
-    return HiggsTTS(builds["fp32"], verify=False)
-
-
 # -- each door, asked for one field: None (accepted) or (message, code) ------------------------------------------
 def at_http(server, name, value):
     r = server.http.post("/v1/audio/speech", json={"model": "higgs-tts-3", "input": TEXT, "max_rows": 40,
@@ -212,6 +205,32 @@ def test_a_field_a_door_cannot_honour_is_refused_by_name(door, name, server, bui
     assert got[0] == e.value.message and e.value.code == "unsupported_parameter", got
     if got[1] is not None:
         assert got[1] == "unsupported_parameter"
+
+
+WRONG = {"a whole number": 1.5, "a finite number": "fast", "true or false": "yes", "a string": 7}
+
+
+def kind_cases() -> list:
+    from higgs_onnx.job.options import KINDS
+
+    return [pytest.param(door, name, id=f"{name}@{door}") for name, kind in KINDS.items() for door in DOORS
+            if OPTIONS[name].at(door) == "honoured" and door not in ("cli", "wyoming")
+            and (door, name) != ("python", "blend_mode")]  # a Blend's mode: test_blend_modes_refused
+
+
+@pytest.mark.parametrize("door, name", kind_cases())
+def test_a_wrong_type_gets_the_same_sentence_at_every_door(door, name, server, builds, tts, tmp_path, capsys):
+    """`seed: 1.5`, `speed: "fast"`, `markdown: "yes"`, `emoji: 7`: the table's one sentence (`job.options.KINDS`)
+    at HTTP, the WebSocket, a corpus row and the Python API (pydantic's own sentence at HTTP, another in corpus rows
+    before). The command line's flags are typed by argparse, which names the flag."""
+    from higgs_onnx.job.options import KINDS
+
+    value = WRONG[KINDS[name]]
+    with pytest.raises(OptionError) as e:
+        SpeechOptions.build({name: value}, door)
+    assert e.value.message == f"{name} must be {KINDS[name]}, got {value!r}" and e.value.param == name
+    got = ask(door, name, value, server, builds, tts, tmp_path, capsys)
+    assert got is not None and got[0] == e.value.message, (door, got)
 
 
 # -- the rules between fields (job.options.RULES): each broken at every door its row lists ------------------------
@@ -369,6 +388,41 @@ def test_one_text_gives_the_same_audio_at_every_streaming_door(server):
     ws, _ = asyncio.run(ws_speak(server, {}, TEXT))
     wy = asyncio.run(wyoming_speak(server.wyoming_port, TEXT))
     assert ws == http.content and wy == http.content, (len(http.content), len(ws), len(wy))
+
+
+SERVER_DEFAULTS = [("--instructions", "cheerful", "instructions", ""), ("--markdown", None, "markdown", False)]
+
+
+@pytest.mark.parametrize("flag, value, field, off", SERVER_DEFAULTS, ids=[d[0] for d in SERVER_DEFAULTS])
+def test_a_server_default_reaches_every_door(flag, value, field, off, builds, tmp_path):
+    """The server default x door axis: a job default set on the server's command line (`--instructions`, a text
+    step) is what HTTP, the WebSocket and Wyoming all read, so the three give the same bytes, and a request that
+    turns it off gets other audio (Wyoming used to drop the server's instructions: its text had no lead)."""
+    from test_server import Server
+
+    from higgs_onnx.longform.render import piece_rows
+    from higgs_onnx.serve.textstream import ROWS_PER_CHAR
+
+    text = "**Hello** there from every door." if field == "markdown" else TEXT
+    port = free_port()
+    s = Server(builds["fp32"], tmp_path, "--wyoming", f"tcp://127.0.0.1:{port}", flag, *([value] if value else []))
+    try:
+        body = {"model": "higgs-tts-3", "input": text, "response_format": "pcm", "deterministic": True}
+        dry = s.http.post("/v1/audio/speech", json={**body, "dry_run": True}).json()
+        if field == "instructions":
+            assert dry["lead"] and dry["lead"].startswith("<|emotion:"), dry
+        else:
+            assert dry["steps"] and "**" not in dry["read"], dry
+        rows = piece_rows(dry["read"].removeprefix(dry["lead"] or ""), None, ROWS_PER_CHAR)
+        http = s.http.post("/v1/audio/speech", json={**body, "max_rows": rows})
+        off_http = s.http.post("/v1/audio/speech", json={**body, "max_rows": rows, field: off})
+        assert http.status_code == off_http.status_code == 200
+        ws, _ = asyncio.run(ws_speak(s, {}, text))
+        wy = asyncio.run(wyoming_speak(port, text))
+        assert ws == http.content and wy == http.content, (len(http.content), len(ws), len(wy))
+        assert off_http.content != http.content  # the default did something, and a request may turn it off
+    finally:
+        s.stop()
 
 
 def test_the_websocket_honours_references_and_speed(server):

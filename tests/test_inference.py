@@ -23,26 +23,16 @@ def cli(*args):
                           text=True, cwd=ROOT, env={**os.environ, "CI": "1"}, timeout=600)
 
 
-@pytest.fixture(scope="module")
-def tts32(builds):
-    return HiggsTTS(builds["fp32"])
-
-
-@pytest.fixture(scope="module")
-def tts4(builds):
-    return HiggsTTS(builds["int4"])
-
-
 CASES = [("Hello there, how are you today?", None, None),
          ("A new sentence in the same voice.", REF_DE, (DATA / "ref_de_22k_stereo.txt").read_text().strip()),
          ("A new sentence in the same voice.", REF_DE, None)]
 
 
 @pytest.mark.parametrize("text, ref_audio, ref_text", CASES, ids=["zero-shot", "clone+transcript", "clone"])
-def test_fp32_greedy_codes_equal_the_reference(tts32, reference, text, ref_audio, ref_text):
+def test_fp32_greedy_codes_equal_the_reference(tts, reference, text, ref_audio, ref_text):
     from higgs_onnx.generation.sampling import GREEDY
 
-    got = tts32.generate(text, ref_audio=ref_audio, ref_text=ref_text, temperature=0)
+    got = tts.generate(text, ref_audio=ref_audio, ref_text=ref_text, temperature=0)
     want = reference.generate(text, ref_audio=ref_audio, ref_text=ref_text, sampling=GREEDY)
     assert got.stop_reason == want.stop_reason == "eoc"
     np.testing.assert_array_equal(got.rows, want.rows)

@@ -58,12 +58,6 @@ def cli(*args, **kw):
                           text=True, cwd=ROOT, env={**os.environ, "CI": "1"}, timeout=600, **kw)
 
 
-@pytest.fixture(scope="module")
-def tts(builds):
-    """fp32 (the CLI kill test covers int4): the resume tests compare files to the bytes of an uninterrupted run."""
-    return HiggsTTS(builds["fp32"], verify=False)
-
-
 SMALL = LongFormOptions(target_chars=80, max_chars=160)
 
 

@@ -51,18 +51,11 @@ def test_lanes_are_runs_of_whole_paragraphs_of_about_equal_length():
 
 
 
-@pytest.fixture(scope="module")
-def tts32(builds):
-    from higgs_onnx.runtime.model import HiggsTTS
-
-    return HiggsTTS(builds["fp32"], verify=False)
-
-
 @pytest.mark.slow
-def test_kv_continuation_equals_a_from_scratch_prefill(tts32, tmp_path):
+def test_kv_continuation_equals_a_from_scratch_prefill(tts, tmp_path):
     """Every piece after the first continues the lane's cache (only its own text is prefilled); the same
     multi-turn prompt prefilled from scratch, alone, gives the same rows (tiny fp32 export)."""
-    job = LongForm(tts32, CHAPTER, tmp_path / "c.wav", lf=SMALL, lanes=1)
+    job = LongForm(tts, CHAPTER, tmp_path / "c.wav", lf=SMALL, lanes=1)
     pieces = list(job.run())
     assert len(pieces) >= 4 and job.stats["positions_prefilled"] < job.stats["rows_generated"] / 2
     done = {i: job._load(i) for i in range(len(pieces))}
@@ -72,7 +65,7 @@ def test_kv_continuation_equals_a_from_scratch_prefill(tts32, tmp_path):
         continued += cont
         req, used = job._request(i, done, 0, prev=None)  # the same prompt, all of it prefilled
         assert not used and len(history) == (i if cont else len(history))
-        with tts32.scheduler() as sched:
+        with tts.scheduler() as sched:
             rows = sched.submit(req).wait().generated
         np.testing.assert_array_equal(rows, done[i]["gen"], err_msg=f"piece {i + 1}")
     assert continued == len(pieces) - 1  # the whole chapter fits one slot of the tiny model
@@ -117,7 +110,7 @@ def test_lanes_kill_and_resume_give_the_same_file(builds, tmp_path):
 
 
 @pytest.mark.slow
-def test_out_dir_lines_run_together_and_equal_each_line_alone(builds, tts32, tmp_path):
+def test_out_dir_lines_run_together_and_equal_each_line_alone(builds, tts, tmp_path):
     lines = ["The first line is short.", "The second line is a little longer than the first one, by far.",
              "Third line here.", "And a fourth one, to fill the batch."]
     src = tmp_path / "lines.txt"
@@ -129,9 +122,9 @@ def test_out_dir_lines_run_together_and_equal_each_line_alone(builds, tts32, tmp
     assert "4 files" in summary and "3 lanes" in summary
     assert float(summary.split("mean batch ")[1]) > 1.5
     for i, line in enumerate(lines, 1):
-        want = tts32.generate(line, seed=2).waveform
+        want = tts.generate(line, seed=2).waveform
         got, sr = sf.read(tmp_path / "out" / f"{i:04d}.wav", dtype="float32")
-        assert sr == tts32.facts.sample_rate and got.shape == want.shape
+        assert sr == tts.facts.sample_rate and got.shape == want.shape
         assert np.abs(got - want).max() <= 1 / 32767 + 1e-6  # PCM16 of the same samples
 
 
@@ -148,14 +141,14 @@ def test_out_dir_a_bad_line_is_refused_before_any_work(builds, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_retried_piece_cuts_its_continued_cache_back(tts32, tmp_path):
+def test_a_retried_piece_cuts_its_continued_cache_back(tts, tmp_path):
     """A piece that reaches its row limit is made once more with another seed in the same context: a continued
     piece's cache is cut back to where the piece started, so the retry equals a from-scratch prefill of its
     prompt."""
     from higgs_onnx.generation.options import GenerationOptions
 
     text = "The first sentence is here. And a second one follows it.\n\nA new paragraph starts now, and ends."
-    job = LongForm(tts32, text, tmp_path / "r.wav", options=GenerationOptions(ignore_eoc=True),
+    job = LongForm(tts, text, tmp_path / "r.wav", options=GenerationOptions(ignore_eoc=True),
                    lf=LongFormOptions(target_chars=30, max_chars=60), lanes=1)
     pieces = list(job.run())
     assert len(pieces) >= 3 and all(p.retried and p.stop_reason == "max_rows" for p in pieces)
@@ -163,7 +156,7 @@ def test_a_retried_piece_cuts_its_continued_cache_back(tts32, tmp_path):
     for i in range(1, len(pieces)):
         assert job._context(i, done)[2]  # continued
         req, _ = job._request(i, done, 1, prev=None)  # the retry's prompt and seed, prefilled from scratch
-        with tts32.scheduler() as sched:
+        with tts.scheduler() as sched:
             rows = sched.submit(req).wait().generated
         np.testing.assert_array_equal(rows, done[i]["gen"], err_msg=f"piece {i + 1}")
     job.close()

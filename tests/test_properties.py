@@ -30,17 +30,12 @@ TEXTS = st.sampled_from(["unicode", "unicode", "plain"]).flatmap(
     lambda kind: st.tuples(st.just(kind), st.text(max_size=60) if kind == "unicode" else PLAIN))
 
 
-@pytest.fixture(scope="module")
-def tts(builds):
-    return HiggsTTS(builds["int4"])
-
-
 def check_speech(speech):
     assert np.isfinite(speech.waveform).all()
     assert speech.waveform.size == 960 * max(len(speech.rows) - 7, 0)
 
 
-def test_random_unicode_text(tts):
+def test_random_unicode_text(tts4):
     outcomes: Counter = Counter()
 
     @MANY
@@ -48,7 +43,7 @@ def test_random_unicode_text(tts):
     def speak(case):
         kind, text = case
         try:
-            speech = tts.generate(text, max_rows=24, temperature=0)
+            speech = tts4.generate(text, max_rows=24, temperature=0)
         except CLEAR as e:
             assert kind != "plain", f"plain text {text!r} was refused: {e}"
             outcomes[kind, "refused"] += 1
@@ -75,7 +70,7 @@ ANY_OPTIONS = st.fixed_dictionaries({
     "top_p": st.floats(-0.5, 1.5) | st.just(float("nan")), "seed": st.integers(0, 2**32 - 1)})
 
 
-def test_random_sampling_options(tts):
+def test_random_sampling_options(tts4):
     outcomes: Counter = Counter()
 
     @settings(MANY, max_examples=40)
@@ -84,7 +79,7 @@ def test_random_sampling_options(tts):
         t, k, p = options["temperature"], options["top_k"], options["top_p"]
         valid = math.isfinite(t) and t >= 0 and k >= 0 and 0 < p <= 1
         try:
-            speech = tts.generate("Random options.", max_rows=24, **options)
+            speech = tts4.generate("Random options.", max_rows=24, **options)
         except ValueError as e:
             assert not valid, f"valid options {options} were refused: {e}"
             outcomes["refused"] += 1
@@ -145,8 +140,8 @@ def test_mutated_manifests(manifest_copy, builds):
             node[path[-1]] = value
         rewrite_manifest(manifest_copy, mutated)
         try:
-            tts = HiggsTTS(manifest_copy, verify=False)
-            speech = tts.generate("Still fine?", max_rows=16, temperature=0)
+            tts4 = HiggsTTS(manifest_copy, verify=False)
+            speech = tts4.generate("Still fine?", max_rows=16, temperature=0)
         except CLEAR as e:
             assert "was changed after it was written" not in str(e), e  # the digest is fresh: another check spoke
             outcomes["refused"] += 1

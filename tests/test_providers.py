@@ -101,13 +101,6 @@ def test_a_node_left_on_the_cpu_is_a_fallback_error(builds):
     check_assignment("audio_heads", [Shape()], "CUDAExecutionProvider")
 
 
-@pytest.fixture(scope="module")
-def tts32(builds):
-    from higgs_onnx.runtime.model import HiggsTTS
-
-    return HiggsTTS(builds["fp32"], verify=False)
-
-
 def _trace(decoder, facts, embeds: np.ndarray, state=None, prefill: int = 5) -> tuple[np.ndarray, dict]:
     cache = decoder.new_cache(64, state)
     out = [decoder.run(cache, embeds[:prefill])]
@@ -116,12 +109,12 @@ def _trace(decoder, facts, embeds: np.ndarray, state=None, prefill: int = 5) -> 
 
 
 @pytest.mark.slow
-def test_device_resident_buffers_give_the_host_numbers(tts32):
+def test_device_resident_buffers_give_the_host_numbers(tts):
     """The cuda/dml code path (ORT-allocated OrtValues, prefixes written through the Identity copy, slot views bound
     by address) run on CPU memory: bit-identical to the NumPy-backed buffers, with and without a saved prefix."""
     from higgs_onnx.runtime.decoder import BoundDecoder
 
-    part, f = tts32.part("llm_decoder"), tts32.facts
+    part, f = tts.part("llm_decoder"), tts.facts
     host, device = BoundDecoder(part, f), BoundDecoder(part, f, device_resident=True)
     assert host.host and not device.host
     embeds = np.random.default_rng(0).standard_normal((9, f.hidden)).astype(np.float32)
@@ -147,10 +140,10 @@ def test_device_resident_buffers_give_the_host_numbers(tts32):
 
 
 @pytest.mark.slow
-def test_a_device_without_offset_binding_refuses_a_multi_slot_pool(tts32):
+def test_a_device_without_offset_binding_refuses_a_multi_slot_pool(tts):
     from higgs_onnx.runtime.decoder import BoundDecoder
 
-    dec = BoundDecoder(tts32.part("llm_decoder"), tts32.facts, offset_binding=False, device_resident=True)
+    dec = BoundDecoder(tts.part("llm_decoder"), tts.facts, offset_binding=False, device_resident=True)
     with pytest.raises(ValueError, match="bound at an offset.*--max-batch 1"):
         dec.pool(2, 16)
     assert dec.pool(1, 16).slots == 1

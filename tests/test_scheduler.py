@@ -12,21 +12,10 @@ import pytest
 
 from higgs_onnx.generation.contract import ContractError
 from higgs_onnx.generation.options import POOL_POSITIONS, GenerationOptions
-from higgs_onnx.runtime.model import HiggsTTS
 from higgs_onnx.serve.scheduler import JobScheduler, QueueFull
 
 pytestmark = pytest.mark.slow
 TEXTS = [f"Request number {i} asks for its own words, {'and a few more ' * i}then stops." for i in range(6)]
-
-
-@pytest.fixture(scope="module")
-def tts(builds):
-    return HiggsTTS(builds["fp32"], verify=False)
-
-
-@pytest.fixture(scope="module")
-def tts4(builds):
-    return HiggsTTS(builds["int4"], verify=False)
 
 
 async def until(check, what: str, polls: int = 1200):

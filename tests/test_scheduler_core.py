@@ -16,17 +16,11 @@ import pytest
 
 from higgs_onnx.generation.codec_stream import StreamOptions
 from higgs_onnx.generation.scheduler import Cancelled, PrefillPolicy
-from higgs_onnx.runtime.model import HiggsTTS
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 REF = ROOT / "higgs_onnx" / "assets" / "recordings" / "ref_en_24k.flac"
 TEXTS = [f"Request number {i} asks for its own words, {'and a few more ' * i}then stops." for i in range(4)]
-
-
-@pytest.fixture(scope="module")
-def tts(builds):
-    return HiggsTTS(builds["fp32"], verify=False)
 
 
 @pytest.fixture(scope="module")

@@ -14,17 +14,11 @@ import json
 import numpy as np
 import pytest
 
-from higgs_onnx.runtime.model import HiggsTTS
 from higgs_onnx.serve.app import create_app
 from higgs_onnx.serve.scheduler import JobScheduler
 
 pytestmark = pytest.mark.slow
 BODY = {"model": "higgs-tts-3", "input": "Hello there world.", "response_format": "pcm", "max_rows": 60}
-
-
-@pytest.fixture(scope="module")
-def tts(builds):
-    return HiggsTTS(builds["fp32"], verify=False)
 
 
 class NoSamples:

@@ -22,7 +22,6 @@ import pytest
 from test_server import LONG, Server
 
 from higgs_onnx.generation.options import GenerationOptions
-from higgs_onnx.runtime.model import HiggsTTS
 from higgs_onnx.serve.scheduler import JobScheduler, ShuttingDown
 
 pytestmark = pytest.mark.slow
@@ -31,11 +30,6 @@ REC = Path(__file__).resolve().parents[1] / "higgs_onnx" / "assets" / "recording
 RUNNING = [f"Stream number {i} keeps talking while a new voice joins, {'on and on ' * i}." for i in range(3)]
 CLONE_TEXT = " ".join(["word"] * 40) + "."  # after the voice's 230-position prefix: a prompt of ~300 positions
 CHUNK = 16
-
-
-@pytest.fixture(scope="module")
-def tts(builds):
-    return HiggsTTS(builds["fp32"], verify=False)
 
 
 @pytest.fixture(scope="module")

@@ -8,21 +8,14 @@ import pytest
 from higgs_onnx.generation.codec_stream import CodecStream, StreamOptions
 
 
-@pytest.fixture(scope="module")
-def tts(builds):
-    from higgs_onnx.runtime.model import HiggsTTS
-
-    return HiggsTTS(builds["int4"], verify=False)
-
-
 @pytest.mark.slow  # needs the tiny export
 @pytest.mark.parametrize("pieces", [[1] * 70, [3, 17, 1, 30, 19], [70]])
-def test_chunks_equal_the_one_shot_waveform(tts, pieces):
-    f = tts.facts
+def test_chunks_equal_the_one_shot_waveform(tts4, pieces):
+    f = tts4.facts
     raw = np.random.default_rng(1).integers(0, f.codebook_size, (sum(pieces), f.num_codebooks))
     raw[-1, 3] = f.eoc  # a leftover special code: mapped to 0 like the one-shot path does
-    want = tts.decode_rows(raw, delayed=False)
-    stream, chunks, at = CodecStream(tts.decode_audio, f.hop, f.codebook_size), [], 0
+    want = tts4.decode_rows(raw, delayed=False)
+    stream, chunks, at = CodecStream(tts4.decode_audio, f.hop, f.codebook_size), [], 0
     for n in pieces:
         chunks += stream.push(raw[at:at + n])
         at += n
@@ -37,9 +30,9 @@ def test_chunks_equal_the_one_shot_waveform(tts, pieces):
 
 
 @pytest.mark.slow
-def test_first_chunk_waits_only_for_its_right_context(tts):
-    f, o = tts.facts, StreamOptions(first_frames=4, chunk_frames=10, left_context=24, holdback=12)
-    stream = CodecStream(tts.decode_audio, f.hop, f.codebook_size, o)
+def test_first_chunk_waits_only_for_its_right_context(tts4):
+    f, o = tts4.facts, StreamOptions(first_frames=4, chunk_frames=10, left_context=24, holdback=12)
+    stream = CodecStream(tts4.decode_audio, f.hop, f.codebook_size, o)
     row = np.zeros((1, f.num_codebooks), np.int64)
     counts = [len(stream.push(row)) for _ in range(o.first_frames + o.holdback)]
     assert counts == [0] * (o.first_frames + o.holdback - 1) + [1]

@@ -20,7 +20,6 @@ from higgs_onnx.generation.codec_stream import StreamOptions
 from higgs_onnx.generation.options import GenerationOptions
 from higgs_onnx.parity import snr_db
 from higgs_onnx.runtime.decoder import BoundCache
-from higgs_onnx.runtime.model import HiggsTTS
 
 pytestmark = pytest.mark.slow
 
@@ -41,16 +40,6 @@ def cli(*args, **kw):
                           cwd=ROOT, env={**os.environ, "CI": "1"}, timeout=600, **kw)
 
 
-@pytest.fixture(scope="module")
-def tts(builds):
-    return HiggsTTS(builds["int4"], verify=False)
-
-
-@pytest.fixture(scope="module")
-def tts32(builds):
-    return HiggsTTS(builds["fp32"], verify=False)
-
-
 def collect(chunks):
     chunks = list(chunks)
     return chunks, np.concatenate([c.samples for c in chunks])
@@ -59,10 +48,10 @@ def collect(chunks):
 @pytest.mark.parametrize("clone", [False, True], ids=["zero-shot", "clone"])
 @pytest.mark.parametrize("options", [GenerationOptions(temperature=0), GenerationOptions(seed=7)],
                          ids=["greedy", "sampled"])
-def test_stream_equals_one_shot(tts, options, clone):
+def test_stream_equals_one_shot(tts4, options, clone):
     kw = {"ref_audio": REF, "ref_text": REF_TEXT} if clone else {}
-    want = tts.generate(TEXT, options=options, **kw)
-    chunks, audio = collect(tts.stream(TEXT, options=options, **kw))
+    want = tts4.generate(TEXT, options=options, **kw)
+    chunks, audio = collect(tts4.stream(TEXT, options=options, **kw))
     last = chunks[-1]
     np.testing.assert_array_equal(last.rows, want.rows)
     np.testing.assert_array_equal(last.codes, want.codes)
@@ -76,39 +65,39 @@ def test_stream_equals_one_shot(tts, options, clone):
     assert s.audio_s == pytest.approx(want.seconds) and s.first_audio_s <= s.wall_s
 
 
-def test_first_chunk_comes_before_generation_ends(tts):
+def test_first_chunk_comes_before_generation_ends(tts4):
     """Structural, not timed: the rows generated when each chunk is handed out are counted (an `on_row` spy)."""
     o = StreamOptions(first_frames=4, chunk_frames=10)
     rows_seen: list[int] = []
     chunks, rows_at = [], []
-    for chunk in tts.stream(TEXT, temperature=0, stream_options=o, on_row=rows_seen.append):
+    for chunk in tts4.stream(TEXT, temperature=0, stream_options=o, on_row=rows_seen.append):
         chunks.append(chunk)
         rows_at.append(len(rows_seen))
     assert len(chunks) >= 3
     first, last = chunks[0], chunks[-1]
-    assert first.samples.size == o.first_frames * tts.facts.hop  # a small first chunk
+    assert first.samples.size == o.first_frames * tts4.facts.hop  # a small first chunk
     # the codec works off the decoder loop, so by the time a chunk arrives the decoder may be further on: a chunk
     # reports the rows its frames were taken at, never more than were generated when it arrived
     done = [c.rows_done for c in chunks]
     assert all(d <= at for d, at in zip(done, rows_at, strict=True)) and done == sorted(done)
     # the first chunk comes as soon as its frames are final: frame t needs rows t..t+N-1, and the codec waits for
     # `lag` (stateful graph) or `holdback` (windows) frames after it, not for the end of the utterance
-    codec = tts.codec_stream(o)
-    wait = codec.lag if tts.has_stateful_codec else o.holdback
-    assert done[0] == o.first_frames + wait + tts.facts.num_codebooks - 1, (done[0], wait)
+    codec = tts4.codec_stream(o)
+    wait = codec.lag if tts4.has_stateful_codec else o.holdback
+    assert done[0] == o.first_frames + wait + tts4.facts.num_codebooks - 1, (done[0], wait)
     assert rows_at[0] < last.rows_done / 2 and rows_at[-1] == last.rows_done == len(last.rows)
     assert rows_at == sorted(rows_at)
-    starts = np.cumsum([0] + [c.samples.size for c in chunks[:-1]]) / tts.facts.sample_rate
+    starts = np.cumsum([0] + [c.samples.size for c in chunks[:-1]]) / tts4.facts.sample_rate
     np.testing.assert_allclose([c.start_s for c in chunks], starts)
 
 
-def test_interleaved_requests_keep_their_own_state(tts32):
+def test_interleaved_requests_keep_their_own_state(tts):
     a_opts, b_opts = GenerationOptions(seed=1), GenerationOptions(seed=2)
-    alone_a = tts32.generate(TEXT, options=a_opts)
-    alone_b = tts32.generate("A second request with other words and another seed.", options=b_opts,
+    alone_a = tts.generate(TEXT, options=a_opts)
+    alone_b = tts.generate("A second request with other words and another seed.", options=b_opts,
                              ref_audio=REF, ref_text=REF_TEXT)
-    sa = tts32.stream(TEXT, options=a_opts, stream_options=StreamOptions(first_frames=1, chunk_frames=1))
-    sb = tts32.stream("A second request with other words and another seed.", options=b_opts, ref_audio=REF,
+    sa = tts.stream(TEXT, options=a_opts, stream_options=StreamOptions(first_frames=1, chunk_frames=1))
+    sb = tts.stream("A second request with other words and another seed.", options=b_opts, ref_audio=REF,
                       ref_text=REF_TEXT, stream_options=StreamOptions(first_frames=1, chunk_frames=1))
     got, live = {"a": [], "b": []}, {"a": sa, "b": sb}
     while live:  # one chunk (= one frame) of each in turn: their rows interleave row by row
@@ -121,14 +110,14 @@ def test_interleaved_requests_keep_their_own_state(tts32):
     np.testing.assert_array_equal(got["b"][-1].rows, alone_b.rows)
 
 
-def test_threads_share_one_model_safely(tts32):
+def test_threads_share_one_model_safely(tts):
     texts = [f"Thread number {i} says something different from the others." for i in range(4)]
-    alone = [tts32.generate(t, seed=i).rows for i, t in enumerate(texts)]
+    alone = [tts.generate(t, seed=i).rows for i, t in enumerate(texts)]
     out, errors = [None] * 4, []
 
     def work(i):
         try:
-            out[i] = tts32.generate(texts[i], seed=i).rows
+            out[i] = tts.generate(texts[i], seed=i).rows
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
@@ -147,10 +136,10 @@ def live_caches() -> int:
     return sum(type(o) is BoundCache for o in gc.get_objects())
 
 
-def test_abandoned_streams_free_their_state(tts):
+def test_abandoned_streams_free_their_state(tts4):
     def abandon(n, check=False):
         for _ in range(n):
-            s = tts.stream(TEXT, seed=3, stream_options=StreamOptions(first_frames=2))
+            s = tts4.stream(TEXT, seed=3, stream_options=StreamOptions(first_frames=2))
             next(s)  # generation has started: a cache is held
             if check:
                 assert live_caches() == 1
@@ -165,11 +154,11 @@ def test_abandoned_streams_free_their_state(tts):
     assert rss1 - rss0 < 20 * 2**20, f"RSS grew by {(rss1 - rss0) / 2**20:.1f} MiB over 100 abandoned streams"
 
 
-def test_bad_stream_options_are_refused_before_any_work(tts):
+def test_bad_stream_options_are_refused_before_any_work(tts4):
     with pytest.raises(ValueError, match="chunk_frames"):
-        tts.stream(TEXT, stream_options=StreamOptions(chunk_frames=0))
+        tts4.stream(TEXT, stream_options=StreamOptions(chunk_frames=0))
     with pytest.raises(ValueError, match="max_rows"):
-        tts.stream(TEXT, max_rows=0)  # raises at the call, not at the first chunk
+        tts4.stream(TEXT, max_rows=0)  # raises at the call, not at the first chunk
 
 
 def test_cli_stream_to_stdout_and_to_a_file(builds, tmp_path):

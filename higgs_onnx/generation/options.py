@@ -9,6 +9,7 @@ A run of L rows holds L - N + 1 audio frames (25 per second), because codebook c
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 from dataclasses import dataclass
 
@@ -44,13 +45,15 @@ class GenerationOptions:
             if name == "max_rows" and self.max_rows is None:
                 continue
             if isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
+                raise ValueError(f"{name} must be a whole number, got {getattr(self, name)!r}")
             try:
                 object.__setattr__(self, name, operator.index(getattr(self, name)))
             except TypeError:
-                raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}") from None
-        if isinstance(self.temperature, (bool, str)) or isinstance(self.top_p, (bool, str)):
-            raise ValueError(f"temperature and top_p must be numbers, got {self.temperature!r}, {self.top_p!r}")
+                raise ValueError(f"{name} must be a whole number, got {getattr(self, name)!r}") from None
+        for name in ("temperature", "top_p"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"{name} must be a finite number, got {v!r:.40}")
         try:
             object.__setattr__(self, "temperature", float(self.temperature))
             object.__setattr__(self, "top_p", float(self.top_p))

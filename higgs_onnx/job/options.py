@@ -150,6 +150,27 @@ class OptionError(ValueError):
         self.message, self.param, self.code = message, param, code
 
 
+WHOLE, FINITE, BOOL, TEXT_KIND = "a whole number", "a finite number", "true or false", "a string"
+KINDS = {"temperature": FINITE, "top_p": FINITE, "speed": FINITE, "loudness": FINITE, "top_k": WHOLE, "seed": WHOLE,
+         "max_rows": WHOLE, "takes": WHOLE, "retries": WHOLE, "deterministic": BOOL, "dry_run": BOOL,
+         "markdown": BOOL, "blend_mode": TEXT_KIND, "instructions": TEXT_KIND, "emoji": TEXT_KIND,
+         "stage_directions": TEXT_KIND, "caption_level": TEXT_KIND}
+
+
+def check_kind(name: str, value, label: str) -> None:
+    """OptionError when `value` is not of the field's kind (`KINDS`): `seed must be a whole number, got 1.5`, the
+    same sentence at every door (HTTP and the WebSocket leave the type to this table; the command line's flags are
+    typed by argparse)."""
+    kind = KINDS.get(name)
+    if kind is None:
+        return
+    ok = {WHOLE: lambda v: isinstance(v, int), BOOL: lambda v: isinstance(v, bool),
+          TEXT_KIND: lambda v: isinstance(v, str),
+          FINITE: lambda v: isinstance(v, (int, float)) and math.isfinite(v)}[kind]
+    if isinstance(value, bool) and kind != BOOL or not ok(value):
+        raise OptionError(f"{label} must be {kind}, got {value!r:.40}", name)
+
+
 def _integer(value, label: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise OptionError(f"{label} must be a whole number, got {value!r}", None)
@@ -294,6 +315,8 @@ class SpeechOptions:
             if not opt.honoured_at(door) and not _is_default(name, value):
                 refuse(name, door)
         got = {k: v for k, v in values.items() if v is not None and k in OPTIONS}
+        for name, value in got.items():  # the type first: one sentence for a wrong type at every door
+            check_kind(name, value, OPTIONS[name].label(door))
         changes, text = _checked(got, CHECKS, door), _checked(got, TEXT_CHECKS, door)
         if "lexicon" in text and base.text.lexicon is not None:  # a job's words over the door's (a server's) own
             text["lexicon"] = base.text.lexicon.over(text["lexicon"].entries)
@@ -302,8 +325,6 @@ class SpeechOptions:
         sampling = {k: got[k] for k in SAMPLING if k in got}
         for name, value in sampling.items():  # each field alone first: its error carries its name
             label = OPTIONS[name].label(door)
-            if name in ("temperature", "top_p") and isinstance(value, (bool, str)):
-                raise OptionError(f"{label} must be a number, got {value!r:.40}", name)
             try:
                 GenerationOptions.make(base.generation, **{name: value})
             except (TypeError, ValueError) as e:

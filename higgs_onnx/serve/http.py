@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictStr, ValidationError
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import ClientDisconnect
@@ -77,11 +77,12 @@ class OutputFields(BaseModel):
     model: StrictStr
     response_format: StrictStr = "mp3"
     stream_format: StrictStr = "audio"
-    temperature: StrictFloat | None = None
-    top_k: StrictInt | None = None
-    top_p: StrictFloat | None = None
-    seed: StrictInt | None = None
-    max_rows: StrictInt | None = None
+    # the job's fields are typed by job.options (one sentence for a wrong type at every door): Any here
+    temperature: Any = None
+    top_k: Any = None
+    top_p: Any = None
+    seed: Any = None
+    max_rows: Any = None
 
 
 class SpeechRequest(OutputFields):
@@ -92,24 +93,24 @@ class SpeechRequest(OutputFields):
     input: StrictStr
     # a saved voice's name, OpenAI's {"id": name}, or a blend: "alice:0.7,bob:0.3" or [{"voice", "weight"}, ...]
     voice: StrictStr | VoiceRef | list[Any] | None = None
-    blend_mode: StrictStr | None = None  # how a blend mixes its voices: "mixture" (default) or "product"
-    instructions: StrictStr | None = None
-    speed: StrictFloat = 1.0
+    blend_mode: Any = None  # how a blend mixes its voices: "mixture" (default) or "product"
+    instructions: Any = None
+    speed: Any = None
     # run alone (a batch of one): the audio equals the same request made alone, to the bit (see `Scheduler`)
-    deterministic: StrictBool = False
+    deterministic: Any = None
     # the guard's retries (docs/guard.md): the response waits for a good take (at most this many redraws, each with
     # a new seed and a cooler temperature) and is then sent whole; 0 (the default): audio streams as it is made
-    retries: StrictInt = 0
+    retries: Any = None
     # best of n takes (docs/guard.md): n draws of the request batched with everything else, each judged, the best
     # sent whole (1, the default: one take, streamed)
-    takes: StrictInt = 1
+    takes: Any = None
     # EBU R128 integrated loudness in LUFS (docs/audio.md): the take is measured whole, brought to it and then sent
     # whole (None, the default: as generated, streamed)
-    loudness: StrictFloat | None = None
+    loudness: Any = None
     # Boson's and sglang-omni's raw PCM stream (needs response_format "pcm"; every format streams without it)
     stream: StrictBool = False
     # what the model would read and its prompt, as JSON; the request is checked as for real, nothing is generated
-    dry_run: StrictBool = False
+    dry_run: Any = None
     # the text steps (docs/text.md), checked by job.options (one bound and message for every door): None = the
     # server's default (serve --normalize ...), which is off
     normalize: Any = None

@@ -195,9 +195,13 @@ class SpeechService:
         if len(r.input) > MAX_INPUT_CHARS:
             raise ApiError(400, f"input is {len(r.input)} characters long; the limit is {MAX_INPUT_CHARS} (an input "
                            f"beyond one request is read in pieces, up to that)", "input", "string_above_max_length")
-        self.check_output(r)
-        job = self.speech_job(self.job_options(r, JOB_FIELDS, door), door)
+        job = self.check_job(r, door)
         return job, self.optioned(job.prepare, r.input)
+
+    def check_job(self, r, door: str) -> SpeechJob:
+        """The job of a body's fields (its formats and options; no input: a stream's session config)."""
+        self.check_output(r)
+        return self.speech_job(self.job_options(r, JOB_FIELDS, door), door)
 
     def speech_job(self, options: SpeechOptions, door: str) -> SpeechJob:
         """The job of `options` at `door` on this model (its lead made once); ApiError for instructions it cannot

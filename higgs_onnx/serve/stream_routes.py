@@ -51,7 +51,7 @@ def router(svc: SpeechService) -> APIRouter:
                                           f"frames, as it is made", name, "unsupported_parameter")
                 inline = normalise(body)  # Boson's ref_audio/ref_text, sglang-omni's references (serve/shapes.py)
                 r = SpeechRequest.model_validate({**body, "input": "-"})
-                job, _ = await asyncio.to_thread(svc.check_speech, r, "websocket")  # off the loop
+                job = await asyncio.to_thread(svc.check_job, r, "websocket")  # off the loop (a lexicon file)
                 job_opts = job.options
                 try:  # what the contract knows of max_rows before any text: here, not at every segment
                     check_max_rows(job_opts.generation.max_rows, svc.tts.facts.num_codebooks,
