@@ -74,7 +74,8 @@ HEAVY = {"digits": "7" * 50_000, "grouped": ("1,111 " * 9_000)[:50_000],
 def normalize(model: str, tmp: Path) -> dict:
     """Three requests of 50,000 characters (the input bound: digits, grouped numbers, Chinese dates and money) read
     with `normalize`, all at once (dry runs: the text steps, the pieces and every piece's contract check, which is
-    the work a request does before the scheduler decodes it), against /health and a short WebSocket session, polled while they run."""
+    the work a request does before the scheduler decodes it), against /health and a short WebSocket session, polled
+    while they run."""
     import httpx2 as httpx
 
     s = server(model, tmp, "--normalize")

@@ -7,10 +7,10 @@ import pytest
 
 from higgs_onnx.job.options import OptionError, SpeechOptions
 
-CASES = [({"top_p": "x"}, "top_p", "must be a number"), ({"top_p": 2}, "top_p", "must be in (0, 1]"),
-         ({"temperature": 0.5, "top_p": True}, "top_p", "must be a number"),
+CASES = [({"top_p": "x"}, "top_p", "must be a finite number"), ({"top_p": 2}, "top_p", "must be in (0, 1]"),
+         ({"temperature": 0.5, "top_p": True}, "top_p", "must be a finite number"),
          ({"temperature": -1}, "temperature", "finite number >= 0"), ({"top_k": -1}, "top_k", ">= 0"),
-         ({"seed": 1.5}, "seed", "integer"), ({"max_rows": 0}, "max_rows", ">= 1")]
+         ({"seed": 1.5}, "seed", "must be a whole number"), ({"max_rows": 0}, "max_rows", ">= 1")]
 
 
 @pytest.mark.parametrize("values, param, words", CASES, ids=[next(iter(c[0].items()))[0] + str(i)
