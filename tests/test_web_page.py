@@ -179,7 +179,8 @@ def test_wrong_api_key_is_named(keyed_url, browser):
     page.on("pageerror", lambda e: errors.append(str(e)))
     page.goto(keyed_url)
     wait_until(page, "!document.getElementById('key-box').hidden")  # no key yet: the page asks for one
-    assert "needs an API key" in page.locator("#key-status").text_content()
+    # the box shows first, the status a tick later (it waits on the 401's body): wait for the words, not the box
+    wait_until(page, "/needs an API key/.test(document.getElementById('key-status').textContent)")
     page.fill("#api-key", "not-the-key")
     page.click("#key-save")
     wait_until(page, "/refused/.test(document.getElementById('key-status').textContent)")
