@@ -18,7 +18,7 @@ from .generation.delay import read_code_rows
 from .generation.options import DEFAULT_MAX_ROWS
 from .generation.scheduler import choose_batch, measure_batch_gain
 from .job import run
-from .job.options import Shape, speed_tag
+from .job.options import speed_tag
 from .job.run import SpeechJob
 from .longform import captions
 from .longform.dialogue import Dialogue
@@ -68,8 +68,7 @@ def speak_all(args) -> int:
         say(f"voice: reference encoded and prefilled in {time.perf_counter() - t0:.2f} s (reused for every line)")
         if args.save_voice:
             say(f"voice saved to {voice.save(args.save_voice, getattr(args, 'voice_languages', None))}")
-    args.speech = SpeechJob(args.job, tts.tokens.control_tags, "cli")  # the lead, made once
-    args.speech.check(Shape(voices=getattr(voice, "width", 1), live=bool(args.stream)))
+    args.speech = SpeechJob(args.job, tts.tokens.control_tags, "cli")  # the lead, made once (its rules: check_args)
     pace_warning(tts, args)
     if args.dry_run:
         return dry_run(tts, args, voice)

@@ -157,30 +157,31 @@ KINDS = {"temperature": FINITE, "top_p": FINITE, "speed": FINITE, "loudness": FI
          "stage_directions": TEXT_KIND, "caption_level": TEXT_KIND}
 
 
-def check_kind(name: str, value, label: str) -> None:
-    """OptionError when `value` is not of the field's kind (`KINDS`): `seed must be a whole number, got 1.5`, the
-    same sentence at every door (HTTP and the WebSocket leave the type to this table; the command line's flags are
-    typed by argparse)."""
-    kind = KINDS.get(name)
-    if kind is None:
-        return
-    ok = {WHOLE: lambda v: isinstance(v, int), BOOL: lambda v: isinstance(v, bool),
-          TEXT_KIND: lambda v: isinstance(v, str),
-          FINITE: lambda v: isinstance(v, (int, float)) and math.isfinite(v)}[kind]
-    if isinstance(value, bool) and kind != BOOL or not ok(value):
-        raise OptionError(f"{label} must be {kind}, got {value!r:.40}", name)
+_IS = {WHOLE: lambda v: isinstance(v, int), BOOL: lambda v: isinstance(v, bool),
+       TEXT_KIND: lambda v: isinstance(v, str), FINITE: lambda v: isinstance(v, (int, float)) and math.isfinite(v)}
 
 
-def _integer(value, label: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise OptionError(f"{label} must be a whole number, got {value!r}", None)
+def of_kind(value, kind: str, label: str, param: str | None = None):
+    """`value`, or OptionError when it is not of `kind` (a bool is only ever true or false): the one sentence for a
+    wrong type, `seed must be a whole number, got 1.5`."""
+    if isinstance(value, bool) and kind != BOOL or not _IS[kind](value):
+        raise OptionError(f"{label} must be {kind}, got {value!r:.40}", param)
     return value
 
 
+def check_kind(name: str, value, label: str) -> None:
+    """OptionError when `value` is not of the field's kind (`KINDS`), the same sentence at every door (HTTP and the
+    WebSocket leave the type to this table; the command line's flags are typed by argparse)."""
+    if name in KINDS:
+        of_kind(value, KINDS[name], label, name)
+
+
+def _integer(value, label: str) -> int:
+    return of_kind(value, WHOLE, label)
+
+
 def _number(value, label: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise OptionError(f"{label} must be a finite number, got {value!r}", None)
-    return float(value)
+    return float(of_kind(value, FINITE, label))
 
 
 def check_speed(value, label: str = "speed") -> float:
@@ -218,9 +219,7 @@ def check_blend_mode(value, label: str = "blend_mode") -> str | None:
 
 
 def check_bool(value, label: str) -> bool:
-    if not isinstance(value, bool):
-        raise OptionError(f"{label} must be true or false, got {value!r}", None)
-    return value
+    return of_kind(value, BOOL, label)
 
 
 def check_caption_level(value, label: str = "caption_level") -> str:
@@ -246,8 +245,7 @@ def check_lexicon(value, label: str = "lexicon") -> Lexicon:
 
 
 def check_instructions(value, label: str = "instructions") -> str:
-    if not isinstance(value, str):
-        raise OptionError(f"{label} must be a string, got {value!r:.40}", None)
+    of_kind(value, TEXT_KIND, label)
     if len(value) > MAX_INSTRUCTIONS:
         raise OptionError(f"{label} is {len(value)} characters long; the limit is {MAX_INSTRUCTIONS}", None)
     return value

@@ -318,6 +318,7 @@ class Runner:
 
 
 async def replay(items: list) -> AsyncIterator:
+    """A list as an async iterator (the chunks of a take already made)."""
     for item in items:
         yield item
 

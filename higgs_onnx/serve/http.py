@@ -140,12 +140,6 @@ WS_FIELDS = {"model", *JOB_FIELDS, "response_format", "stream_format", "stream",
 WS_ONLY = ("type", "session", "split_granularity", "stream_audio", "input", "continuation")  # not speech fields
 
 
-async def replay(items: list) -> AsyncIterator:
-    """A list as an async iterator (the chunks of a take already made)."""
-    for item in items:
-        yield item
-
-
 def validation_message(e: ValidationError | RequestValidationError) -> tuple[str, str | None]:
     """The first problem of a pydantic error as one line, and the field it is about."""
     err = e.errors()[0]

@@ -181,10 +181,7 @@ class SpeechService:
 
     def job_options(self, r, names, door: str) -> SpeechOptions:
         """The job's options from the body's fields `names` (`job.options`: bounds and rules defined once)."""
-        try:
-            return SpeechOptions.build({k: getattr(r, k) for k in names}, door, self.base)
-        except OptionError as e:
-            raise ApiError(400, e.message, e.param, e.code) from None
+        return self.optioned(SpeechOptions.build, {k: getattr(r, k) for k in names}, door, self.base)
 
     def check_speech(self, r: SpeechRequest, door: str = "http") -> tuple[SpeechJob, Prepared]:
         """The job (`job.run.SpeechJob`: its options, its lead) and what the model reads of the input; ApiError for
@@ -312,9 +309,8 @@ class SpeechService:
             raise self.failure(e) from None
         except ContractError as e:  # a stored voice's transcript is checked with the request: it is the voice's
             raise self.contract_error(e, {"ref_text": "voice"}) from None
-        except ValueError as e:
-            raise ApiError(400, str(e), next((k for k in SAMPLING if str(e).startswith(k)), "input"),
-                           "invalid_value") from None
+        except ValueError as e:  # the options came built (job.options names their fields): the text's, here
+            raise ApiError(400, str(e), "input", "invalid_value") from None
 
     def runner(self, request: Request) -> Runner:
         """The job's async driver (`job.run.Runner`) for one request: its jobs on the server's scheduler, cancelled
