@@ -39,6 +39,17 @@ DOORS = {
     "wyoming": "Wyoming",
     "corpus": "a corpus row (python -m higgs_onnx.corpus)",
     "python": "the Python API (HiggsTTS)",
+    "cartesia": "Cartesia's TTS WebSocket (/tts/websocket)",
+    "elevenlabs": "ElevenLabs' stream-input WebSockets (/v1/text-to-speech/{voice_id}/multi-stream-input)",
+}
+# The voice-agent doors (docs/agents.md) speak another vendor's protocol: a field of ours is honoured there only as
+# one of the protocol's own fields (named here, as the door's messages name it); every other is absent, and the
+# protocol's fields with no meaning here are refused by name by the door itself (serve/cartesia.py, elevenlabs.py).
+ALWAYS = "always: "
+AGENT_FIELDS = {
+    "cartesia": {"voice": "voice.id", "speed": "generation_config.speed", "caption_level": "add_timestamps"},
+    "elevenlabs": {"voice": "voice_id", "speed": "voice_settings.speed", "normalize": "apply_text_normalization",
+                   "seed": "seed", "caption_level": ALWAYS + "alignment"},
 }
 ABSENT = "absent"  # the door's protocol has no place for the field (Wyoming's events carry text and a voice name)
 STREAMED = "audio is sent as it is made, segment by segment, so nothing can wait for a whole take"
@@ -63,10 +74,13 @@ class Option:
     always: dict[str, str] = field(default_factory=dict)  # door -> how it always does this, with no field for it
 
     def honoured_at(self, door: str) -> bool:
-        return door not in self.refused
+        return self.at(door) in ("honoured", "always")
 
     def at(self, door: str) -> str:
         """honoured / always / refused / absent at `door`."""
+        if door in AGENT_FIELDS:
+            named = AGENT_FIELDS[door].get(self.name)
+            return ABSENT if named is None else "always" if named.startswith(ALWAYS) else "honoured"
         why = self.refused.get(door)
         if why is None:
             return "always" if door in self.always else "honoured"
@@ -74,6 +88,8 @@ class Option:
 
     def label(self, door: str) -> str:
         """The name a message at `door` gives the field."""
+        if door in AGENT_FIELDS:
+            return AGENT_FIELDS[door].get(self.name, self.name).removeprefix(ALWAYS)
         return (self.flag or self.name) if door == "cli" else self.name
 
 
@@ -131,8 +147,7 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
            "--lexicon FILE", refused={"wyoming": ABSENT, "python": PREPARE}),
     Option("caption_level", "cues per piece, or per word (timed by a forced aligner; English)",
            " or ".join(CAPTION_LEVELS), "--caption-level",
-           refused={"websocket": "a session's audio.start / audio.done events carry no cues (ask POST "
-                    "/v1/audio/speech with stream_format sse for word cues)", "wyoming": ABSENT,
+           refused={"wyoming": ABSENT,
                     "corpus": "a corpus writes no captions",
                     "python": "time a result's words with higgs_onnx.align.word_cues(samples, sample_rate, text)"}),
 )}
@@ -487,7 +502,7 @@ def _is_default(name: str, value) -> bool:
 def refuse(name: str, door: str) -> None:
     """OptionError: `door` cannot honour the field `name` (why, from the table)."""
     opt = OPTIONS[name]
-    why = opt.refused.get(door, "")
+    why = ABSENT if opt.at(door) == ABSENT else opt.refused.get(door, "")
     where = DOORS[door]
     if why == ABSENT:
         why = f"{where} has no such field"
@@ -507,6 +522,8 @@ def door_table() -> str:
             cell = mark[o.at(d)]
             if d == "cli" and cell == "yes":
                 cell = f"`{o.flag}`" if o.flag else f"`{o.cli_as}`"
+            elif d in AGENT_FIELDS and cell in ("yes", "always"):
+                cell = f"{'always, ' if cell == 'always' else ''}`{o.label(d)}`"
             cells.append(cell)
         rows.append(f"| `{o.name}` | {o.bound or '—'} | " + " | ".join(cells) + " |")
     return "\n".join([head, rule, *rows])

@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ..job.options import SpeechOptions
-from . import dialogue_routes, info_routes, speech_routes, stream_routes, voice_routes
+from . import cartesia, dialogue_routes, elevenlabs, info_routes, speech_routes, stream_routes, voice_routes
 from .http import STATIC, ApiError, HostGuard, LoggedCut, client_of, error_response, validation_message
 from .limits import BodyDeadline, BodyTimeout, ClientGone, Timeouts
 from .service import SpeechService
@@ -121,7 +121,8 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
     info, root = info_routes.routers(svc)
     for router in (speech_routes.router(svc), dialogue_routes.router(svc), voice_routes.router(svc), info):
         app.include_router(router, prefix="/v1", dependencies=[Depends(guard)])
-    app.include_router(stream_routes.router(svc))  # its own checks, before the WebSocket is accepted
+    for sockets in (stream_routes, cartesia, elevenlabs):  # their own checks, before the WebSocket is accepted
+        app.include_router(sockets.router(svc))
     app.include_router(root)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     return app

@@ -58,15 +58,20 @@ class SegmentQueue:
             raise TextTooLong(f"{waiting} characters are waiting to be spoken; at most {MAX_PENDING} may wait: "
                               f"send text about as fast as it is spoken")
 
+    def mark(self, marker) -> None:
+        """Queue a marker (not text: it counts no characters), taken in order with the segments."""
+        self.queue.put_nowait(marker)
+
     def end(self) -> None:
         self.queue.put_nowait(None)
 
     def empty(self) -> bool:
         return self.queue.empty()
 
-    async def next(self) -> str | None:
+    async def next(self):
+        """The next segment (or marker), None at the end."""
         text = await self.queue.get()
-        if text is not None:
+        if isinstance(text, str):
             self.pending -= len(text)
         return text
 

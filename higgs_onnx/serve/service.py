@@ -205,6 +205,11 @@ class SpeechService:
         map."""
         return self.optioned(SpeechJob, options, self.tts.tokens.control_tags, door)
 
+    def speech_session(self, voice, options, prefix: str = "", read=None) -> SpeechSession:
+        """A session of the scheduler for a stream's segments (`textstream.SpeechSession`): the streaming doors'
+        one way to speak."""
+        return SpeechSession(self.scheduler, voice, options, prefix=prefix, read=read)
+
     @staticmethod
     def optioned(call, *args):
         """`call(*args)`, an `OptionError` as the 400 that names its field."""

@@ -19,7 +19,6 @@ from .http import (
 )
 from .service import SpeechService
 from .shapes import ShapeError, normalise
-from .textstream import SpeechSession
 from .wsproto import ConfigError, WsSession
 
 log = logging.getLogger(__name__)
@@ -64,7 +63,8 @@ def router(svc: SpeechService) -> APIRouter:
                                       "references", "unsupported_parameter")
                 voice = await svc.job_voice(inline, r)  # blend_mode: refused by the table above
                 svc.optioned(job.check, Shape(voices=getattr(voice, "width", 1), continues=True))  # job.options.RULES
-                return r.response_format, job_opts.generation, voice, (job.lead, job.reader())
+                words = "en" if job_opts.caption_level == "word" else None  # the aligner's one language
+                return r.response_format, job_opts.generation, voice, (job.lead, job.reader(), words)
             except ValidationError as e:
                 message, param = validation_message(e)
                 raise ConfigError(message, param, "invalid_value") from None
@@ -73,8 +73,8 @@ def router(svc: SpeechService) -> APIRouter:
             except ApiError as e:
                 raise ConfigError(e.message, e.param, e.code) from None
 
-        await WsSession(ws, configure, lambda voice, options, lead: SpeechSession(svc.scheduler, voice, options,
-                                                                                  prefix=lead[0], read=lead[1]),
+        await WsSession(ws, configure, lambda voice, options, lead: svc.speech_session(voice, options, lead[0],
+                                                                                       lead[1]),
                         svc.sample_rate, svc.ws_idle_s, svc.timeouts.send_s).run()
 
     return router

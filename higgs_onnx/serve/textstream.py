@@ -37,6 +37,7 @@ class SpeechSession:
         self.history: list = []  # (text, rows) of the segments in the current context
         self.job = None  # the segment being spoken
         self.last_continued = False  # the last segment continued the one before
+        self.read_text: str | None = None  # the last segment as the model read it (after the text steps)
 
     def _options(self, text: str) -> GenerationOptions:
         return dataclasses.replace(self.options, seed=self.options.seed + self.index,
@@ -85,6 +86,7 @@ class SpeechSession:
         """The segment's chunks as they are made; afterwards its cache waits for the next segment."""
         if self.read:  # the text steps, off the event loop (a segment may be up to the session's text bound)
             text = await asyncio.to_thread(self.read, text)
+        self.read_text = text
         job = self.submit(self.prefix + text)
         try:
             async for chunk in job:

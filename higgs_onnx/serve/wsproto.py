@@ -11,7 +11,10 @@ Client -> server, JSON text frames:
 
 Server -> client: `session.configured`; per segment `audio.start` (id, sentence_index, sentence_text, format,
 sample_rate), binary frames of audio as it is made, `audio.done` (id, sentence_index, total_bytes, error, stop_reason,
-continued); `input.committed`; `session.done` (session_id, total_sentences); errors as `{"type": "error", "message",
+continued); with `caption_level: "word"`, `audio.words` (id, sentence_index, text, start_s/end_s on the session's
+audio clock, words: [{text, start_s, end_s, ...}], words_reason when the aligner could not time them) once the
+segment's words are timed, which never holds back the next segment's audio; `input.committed`; `session.done`
+(session_id, total_sentences); errors as `{"type": "error", "message",
 "error_type", "param", "code"}`. A bad message is answered with an error and the session goes on; a session that
 cannot go on (bad config, no config in time, idle for `idle_s` with nothing to speak, more than MAX_PENDING
 characters waiting to be spoken) gets an error and a close; the server shutting down, an error and close code 1012.
@@ -26,6 +29,8 @@ import itertools
 import json
 import logging
 
+from ..job.run import aligned, joined
+from ..longform.captions import Cue
 from ..textin import GRANULARITIES, TextSegmenter
 from .formats import encoder
 from .limits import MAX_JSON_BYTES
@@ -61,6 +66,9 @@ class WsSession:
         self.send_lock = asyncio.Lock()
         self.busy = False  # a segment is queued or being spoken
         self.segments = SegmentQueue()  # what is cut and not yet spoken (at most segments.MAX_PENDING characters)
+        self.words: str | None = None  # word times asked for: the aligner's language
+        self.offset = 0  # samples sent so far: where the next segment starts on the session's clock
+        self.words_task: asyncio.Task | None = None  # the last segment's word timing
 
     async def send(self, obj: dict | bytes) -> None:
         async with self.send_lock:
@@ -125,7 +133,7 @@ class WsSession:
             code = None
             log.info("%s: the client left (%s)", self.id, type(e).__name__)
         finally:
-            for task in (reader, speaker):
+            for task in (reader, speaker, self.words_task):
                 if task is not None and not task.done():
                     task.cancel()
                     await asyncio.gather(task, return_exceptions=True)
@@ -164,6 +172,7 @@ class WsSession:
                 raise ConfigError("stream_audio: audio is always streamed here (binary frames as it is made)",
                                   "stream_audio", "unsupported_parameter")
             self.fmt, options, voice, prefix = await self.configure(cfg)
+            self.words = prefix[2]  # caption_level "word": the aligner's language (None: no word times)
         except ConfigError as e:
             await self.error(e.message, param=e.param, code=e.code)
             raise Close from None
@@ -213,10 +222,10 @@ class WsSession:
     async def speak(self, session) -> None:
         from fastapi import WebSocketDisconnect
 
-        index = 0
+        index, words = 0, None
         while (text := await self.segments.next()) is not None:
             self.busy = True
-            seg = f"{self.id}-{index}"
+            seg, start, held = f"{self.id}-{index}", self.offset, []
             await self.send({"type": "audio.start", "id": seg, "sentence_index": index, "sentence_text": text,
                              "format": self.fmt, "sample_rate": self.sample_rate})
             enc, total, failed, stop = encoder(self.fmt, self.sample_rate), 0, False, None
@@ -225,6 +234,9 @@ class WsSession:
                     if data := enc.push(chunk.samples):
                         await self.send(data)
                         total += len(data)
+                    self.offset += chunk.samples.size
+                    if self.words is not None:
+                        held.append(chunk.samples)
                     if chunk.is_last and chunk.stats is not None:
                         stop = chunk.stats.stop_reason
                 if data := enc.finish():
@@ -245,6 +257,22 @@ class WsSession:
                                      "server_error")
             await self.send({"type": "audio.done", "id": seg, "sentence_index": index, "total_bytes": total,
                              "error": failed, "stop_reason": stop, "continued": session.last_continued})
+            if self.words is not None and not failed:
+                cue = Cue(start, self.offset, session.read_text or text, index=index)
+                words = self.words_task = asyncio.create_task(self.timed(seg, cue, joined(held), words))
             index += 1
             self.busy = False
+        if words is not None:
+            await words
         await self.send({"type": "session.done", "session_id": self.id, "total_sentences": index})
+
+    async def timed(self, seg: str, cue: Cue, samples, before: asyncio.Task | None) -> None:
+        """`audio.words` for a finished segment, once the aligner has timed it (after the segment before's): on
+        the session's clock, as the SSE events' words; `words_reason` says why there are none."""
+        if before is not None:
+            await before
+        cue = await aligned(cue, samples, self.sample_rate, self.words)
+        words = [{"text": w.text, **w.span(self.sample_rate)} for w in cue.words]
+        await self.send({"type": "audio.words", "id": seg, "sentence_index": cue.index, "text": cue.text,
+                         **cue.span(self.sample_rate), "words": words,
+                         **({"words_reason": cue.words_reason} if cue.words_reason else {})})

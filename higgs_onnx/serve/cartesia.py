@@ -1,0 +1,195 @@
+"""Cartesia's TTS WebSocket, `GET /tts/websocket`: what Pipecat's `CartesiaTTSService(url=...)` and Cartesia's own
+clients speak, on this server's scheduler (docs/agents.md). The contexts, audio and word timing are `agents.py`'s.
+
+Client -> server, JSON text frames:
+- `{transcript, continue, context_id, model_id, voice: {mode: "id", id}, output_format: {container: "raw",
+  encoding: "pcm_s16le" | "pcm_f32le", sample_rate}, add_timestamps, language, generation_config: {speed},
+  max_buffer_delay_ms, use_normalized_timestamps: false}`. The first message of a `context_id` opens it; later ones
+  must repeat its settings (Cartesia: "inputs on the same context must keep all fields except transcript, continue
+  and duration the same") and their transcripts are joined verbatim. `continue` (default false) says more text
+  follows; `continue: false` (with any transcript, "" included) ends the context's input: what it holds is spoken,
+  then `done`. `flush: true` speaks what it holds now and answers `flush_done` once that is sent. Text held without
+  a sentence end is spoken after `max_buffer_delay_ms` (default 3000, at most 5000) with no more.
+- `{context_id, cancel: true}`: barge-in. Nothing more is sent for the context, its decoding stops within one
+  decoder step and its slot and KV context are freed; the socket's other contexts go on.
+
+Server -> client: `{type: "chunk", data: base64 PCM, context_id, ...}` as the audio is made; with `add_timestamps`,
+`{type: "timestamps", word_timestamps: {words, start, end}, context_id}` for each segment once its words are timed
+(seconds from the context's first sample; `words_reason` says why a segment has none); `{type: "done"}` once the
+context is spoken; `{type: "flush_done", flush_id}`; `{type: "error", error, param, code, context_id}`.
+
+`voice.id` is a saved voice's name, `default` (zero-shot) or one of OpenAI's names (the server's default voice);
+`model_id` is one of the server's model names or any of Cartesia's (`sonic...`), all this model. The API key is
+`X-API-Key` (Pipecat sends it), `api_key` in the query, or `Authorization: Bearer`.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, WebSocket
+
+from .agents import AgentError, AgentSocket, Context, Output
+
+SETTINGS = ("model_id", "voice", "output_format", "add_timestamps", "language", "generation_config",
+            "max_buffer_delay_ms", "use_normalized_timestamps")
+FIELDS = {"transcript", "continue", "context_id", "cancel", "flush", *SETTINGS}
+DELAY_MS = (3000, 5000)  # max_buffer_delay_ms: Cartesia's default and its largest
+MODEL_PREFIX = "sonic"  # Cartesia's model names (sonic-3.6, sonic-2 ...): all this model
+
+
+class CartesiaSocket(AgentSocket):
+    name = "cartesia"
+    text_field = "transcript"
+
+    # -- answers -----------------------------------------------------------------------------------------
+    @staticmethod
+    def _base(kind: str, cid: str | None, done: bool = False) -> dict:
+        return {"type": kind, "context_id": cid or "", "status_code": 206, "done": done}
+
+    def audio_message(self, ctx: Context, data: bytes) -> dict:
+        return {**self._base("chunk", ctx.id), "data": self.b64(data)}
+
+    def words_message(self, ctx: Context, cue) -> dict:
+        sr = self.native
+        words = cue.words or ()
+        out = {**self._base("timestamps", ctx.id),
+               "word_timestamps": {"words": [w.text for w in words], "start": [w.start / sr for w in words],
+                                   "end": [w.end / sr for w in words]}}
+        if cue.words_reason:
+            out["words_reason"] = cue.words_reason
+        return out
+
+    def done_message(self, ctx: Context) -> dict:
+        return self._base("done", ctx.id, True)
+
+    def flushed_message(self, ctx: Context, n: int) -> dict:
+        return {**self._base("flush_done", ctx.id), "flush_done": True, "flush_id": n}
+
+    def error_message(self, e: AgentError) -> dict:
+        status = 500 if e.code == "server_error" else 429 if e.code == "rate_limit_exceeded" else 400
+        return {**self._base("error", e.context, True), "status_code": status, "error": e.message, "param": e.param,
+                "code": e.code}
+
+    # -- messages ----------------------------------------------------------------------------------------
+    async def handle(self, msg: dict) -> None:
+        cid = self.check_id(msg.get("context_id"))
+        if msg.get("cancel") is not None:
+            return await self.on_cancel(cid, msg)
+        unknown = sorted(set(msg) - FIELDS)
+        if unknown:
+            raise AgentError(f"{unknown[0]} is not a field of Cartesia's TTS WebSocket here; the fields are "
+                             f"{', '.join(sorted(FIELDS))}", unknown[0], "unknown_parameter", cid)
+        transcript, more, flush = msg.get("transcript", ""), msg.get("continue", False), msg.get("flush", False)
+        for name, value, kind in (("transcript", transcript, str), ("continue", more, bool), ("flush", flush, bool)):
+            if not isinstance(value, kind):
+                raise AgentError(f"{name} must be {'a string' if kind is str else 'true or false'}, got "
+                                 f"{value!r:.40}", name, "invalid_value", cid)
+        settings = {k: msg.get(k) for k in SETTINGS}
+        ctx = self.contexts.get(cid)
+        if ctx is None:
+            self.check_new(cid)
+            if not transcript.strip():
+                raise AgentError(f"context {cid!r:.60} has no text yet: its first message needs a transcript",
+                                 "transcript", "empty_context", cid)
+            ctx = await self.open(cid, settings)
+        elif settings != ctx.settings:
+            name = next(k for k in SETTINGS if settings[k] != ctx.settings[k])
+            raise AgentError(f"{name} is fixed for a context (Cartesia keeps every field but transcript and "
+                             f"continue the same); open a new context_id to change it", name,
+                             "context_settings_changed", cid)
+        if transcript:
+            self.feed(ctx, transcript, "transcript")
+        if flush:
+            self.flush(ctx, final=False, marked=True)
+        if not more:
+            self.flush(ctx, final=True)
+
+    async def on_cancel(self, cid: str, msg: dict) -> None:
+        if msg.get("cancel") is not True:
+            raise AgentError(f"cancel must be true, got {msg.get('cancel')!r:.40}", "cancel", "invalid_value", cid)
+        ctx = self.contexts.get(cid)
+        if ctx is not None:
+            await self.cancel(ctx)
+        elif cid not in self.ended:  # one that ended has nothing left to stop
+            raise AgentError(f"no context {cid!r:.60} on this socket to cancel", "context_id", "unknown_context", cid)
+
+    async def open(self, cid: str, s: dict) -> Context:
+        """A context for its first message's settings: checked field by field, each refused by its own name."""
+        def fail(message: str, param: str, code: str = "invalid_value"):
+            return AgentError(message, param, code, cid)
+
+        model = s["model_id"]
+        if model is not None and (not isinstance(model, str) or model not in self.svc.models
+                                  and not model.startswith(MODEL_PREFIX)):
+            raise fail(f"model_id {model!r:.60} is not served here; use one of {', '.join(self.svc.models)} "
+                       f"(or a Cartesia model name: all are this model)", "model_id", "model_not_found")
+        voice = s["voice"] if s["voice"] is not None else {"mode": "id", "id": "default"}
+        if not isinstance(voice, dict):
+            raise fail('voice must be an object {"mode": "id", "id": NAME}', "voice")
+        extra = sorted(set(voice) - {"mode", "id"}) or (["mode"] if voice.get("mode", "id") != "id" else [])
+        if extra:
+            raise fail(f"voice.{extra[0]}: a voice here is a saved voice named by id "
+                       f'({{"mode": "id", "id": NAME}})', f"voice.{extra[0]}", "unsupported_parameter")
+        if not isinstance(voice.get("id", "default"), str):
+            raise fail(f"voice.id must be a voice's name, got {voice.get('id')!r:.40}", "voice.id")
+        fmt = s["output_format"] if s["output_format"] is not None else {}
+        if not isinstance(fmt, dict):
+            raise fail("output_format must be an object {container, encoding, sample_rate}", "output_format")
+        if fmt.get("container", "raw") != "raw":
+            raise fail(f"output_format.container {fmt.get('container')!r:.40} is not served here; audio is raw PCM "
+                       f"(container \"raw\")", "output_format.container", "unsupported_format")
+        output = Output.check(fmt.get("encoding", "pcm_s16le"), fmt.get("sample_rate", self.native), self.native)
+        stamps = s["add_timestamps"] if s["add_timestamps"] is not None else False
+        if not isinstance(stamps, bool):
+            raise fail(f"add_timestamps must be true or false, got {stamps!r:.40}", "add_timestamps")
+        if s["use_normalized_timestamps"] not in (None, False):
+            raise fail("use_normalized_timestamps: the words are timed as the transcript writes them (false)",
+                       "use_normalized_timestamps", "unsupported_parameter")
+        language = s["language"] if s["language"] is not None else "en"
+        if not isinstance(language, str) or not 2 <= len(language) <= 16:
+            raise fail(f"language must be a language code such as \"en\", got {language!r:.40}", "language")
+        delay = s["max_buffer_delay_ms"] if s["max_buffer_delay_ms"] is not None else DELAY_MS[0]
+        if isinstance(delay, bool) or not isinstance(delay, int) or not 0 <= delay <= DELAY_MS[1]:
+            raise fail(f"max_buffer_delay_ms must be a whole number from 0 to {DELAY_MS[1]}, got {delay!r:.40}",
+                       "max_buffer_delay_ms")
+        values = {"voice": voice.get("id", "default"), "caption_level": "word" if stamps else "piece"}
+        gen = s["generation_config"] if s["generation_config"] is not None else {}
+        if not isinstance(gen, dict):
+            raise fail("generation_config must be an object", "generation_config")
+        for name in gen:
+            if name != "speed":
+                raise fail(f"generation_config.{name} is not served here: this model has no such control (its "
+                           f"emotions are inline tags in the transcript, docs/text.md)",
+                           f"generation_config.{name}", "unsupported_parameter")
+        if gen.get("speed") is not None:
+            values["speed"] = gen["speed"]
+        try:
+            session, reader, _ = await self.session_of(values)
+        except AgentError as e:
+            raise fail(e.message, e.param or "voice.id", e.code) from None
+        ctx = Context(cid, session, reader, output, self.native, language.split("-")[0].lower() if stamps else None,
+                      delay_s=delay / 1000.0, settings=s)
+        return self.add(ctx)
+
+
+def key_of(ws: WebSocket, header: str, query: str) -> dict:
+    """The request's headers with the vendor's key (its own header, or the query parameter a browser client sends)
+    as the `Authorization: Bearer` the service checks."""
+    headers = {k.lower(): v for k, v in ws.headers.items()}
+    key = ws.headers.get(header) or ws.query_params.get(query)
+    if key and "authorization" not in headers:
+        headers["authorization"] = f"Bearer {key}"
+    return headers
+
+
+def router(svc) -> APIRouter:
+    router = APIRouter()
+
+    @router.websocket("/tts/websocket")
+    async def cartesia(ws: WebSocket):
+        if (e := svc.refusal(key_of(ws, "x-api-key", "api_key"), True)) is not None:
+            await ws.close(1008, e.message[:120])  # before the socket opens
+            return
+        await ws.accept()
+        await CartesiaSocket(ws, svc, svc.ws_idle_s).run()
+
+    return router
