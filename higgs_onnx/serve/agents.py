@@ -89,11 +89,15 @@ class PcmStream:
     chunk edges leave no seams), then encoded."""
 
     def __init__(self, output: Output, native: int):
+        self.output, self.native = output, native
+        self.resampler = self._resampler()
+
+    def _resampler(self):
         import soxr
 
-        self.output = output
-        self.resampler = None if output.rate == native else soxr.ResampleStream(native, output.rate, 1,
-                                                                                dtype="float32", quality="HQ")
+        if self.output.rate == self.native:
+            return None
+        return soxr.ResampleStream(self.native, self.output.rate, 1, dtype="float32", quality="HQ")
 
     def _encode(self, samples: np.ndarray) -> bytes:
         if self.output.encoding == "pcm_f32le":
@@ -107,9 +111,12 @@ class PcmStream:
         return self._encode(samples) if samples.size else b""
 
     def finish(self) -> bytes:
+        """What the resampler still holds (a segment's end: the next segment starts afresh, so each segment's
+        audio is as long as it is at the model's rate and its words' times hold on the client's clock)."""
         if self.resampler is None:
             return b""
         tail = self.resampler.resample_chunk(np.zeros(0, np.float32), last=True)
+        self.resampler = self._resampler()
         return self._encode(tail) if tail.size else b""
 
 
@@ -452,6 +459,8 @@ class AgentSocket:
                 ctx.offset += chunk.samples.size
                 if ctx.words is not None:
                     held.append(chunk.samples)
+            if data := ctx.stream.finish():
+                await self.send(self.audio_message(ctx, data), ctx)
         except (WebSocketDisconnect, asyncio.CancelledError):
             raise
         except Exception as e:  # noqa: BLE001 - segments.segment_failure says which failures are whose

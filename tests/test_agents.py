@@ -1,0 +1,503 @@
+"""The voice-agent doors (docs/agents.md) for real: Cartesia's `/tts/websocket` and ElevenLabs' stream-input sockets
+on a `python -m higgs_onnx.serve` subprocess (the tiny fp32 export, an API key), driven by a real Pipecat pipeline
+(pipecat-ai 1.14 in its own venv, `.venv-agents`: `tests/agents/pipecat_run.py`) and by raw WebSocket clients.
+
+The tiny model's audio is not speech, so its segments' words say why they have none. Word times on real speech are
+checked over every socket against the aligner on the same samples with an in-process server whose sessions speak
+the real recording (`tests/data/ref_en_24k.wav`) for its transcript (`Recorded`): the one stand-in here, for the
+model alone; the sockets, the aligner and Pipecat are the real ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+import websockets
+from websockets.sync.client import connect
+
+from higgs_onnx.generation.stream import AudioChunk
+from higgs_onnx.longform.captions import Cue, timed
+from higgs_onnx.serve.agents import MAX_CONTEXTS, MAX_ID, char_times
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = Path(__file__).resolve().parent / "data"
+AGENTS_PY = REPO / ".venv-agents" / "bin" / "python"
+RUN = Path(__file__).resolve().parent / "agents" / "pipecat_run.py"
+KEY = "agent-key-7"
+RATE = 24000
+FIRST = ("This is the first turn and it goes on and on for a good long while so that the user has plenty of time "
+         "to cut it short")
+SECOND = "A second turn on the same socket."
+CARTESIA = {"model_id": "sonic-3.6", "voice": {"mode": "id", "id": "default"}, "language": "en",
+            "output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": RATE},
+            "add_timestamps": True}
+
+
+@pytest.fixture(scope="module")
+def server(builds, tmp_path_factory):
+    from test_server import Server
+
+    s = Server(builds["fp32"], tmp_path_factory.mktemp("agents"), "--api-key", KEY, "--send-timeout", "2")
+    yield s
+    s.stop()
+    assert "Traceback" not in s.log.read_text(), s.log.read_text()[-3000:]
+
+
+def ws_url(server, path: str) -> str:
+    return server.url.replace("http://", "ws://") + path
+
+
+def pipecat(service: str, url: str, *texts: str, interrupt: int = 0, voice: str = "default", rate: int = RATE,
+            key: str = KEY) -> dict:
+    """Run the Pipecat pipeline (tests/agents/pipecat_run.py) in the agents venv; its JSON summary."""
+    assert AGENTS_PY.exists(), "the agents venv is missing: make agents-venv (make test builds it)"
+    cmd = [str(AGENTS_PY), str(RUN), service, url, "--key", key, "--voice", voice, "--rate", str(rate)]
+    for t in texts:
+        cmd += ["--text", t]
+    if interrupt:
+        cmd += ["--interrupt-after-bytes", str(interrupt)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+# -- Pipecat ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("service", ["cartesia", "elevenlabs"])
+def test_a_pipecat_pipeline_speaks_turns_and_a_barge_in_stops_one(server, service):
+    """Text frames in, `TTSAudioRawFrame`s out at the pipeline's rate (16 kHz: resampled), a barge-in mid-turn
+    (Pipecat's InterruptionFrame: Cartesia's cancel, ElevenLabs' close_context), then a second turn on the same
+    socket. The cut turn's job is cancelled and no slot or KV context is kept."""
+    url = ws_url(server, "/tts/websocket") if service == "cartesia" else ws_url(server, "")
+    before = server.settle()
+    out = pipecat(service, url, FIRST, SECOND, interrupt=4000, rate=16000)
+    assert out["errors"] == [], out
+    first, second = out["turns"]
+    assert first["started"] and not first["stopped"] and first["bytes"] >= 4000, first
+    assert second["started"] and second["stopped"] and second["bytes"] > 16000 and second["chunks"] >= 1, second
+    assert first["sample_rate"] == second["sample_rate"] == 16000
+    # Pipecat's own frames for the words: the tiny model's noise has no timed words, so the turn's text comes whole
+    assert [w["text"] for w in second["words"]] == [SECOND], second
+    after = server.settle()
+    assert after["cancelled"] == before["cancelled"] + 1, (before, after)  # the cut turn's job, stopped
+    assert after["slots_in_use"] == 0 and after["kept"] == 0, after
+
+
+def test_pipecats_openai_service_speaks_with_a_stock_voice_name(server):
+    """`OpenAITTSService(base_url=...)` (LiveKit's openai.TTS is the same request): "alloy" is the default voice."""
+    out = pipecat("openai", server.url + "/v1", SECOND, voice="alloy")
+    assert out["errors"] == [] and out["turns"][0]["bytes"] > 16000 and out["turns"][0]["stopped"], out
+
+
+def test_a_wrong_key_is_refused_before_the_socket_opens(server):
+    for path, header in (("/tts/websocket", "X-API-Key"), ("/v1/text-to-speech/default/multi-stream-input",
+                                                           "xi-api-key")):
+        with pytest.raises(websockets.exceptions.InvalidStatus) as e:
+            connect(ws_url(server, path), additional_headers={header: "wrong"}).close()
+        assert e.value.response.status_code == 403, path
+        with connect(ws_url(server, path), additional_headers={header: KEY}):
+            pass
+    with connect(ws_url(server, f"/tts/websocket?api_key={KEY}")):  # a browser's way: the query
+        pass
+
+
+# -- raw clients --------------------------------------------------------------------------------------------------
+def cartesia(server, path: str = "/tts/websocket"):
+    return connect(ws_url(server, path), additional_headers={"X-API-Key": KEY}, max_size=None)
+
+
+def eleven(server, query: str = "", voice: str = "default", single: bool = False):
+    kind = "stream-input" if single else "multi-stream-input"
+    return connect(ws_url(server, f"/v1/text-to-speech/{voice}/{kind}{query}"), additional_headers={"xi-api-key": KEY},
+                   max_size=None)
+
+
+def recv(ws, timeout: float = 60) -> dict:
+    return json.loads(ws.recv(timeout=timeout))
+
+
+def until(ws, done, timeout: float = 120) -> list[dict]:
+    """Messages until `done(msg)` holds (that one included)."""
+    got, end = [], time.monotonic() + timeout
+    while True:
+        msg = recv(ws, max(0.1, end - time.monotonic()))
+        got.append(msg)
+        if done(msg):
+            return got
+
+
+def test_two_contexts_on_one_socket_interleave_and_a_cancel_stops_only_its_own(server):
+    """Cartesia: two contexts speak at once (their chunks interleave); `cancel` on one stops it (nothing more is
+    sent for it: a message sent after the cancel is answered first) and the other goes on to its `done`."""
+    with cartesia(server) as ws:
+        ws.send(json.dumps({**CARTESIA, "context_id": "long", "transcript": FIRST + ".", "continue": False}))
+        ws.send(json.dumps({**CARTESIA, "context_id": "short", "transcript": SECOND, "continue": False}))
+        seen = until(ws, lambda m: m["type"] == "chunk" and m["context_id"] == "long")
+        ws.send(json.dumps({"context_id": "long", "cancel": True}))
+        ws.send(json.dumps({"context_id": "probe", "cancel": True}))  # answered after the cancel is done
+        seen += until(ws, lambda m: m["type"] == "error" and m["context_id"] == "probe")
+        after = until(ws, lambda m: m["type"] == "done" and m["context_id"] == "short")
+    assert {m["context_id"] for m in seen if m["type"] == "chunk"} >= {"long"}
+    assert all(m["context_id"] != "long" for m in after), [m for m in after if m["context_id"] == "long"][:1]
+    order = [m["context_id"] for m in seen + after if m["type"] == "chunk"]
+    assert "short" in order
+    assert server.settle()["kept"] == 0 and server.settle()["slots_in_use"] == 0
+
+
+def test_every_cartesia_message_and_setting_is_checked_by_name(server):
+    with cartesia(server) as ws:
+        def ask(msg) -> dict:
+            ws.send(msg if isinstance(msg, (str, bytes)) else json.dumps(msg))
+            return recv(ws)
+
+        cases = [
+            ({"context_id": "a", "type": "speak", "transcript": "Hi."}, "type", "unknown_parameter"),
+            ({"context_id": "x" * (MAX_ID + 1), "transcript": "Hi."}, "context_id", "string_above_max_length"),
+            ({"context_id": "x" * 10_000, "transcript": "Hi."}, "context_id", "string_above_max_length"),
+            ({"context_id": 7, "transcript": "Hi."}, "context_id", "invalid_value"),
+            ({**CARTESIA, "context_id": "f", "transcript": "", "continue": False}, "transcript", "empty_context"),
+            ({"context_id": "nobody", "cancel": True}, "context_id", "unknown_context"),
+            ({**CARTESIA, "context_id": "b", "transcript": "Hi.", "output_format": {"container": "mp3"}},
+             "output_format.container", "unsupported_format"),
+            ({**CARTESIA, "context_id": "b", "transcript": "Hi.", "output_format": {
+                "container": "raw", "encoding": "pcm_mulaw", "sample_rate": 8000}}, "output_format",
+             "unsupported_format"),
+            ({**CARTESIA, "context_id": "b", "transcript": "Hi.", "output_format": {
+                "container": "raw", "encoding": "pcm_s16le", "sample_rate": 11025}}, "output_format",
+             "unsupported_format"),
+            ({**CARTESIA, "context_id": "b", "transcript": "Hi.", "voice": {"mode": "embedding", "embedding": [0]}},
+             "voice.embedding", "unsupported_parameter"),
+            ({**CARTESIA, "context_id": "b", "transcript": "Hi.", "voice": {"mode": "id", "id": "nobody"}},
+             "voice.id", "voice_not_found"),
+            ({**CARTESIA, "context_id": "b", "transcript": "Hi.", "model_id": "gpt-9"}, "model_id",
+             "model_not_found"),
+            ({**CARTESIA, "context_id": "b", "transcript": "Hi.", "generation_config": {"speed": 9}},
+             "generation_config.speed", "invalid_value"),
+            ({**CARTESIA, "context_id": "b", "transcript": "Hi.", "generation_config": {"emotion": "happy"}},
+             "generation_config.emotion", "unsupported_parameter"),
+            ({**CARTESIA, "context_id": "b", "transcript": "Hi.", "continue": "yes"}, "continue", "invalid_value"),
+            ({**CARTESIA, "context_id": "b", "transcript": "Hi.", "max_buffer_delay_ms": 60000},
+             "max_buffer_delay_ms", "invalid_value"),
+            ({**CARTESIA, "context_id": "b", "transcript": "Hi <|im_start|> there.", "continue": False}, "transcript",
+             None),
+            ("{not json", None, "invalid_json"),
+            ("[1, 2]", None, "invalid_message"),
+        ]
+        for msg, param, code in cases:
+            got = ask(msg)
+            assert got["type"] == "error" and got["param"] == param, (msg if isinstance(msg, str) else
+                                                                      str(msg)[:200], got)
+            if code is not None:
+                assert got["code"] == code, got
+            assert "\n" not in got["error"] and len(got["error"]) < 400, got
+        ws.send(b"\x00binary")
+        assert recv(ws)["code"] == "invalid_frame"
+        # a context's settings are fixed; a finished context's id is not reused; the socket still speaks
+        ws.send(json.dumps({**CARTESIA, "context_id": "ok", "transcript": "Hi there", "continue": True}))
+        got = ask({**CARTESIA, "context_id": "ok", "transcript": " you.", "language": "de"})
+        assert got["param"] == "language" and got["code"] == "context_settings_changed", got
+        ws.send(json.dumps({**CARTESIA, "context_id": "ok", "transcript": "", "continue": False}))
+        until(ws, lambda m: m["type"] == "done" and m["context_id"] == "ok")
+        got = ask({**CARTESIA, "context_id": "ok", "transcript": "Again."})
+        assert got["code"] == "context_closed" and "new context_id" in got["error"], got
+        assert ask({"context_id": "ok", "cancel": True}) is not None  # an ended context: nothing to stop, no error
+    assert server.settle()["kept"] == 0
+
+
+def test_a_thousand_contexts_on_one_socket_keep_no_slot(server):
+    """Only MAX_CONTEXTS are open at once; every other is refused by name; cancelling the open ones frees all."""
+    with cartesia(server) as ws:
+        for i in range(1000):
+            ws.send(json.dumps({**CARTESIA, "context_id": f"c{i}", "transcript": "Hello there", "continue": True,
+                                "max_buffer_delay_ms": 5000}))
+        errors = [recv(ws) for _ in range(1000 - MAX_CONTEXTS)]
+        assert all(e["type"] == "error" and e["code"] == "too_many_contexts" and e["param"] == "context_id"
+                   for e in errors), errors[:2]
+        assert {e["context_id"] for e in errors} == {f"c{i}" for i in range(MAX_CONTEXTS, 1000)}
+        for i in range(MAX_CONTEXTS):
+            ws.send(json.dumps({"context_id": f"c{i}", "cancel": True}))
+        ws.send(json.dumps({"context_id": "probe", "cancel": True}))
+        assert recv(ws)["context_id"] == "probe"
+    stats = server.settle()
+    assert stats["kept"] == 0 and stats["slots_in_use"] == 0, stats
+
+
+def test_every_elevenlabs_message_and_query_is_checked_by_name(server):
+    for query, param in (("?output_format=mp3_44100_128", "output_format"), ("?output_format=ulaw_8000",
+                                                                             "output_format"),
+                         ("?output_format=pcm_11025", "output_format"), ("?model_id=gpt-9", "model_id"),
+                         ("?enable_ssml_parsing=true", "enable_ssml_parsing"), ("?bogus=1", "bogus"),
+                         ("?inactivity_timeout=999", "inactivity_timeout"),
+                         ("?apply_text_normalization=maybe", "apply_text_normalization")):
+        with eleven(server, query) as ws:
+            got = recv(ws)
+            assert got["param"] == param and "\n" not in got["message"], (query, got)
+            with pytest.raises(websockets.exceptions.ConnectionClosed) as e:
+                ws.recv(timeout=10)
+            assert e.value.rcvd.code == 1008
+    with eleven(server, voice="nobody") as ws:
+        assert recv(ws)["error"] == "voice_not_found"
+    with eleven(server, "?output_format=pcm_16000&auto_mode=true") as ws:
+        def ask(msg) -> dict:
+            ws.send(json.dumps(msg))
+            return recv(ws)
+
+        for msg, param, code in (
+                ({"text": "Hi.", "context_id": "a", "speed": 2}, "speed", "unknown_parameter"),
+                ({"text": "Hi."}, "context_id", "missing_parameter"),
+                ({"context_id": "new", "flush": True}, "flush", "empty_context"),
+                ({"context_id": "nobody", "close_context": True}, "context_id", "unknown_context"),
+                ({"text": "Hi.", "context_id": "a", "voice_settings": {"stability": 0.5}},
+                 "voice_settings.stability", "unsupported_parameter"),
+                ({"text": "Hi.", "context_id": "a", "voice_settings": {"speed": 0}}, "voice_settings.speed",
+                 "invalid_value"),
+                ({"text": 5, "context_id": "a"}, "text", "invalid_value"),
+                ({"text": "Hi.", "context_id": "y" * 10_000}, "context_id", "string_above_max_length")):
+            got = ask(msg)
+            assert got["param"] == param and got["error"] == code, (msg, got)
+        ws.send(json.dumps({"text": ""}))  # a keep-alive: no answer
+        ws.send(json.dumps({"text": " ", "context_id": "t"}))
+        ws.send(json.dumps({"text": "Short words. ", "context_id": "t", "flush": True}))
+        ws.send(json.dumps({"context_id": "t", "close_context": True}))  # after a flush: the turn's end
+        got = until(ws, lambda m: m.get("isFinal") is True)
+        audio = b"".join(base64.b64decode(m["audio"]) for m in got if m.get("audio"))
+        assert len(audio) > 3200 and all(m["contextId"] == "t" for m in got)  # 16 kHz, 16-bit
+        aligned = [m for m in got if m.get("alignment") is not None]
+        assert aligned and "wordsReason" in aligned[0]  # the tiny model: no words, and why
+        # the closing space runs to the segment's end: the client's clock stays on the audio's
+        span = sum(m["alignment"]["charStartTimesMs"][-1] + m["alignment"]["charDurationsMs"][-1] for m in aligned)
+        assert abs(span - len(audio) / 2 / 16) < 2 * len(aligned), (span, len(audio))
+        ws.send(json.dumps({"close_socket": True}))
+        with pytest.raises(websockets.exceptions.ConnectionClosed) as e:
+            ws.recv(timeout=10)
+        assert e.value.rcvd.code == 1000
+    assert server.settle()["kept"] == 0
+
+
+def test_stream_input_speaks_one_context_and_closes(server):
+    with eleven(server, single=True) as ws:
+        ws.send(json.dumps({"text": " "}))
+        ws.send(json.dumps({"text": "One context only. "}))
+        ws.send(json.dumps({"text": ""}))  # the end of the input
+        got = until(ws, lambda m: m.get("isFinal") is True)
+        assert any(m.get("audio") for m in got) and all("contextId" not in m for m in got)
+        with pytest.raises(websockets.exceptions.ConnectionClosed) as e:
+            ws.recv(timeout=10)
+        assert e.value.rcvd.code == 1000
+
+
+def raw_handshake(port: int, path: str, header: str) -> socket.socket:
+    """A raw WebSocket client with a tiny receive buffer, that will never read."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", port))
+    key = base64.b64encode(b"0123456789abcdef").decode()
+    s.sendall((f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\n{header}\r\n"
+               f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n").encode())
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += s.recv(1)
+    assert b" 101 " in head.split(b"\r\n")[0], head
+    return s
+
+
+def frame(obj: dict) -> bytes:
+    data = json.dumps(obj).encode()
+    mask = b"\x01\x02\x03\x04"
+    n = len(data)
+    size = bytes([0x80 | n]) if n < 126 else bytes([0x80 | 126]) + n.to_bytes(2, "big")
+    return b"\x81" + size + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(data))
+
+
+def test_a_client_that_stops_reading_frees_its_contexts(server):
+    """Both protocols: a client that sends text and never reads keeps nothing past the send timeout (2 s)."""
+    port = int(server.url.rsplit(":", 1)[1])
+    sentences = " ".join(["Word " + "word " * 40 + "word."] * 6)
+    cart = raw_handshake(port, "/tts/websocket", f"X-API-Key: {KEY}")
+    cart.sendall(frame({**CARTESIA, "context_id": "a", "transcript": sentences, "continue": False}))
+    el = raw_handshake(port, "/v1/text-to-speech/default/multi-stream-input", f"xi-api-key: {KEY}")
+    el.sendall(frame({"text": sentences, "context_id": "a", "flush": True}))
+    try:
+        for _ in range(600):
+            log = server.log.read_text()
+            if log.count("read nothing for 2 s") >= 2:
+                break
+            time.sleep(0.05)
+        assert log.count("read nothing for 2 s") >= 2, log[-2000:]
+        server.wait(lambda s: s["in_flight"] == 0 and s["kept"] == 0 and s["slots_in_use"] == 0,
+                    "the stalled clients' contexts freed")
+    finally:
+        cart.close()
+        el.close()
+
+
+def test_fifty_cancelled_turns_leave_no_slot(server):
+    with cartesia(server) as ws:
+        for i in range(50):
+            ws.send(json.dumps({**CARTESIA, "context_id": f"t{i}", "transcript": FIRST + ".", "continue": False}))
+            until(ws, lambda m, i=i: m["type"] == "chunk" and m["context_id"] == f"t{i}")
+            ws.send(json.dumps({"context_id": f"t{i}", "cancel": True}))
+    stats = server.settle()
+    assert stats["slots_in_use"] == 0 and stats["kept"] == 0 and stats["active"] == 0, stats
+
+
+# -- word times on real speech, over every socket -----------------------------------------------------------------
+def recording() -> tuple[np.ndarray, list[tuple[str, np.ndarray]]]:
+    """The real recording and its two sentences, each with its own samples (cut where the aligner ends the first
+    sentence's last word: pocketsphinx finds no path through the second from a cut later in the pause)."""
+    wav, sr = sf.read(DATA / "ref_en_24k.wav", dtype="float32")
+    assert sr == RATE
+    text = (DATA / "ref_en_24k.txt").read_text().strip()
+    one, two = text.split(". ", 1)
+    one += "."
+    words = timed(Cue(0, wav.size, text), wav, RATE).words
+    n = len(one.split())
+    cut = words[n - 1].end
+    return wav, [(one, wav[:cut]), (two, wav[cut:])]
+
+
+class Recorded:
+    """A session that speaks the real recording's sentences (in 0.2 s chunks) for their text: the model's stand-in,
+    everything else real."""
+
+    parts: dict[str, np.ndarray] = {}
+
+    def __init__(self, *args, **kwargs):
+        self.index, self.last_continued, self.read_text = 0, False, None
+
+    async def speak(self, text: str):
+        samples = self.parts[text.strip()]
+        self.read_text = text
+        step = RATE // 5
+        for i in range(0, samples.size, step):
+            yield AudioChunk(samples[i:i + step], RATE, i // step, i + step >= samples.size, i / RATE, 0.0, 0)
+            await asyncio.sleep(0)
+        self.index += 1
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def recorded(tts, tmp_path_factory):
+    """An in-process server (the real app, uvicorn and aligner) whose sessions speak the recording."""
+    import uvicorn
+
+    from higgs_onnx.serve.app import create_app
+    from higgs_onnx.serve.scheduler import JobScheduler
+    from higgs_onnx.serve.service import SpeechService
+
+    _, parts = recording()
+    Recorded.parts = {t: s for t, s in parts}
+    mp = pytest.MonkeyPatch()
+    mp.setattr(SpeechService, "speech_session", lambda self, *a, **k: Recorded())
+    app = create_app(tts, JobScheduler(tts, max_batch=1), tmp_path_factory.mktemp("voices"))
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
+    thread.start()
+    for _ in range(400):
+        if server.started:
+            break
+        time.sleep(0.05)
+    yield f"ws://127.0.0.1:{listener.getsockname()[1]}", parts
+    server.should_exit = True
+    thread.join(10)
+    mp.undo()
+
+
+def expected(parts) -> list[tuple[str, float, float]]:
+    """The aligner's words on each sentence's own samples, on the stream's clock (seconds)."""
+    out, offset = [], 0
+    for text, samples in parts:
+        cue = timed(Cue(offset, offset + samples.size, text), samples, RATE)
+        assert len(cue.words) == len(text.split()), cue.words_reason
+        out += [(w.text, w.start / RATE, w.end / RATE) for w in cue.words]
+        offset += samples.size
+    return out
+
+
+def test_word_times_over_every_socket_equal_the_aligners(recorded):
+    url, parts = recorded
+    want = expected(parts)
+    text = " ".join(t for t, _ in parts)
+    # Cartesia: seconds from the context's first sample
+    with connect(url + "/tts/websocket") as ws:
+        ws.send(json.dumps({**CARTESIA, "context_id": "r", "transcript": text, "continue": False}))
+        got = until(ws, lambda m: m["type"] == "done")
+    stamps = [m["word_timestamps"] for m in got if m["type"] == "timestamps"]
+    cart = [(w, s, e) for t in stamps for w, s, e in zip(t["words"], t["start"], t["end"], strict=True)]
+    assert cart == want
+    # ElevenLabs: characters in ms from each segment's start; a word starts at its first letter
+    with connect(url + "/v1/text-to-speech/default/multi-stream-input") as ws:
+        ws.send(json.dumps({"text": text, "context_id": "r", "flush": True}))
+        ws.send(json.dumps({"context_id": "r", "close_context": True}))
+        got = until(ws, lambda m: m.get("isFinal") is True)
+    el, clock = [], 0.0
+    for m in (m for m in got if m.get("alignment")):
+        a = m["alignment"]
+        word, start = "", None
+        for c, t in zip(a["chars"], a["charStartTimesMs"], strict=True):
+            if c.isalnum() or c == "'":
+                word, start = word + c, start if start is not None else t
+            elif word:
+                el.append((word, clock + start / 1000))
+                word, start = "", None
+        clock += (a["charStartTimesMs"][-1] + a["charDurationsMs"][-1]) / 1000
+    assert [w for w, _ in el] == [w for w, _, _ in want]
+    assert max(abs(s - w[1]) for (_, s), w in zip(el, want, strict=True)) <= 0.0015 * len(parts)
+    # our text-in WebSocket, caption_level word: the session's clock
+    with connect(url + "/v1/audio/speech/stream") as ws:
+        ws.send(json.dumps({"type": "session.config", "response_format": "pcm", "caption_level": "word"}))
+        recv(ws)
+        ws.send(json.dumps({"type": "input.text", "text": text}))
+        ws.send(json.dumps({"type": "input.done"}))
+        got = []
+        while True:
+            m = ws.recv(timeout=60)
+            if isinstance(m, bytes):
+                continue
+            got.append(json.loads(m))
+            if got[-1]["type"] == "session.done":
+                break
+    ours = [(w["text"], w["start_s"], w["end_s"]) for m in got if m["type"] == "audio.words" for w in m["words"]]
+    assert ours == [(w, round(s, 6), round(e, 6)) for w, s, e in want]
+
+
+@pytest.mark.parametrize("service", ["cartesia", "elevenlabs"])
+def test_pipecat_gets_the_recordings_words_as_timestamp_frames(recorded, service):
+    url, parts = recorded
+    want = expected(parts)
+    text = " ".join(t for t, _ in parts)
+    out = pipecat(service, url + ("/tts/websocket" if service == "cartesia" else ""), text)
+    assert out["errors"] == [], out
+    (turn,) = out["turns"]
+    assert turn["bytes"] == sum(s.size for _, s in parts) * 2 and turn["stopped"]
+    words = [w["text"].strip(".,") for w in turn["words"]]
+    assert words == [w for w, _, _ in want], turn["words"]
+    pts = [w["pts"] for w in turn["words"]]
+    assert pts == sorted(pts) and pts[-1] - pts[0] > 0.8 * (want[-1][1] - want[0][1]) * 1e9, pts
+
+
+def test_char_times_run_to_the_segments_end():
+    cue = Cue(100, 100 + 24000, "Hi, you.", words=(Cue(100 + 2400, 100 + 4800, "Hi"),
+                                                   Cue(100 + 7200, 100 + 12000, "you")))
+    a = char_times("Hi, you.", cue, RATE)
+    assert a["chars"] == [*"Hi, you.", " "]
+    assert a["charStartTimesMs"][0] == 100 and a["charStartTimesMs"][4] == 300  # H at 0.1 s, y at 0.3 s
+    assert a["charStartTimesMs"][-1] + a["charDurationsMs"][-1] == 1000  # the closing space ends with the audio
+    none = char_times("Hi.", Cue(0, 4800, "Hi.", words=()), RATE)
+    assert none == {"chars": [" "], "charStartTimesMs": [0], "charDurationsMs": [200]}
