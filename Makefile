@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 export CI := 1
 # Olive reads CI to switch its telemetry off before it starts (it hangs ~10 s at exit otherwise).
 
-.PHONY: demo openvino-demo test test-fast coverage venv lint clean
+.PHONY: demo openvino-demo test test-fast coverage venv agents-venv lint clean
 
 venv: $(STAMP)
 
@@ -28,6 +28,23 @@ else
 	    $(foreach d,$(FIND_LINKS),--find-links $(d)) -r requirements.txt
 endif
 	touch $(STAMP)
+
+# Pipecat (the voice-agent framework tests/test_agents.py drives the agent doors with) in a venv of its own: it pins
+# protobuf<7, soundfile 0.13 and soxr 1.0, which requirements.txt's toolchain does not take (requirements-agents.txt).
+AGENTS := .venv-agents
+AGENTS_STAMP := $(AGENTS)/.installed
+
+agents-venv: $(AGENTS_STAMP)
+
+$(AGENTS_STAMP): requirements-agents.txt $(STAMP)
+	$(PY) -m venv $(AGENTS)
+ifeq ($(USE_PIP),1)
+	$(AGENTS)/bin/pip install -q --disable-pip-version-check -r requirements-agents.txt
+else
+	$(BIN)/uv pip install -q --python $(AGENTS)/bin/python $(foreach d,$(FIND_LINKS),--find-links $(d)) \
+	    -r requirements-agents.txt
+endif
+	touch $@
 
 # Where the demos write: exports and reports under $(OUT), wavs in $(WAVS) (tests/test_make_targets.py runs the
 # targets themselves into a temporary folder).
@@ -60,7 +77,7 @@ openvino-demo: $(STAMP)  # the tiny model through the OpenVINO runtime: build ->
 PYTEST_WORKERS ?= 2
 PYTEST_ARGS ?= -n $(PYTEST_WORKERS) --dist loadfile
 
-test: $(STAMP)
+test: $(STAMP) $(AGENTS_STAMP)
 	$(BIN)/python -m ruff check .
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
@@ -72,7 +89,7 @@ test-fast: $(STAMP)  # no ONNX exports: unit tests only (under a minute)
 # too: pyproject.toml [tool.coverage]); the package's and the top-level scripts' figures (docs/testing.md).
 COVERAGE_DATA := $(CURDIR)/.coverage-data
 COVERAGE = COVERAGE_FILE=$(COVERAGE_DATA)/cov $(BIN)/python -m coverage
-coverage: $(STAMP)
+coverage: $(STAMP) $(AGENTS_STAMP)
 	rm -rf $(COVERAGE_DATA) && mkdir -p $(COVERAGE_DATA)
 	HIGGS_COVERAGE_ROOT=$(CURDIR) COVERAGE_FILE=$(COVERAGE_DATA)/cov COVERAGE_RCFILE=$(CURDIR)/pyproject.toml \
 	    $(BIN)/python -m coverage run -m pytest -q $(PYTEST_ARGS)

@@ -140,7 +140,30 @@ def at_python(tts, name, value):
     return None
 
 
+# the agent doors' fields that carry our value as it is (a JSON number, a query number); the others are mapped from
+# the protocol's own values (add_timestamps, apply_text_normalization) and tested in test_agents.py
+AGENT_ASKS = {("cartesia", "speed"), ("elevenlabs", "speed"), ("elevenlabs", "seed")}
+
+
+def at_agent(server, door, name, value):
+    from websockets.sync.client import connect
+
+    base = server.url.replace("http://", "ws://")
+    if door == "cartesia":
+        with connect(base + "/tts/websocket") as ws:
+            ws.send(json.dumps({"context_id": "a", "transcript": "Hi.", "generation_config": {name: value}}))
+            got = json.loads(ws.recv(timeout=60))
+            return None if got["type"] != "error" else (got["error"], got["code"])
+    query, settings = (f"?{name}={value}", None) if name == "seed" else ("", {name: value})
+    with connect(base + f"/v1/text-to-speech/default/multi-stream-input{query}") as ws:
+        ws.send(json.dumps({"text": "Hi. ", "context_id": "a", "voice_settings": settings, "flush": True}))
+        got = json.loads(ws.recv(timeout=60))
+        return None if "error" not in got else (got["message"], got["error"])
+
+
 def ask(door, name, value, server, builds, tts, tmp, capsys):
+    if door in ("cartesia", "elevenlabs"):
+        return at_agent(server, door, name, value)
     if door == "http":
         return at_http(server, name, value)
     if door == "websocket":
@@ -161,6 +184,8 @@ def cases(kind: str) -> list:
     for name, opt in OPTIONS.items():
         for door in DOORS:
             state = opt.at(door)
+            if door in ("cartesia", "elevenlabs") and (door, name) not in AGENT_ASKS:
+                continue
             if kind == "bound" and state == "honoured" and name in BAD and door != "wyoming":
                 if not (door == "python" and name == "blend_mode"):  # a Blend's mode: test_blend_modes_refused
                     out.append(pytest.param(door, name, id=f"{name}@{door}"))
@@ -172,13 +197,13 @@ def cases(kind: str) -> list:
 def test_the_table_covers_every_field_and_door():
     """Every field has a state at every door; Wyoming carries text and a voice name only; the docs hold the
     table as the code makes it."""
-    assert set(DOORS) == {"cli", "http", "websocket", "wyoming", "corpus", "python"}
+    assert set(DOORS) == {"cli", "http", "websocket", "wyoming", "corpus", "python", "cartesia", "elevenlabs"}
     for name, opt in OPTIONS.items():
         assert {opt.at(d) for d in DOORS} <= {"honoured", "always", "refused", "absent"}
         assert (opt.at("wyoming") == "honoured") == (name == "voice"), name
     for page in ("server.md", "integrations.md"):
         assert door_table() in (ROOT / "docs" / page).read_text(), f"docs/{page}: the fields x doors table is stale"
-    assert len(cases("bound")) == 52 and len(cases("refused")) == 26
+    assert len(cases("bound")) == 56 and len(cases("refused")) == 25
 
 
 @pytest.mark.parametrize("door, name", cases("bound"))
@@ -215,6 +240,7 @@ def kind_cases() -> list:
 
     return [pytest.param(door, name, id=f"{name}@{door}") for name, kind in KINDS.items() for door in DOORS
             if OPTIONS[name].at(door) == "honoured" and door not in ("cli", "wyoming")
+            and (door not in ("cartesia", "elevenlabs") or (door, name) == (door, "speed"))
             and (door, name) != ("python", "blend_mode")]  # a Blend's mode: test_blend_modes_refused
 
 
@@ -228,7 +254,8 @@ def test_a_wrong_type_gets_the_same_sentence_at_every_door(door, name, server, b
     value = WRONG[KINDS[name]]
     with pytest.raises(OptionError) as e:
         SpeechOptions.build({name: value}, door)
-    assert e.value.message == f"{name} must be {KINDS[name]}, got {value!r}" and e.value.param == name
+    label = OPTIONS[name].label(door)  # the agent doors name their protocol's field (generation_config.speed)
+    assert e.value.message == f"{label} must be {KINDS[name]}, got {value!r}" and e.value.param == name
     got = ask(door, name, value, server, builds, tts, tmp_path, capsys)
     assert got is not None and got[0] == e.value.message, (door, got)
 

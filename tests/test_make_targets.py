@@ -109,14 +109,15 @@ def test_make_lint_and_clean(tmp_path):
 
 def test_the_readme_names_only_targets_that_exist():
     """Every `make X` the README and docs/ name is a target of the Makefile, and each of those runs in the suite:
-    demo, openvino-demo, lint, clean here, test and test-fast are what the suite is, venv is their prerequisite,
-    coverage runs the suite under coverage."""
+    demo, openvino-demo, lint, clean here, test and test-fast are what the suite is, venv and agents-venv (Pipecat's,
+    for tests/test_agents.py) are their prerequisites, coverage runs the suite under coverage."""
     targets = set(re.findall(r"^([a-z][a-z-]*):", (ROOT / "Makefile").read_text(), re.M))
     named = set()
     for doc in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
         named |= set(re.findall(r"`make ([a-z][a-z-]*)", doc.read_text()))
     assert named and named <= targets, named - targets
-    assert named <= {"demo", "openvino-demo", "lint", "clean", "test", "test-fast", "venv", "coverage"}, named
+    assert named <= {"demo", "openvino-demo", "lint", "clean", "test", "test-fast", "venv", "agents-venv",
+                     "coverage"}, named
 
 
 # (export, eval.py flags, the decoder part it runs, where its KV cache lives)

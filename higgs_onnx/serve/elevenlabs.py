@@ -79,10 +79,11 @@ class ElevenLabsSocket(AgentSocket):
                 raise AgentError(f"apply_text_normalization must be auto, on or off, got "
                                  f"{q['apply_text_normalization']!r:.40}", "apply_text_normalization")
             self.values["normalize"] = NORMALIZE[q["apply_text_normalization"]]
-        if "seed" in q:
-            if not q["seed"].isdigit():
-                raise AgentError(f"seed must be a whole number, got {q['seed']!r:.40}", "seed")
-            self.values["seed"] = int(q["seed"])
+        if "seed" in q:  # a number of the query: its bound is the table's (job.options)
+            try:
+                self.values["seed"] = int(q["seed"])
+            except ValueError:
+                raise AgentError(f"seed must be a whole number, got {q['seed']!r:.40}", "seed") from None
         idle = svc.ws_idle_s
         if "inactivity_timeout" in q:
             t = q["inactivity_timeout"]
