@@ -74,6 +74,14 @@ def words_of(text: str) -> list[str]:
     return _WORD.findall(CONTROL_TAG.sub(" ", text)) if isinstance(text, str) else []
 
 
+def word_spans(text: str) -> list[tuple[int, int]]:
+    """Where each of `words_of(text)` is in `text`: (start, end) character offsets."""
+    from .tags import CONTROL_TAG
+
+    plain = CONTROL_TAG.sub(lambda m: " " * len(m.group()), text)
+    return [m.span() for m in _WORD.finditer(plain)]
+
+
 @functools.cache
 def _lexicon() -> dict[str, str]:
     """pocketsphinx's packaged dictionary: word -> phones (its first pronunciation)."""

@@ -297,37 +297,16 @@ def test_stream_input_speaks_one_context_and_closes(server):
         assert e.value.rcvd.code == 1000
 
 
-def raw_handshake(port: int, path: str, header: str) -> socket.socket:
-    """A raw WebSocket client with a tiny receive buffer, that will never read."""
-    s = socket.socket()
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    s.connect(("127.0.0.1", port))
-    key = base64.b64encode(b"0123456789abcdef").decode()
-    s.sendall((f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\n{header}\r\n"
-               f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n").encode())
-    head = b""
-    while b"\r\n\r\n" not in head:
-        head += s.recv(1)
-    assert b" 101 " in head.split(b"\r\n")[0], head
-    return s
-
-
-def frame(obj: dict) -> bytes:
-    data = json.dumps(obj).encode()
-    mask = b"\x01\x02\x03\x04"
-    n = len(data)
-    size = bytes([0x80 | n]) if n < 126 else bytes([0x80 | 126]) + n.to_bytes(2, "big")
-    return b"\x81" + size + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(data))
-
-
 def test_a_client_that_stops_reading_frees_its_contexts(server):
     """Both protocols: a client that sends text and never reads keeps nothing past the send timeout (2 s)."""
     port = int(server.url.rsplit(":", 1)[1])
     sentences = " ".join(["Word " + "word " * 40 + "word."] * 6)
-    cart = raw_handshake(port, "/tts/websocket", f"X-API-Key: {KEY}")
-    cart.sendall(frame({**CARTESIA, "context_id": "a", "transcript": sentences, "continue": False}))
-    el = raw_handshake(port, "/v1/text-to-speech/default/multi-stream-input", f"xi-api-key: {KEY}")
-    el.sendall(frame({"text": sentences, "context_id": "a", "flush": True}))
+    from test_doors import ws_frame, ws_handshake
+
+    cart = ws_handshake(port, "/tts/websocket", f"X-API-Key: {KEY}")
+    cart.sendall(ws_frame({**CARTESIA, "context_id": "a", "transcript": sentences, "continue": False}))
+    el = ws_handshake(port, "/v1/text-to-speech/default/multi-stream-input", f"xi-api-key: {KEY}")
+    el.sendall(ws_frame({"text": sentences, "context_id": "a", "flush": True}))
     try:
         for _ in range(600):
             log = server.log.read_text()
@@ -340,6 +319,24 @@ def test_a_client_that_stops_reading_frees_its_contexts(server):
     finally:
         cart.close()
         el.close()
+
+
+def test_contexts_waiting_for_text_hold_no_slot(server):
+    """MAX_CONTEXTS contexts each speak a sentence and then wait for more (`continue: true`): none keeps its KV
+    context while it waits, so a plain request still gets a slot at once."""
+    before = server.settle()["finished"]
+    with cartesia(server) as ws:
+        for i in range(MAX_CONTEXTS):
+            ws.send(json.dumps({**CARTESIA, "context_id": f"w{i}", "transcript": "One sentence. More", "continue": True,
+                                "max_buffer_delay_ms": 5000, "add_timestamps": False}))
+        stats = server.wait(lambda s: s["finished"] >= before + MAX_CONTEXTS and s["in_flight"] == 0,
+                            "the first sentences spoken")
+        assert stats["kept"] == 0 and stats["slots_in_use"] == 0, stats
+        r = server.http.post("/v1/audio/speech", json={"model": "higgs-tts-3", "input": "Hi.", "max_rows": 40,
+                                                       "response_format": "pcm"},
+                             headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+        assert r.status_code == 200 and r.content
+    assert server.settle()["kept"] == 0
 
 
 def test_fifty_cancelled_turns_leave_no_slot(server):

@@ -494,13 +494,14 @@ def test_empty_references_and_overflowing_blend_weights_are_refused(server, buil
     assert "add up past the largest number" in got, got
 
 
-def ws_handshake(port: int) -> socket.socket:
-    """A raw WebSocket client with a tiny receive buffer, that will never read."""
+def ws_handshake(port: int, path: str = "/v1/audio/speech/stream", header: str = "") -> socket.socket:
+    """A raw WebSocket client with a tiny receive buffer, that will never read (`header`: one more header line)."""
     s = socket.socket()
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     s.connect(("127.0.0.1", port))
     key = base64.b64encode(b"0123456789abcdef").decode()
-    s.sendall((f"GET /v1/audio/speech/stream HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\n"
+    extra = f"{header}\r\n" if header else ""
+    s.sendall((f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\n{extra}"
                f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n").encode())
     head = b""
     while b"\r\n\r\n" not in head:

@@ -12,6 +12,8 @@ A protocol (`cartesia.py`, `elevenlabs.py`) reads its messages and words its ans
   for the socket's output, `Output`). When a segment's audio is whole its words are timed in the aligner pool
   (`job.run.aligned`, one niced thread for the whole server) and sent when timed: never before the next segment's
   audio, which goes on meanwhile. The context's end (`done` / `isFinal`) waits for its last words.
+- A context keeps its segment's KV context for the next segment only when that one is already queued: one waiting
+  for more text holds no batch slot (the next segment then starts afresh from the voice).
 - A cancel marks the context cancelled (nothing more is sent for it), cancels its speaker task, which cancels the
   segment's job (its slot leaves the batch at the next decoder step) and gives back the kept KV context.
 - A client that stops reading (a send waits the server's --send-timeout) or leaves ends the socket: every context is
@@ -406,8 +408,15 @@ class AgentSocket:
         ctx.session.close()
         self.end(ctx, how)
 
+    def lost(self, e: BaseException) -> None:
+        """The socket cannot go on (the client left or stalled, the server is stopping): its loop ends on `e`."""
+        if not self.fatal.done():
+            self.fatal.set_exception(e)
+
     async def speak(self, ctx: Context) -> None:
         """The context's segments in order, then its end; an error ends the context (the message names it)."""
+        from fastapi import WebSocketDisconnect
+
         try:
             while (item := await ctx.queue.next()) is not None:
                 if isinstance(item, Flush):
@@ -425,9 +434,8 @@ class AgentSocket:
         except AgentError as e:
             await self.send(self.error_message(e), ctx)
             how = "ended on an error"
-        except (Stalled, ConnectionError, ShuttingDown) as e:
-            if not self.fatal.done():
-                self.fatal.set_exception(e)
+        except (Stalled, ConnectionError, ShuttingDown, WebSocketDisconnect) as e:
+            self.lost(e)
             how = "ended with the socket"
         except Exception as e:  # noqa: BLE001 - a failure of the server's own: logged, the context ends
             log.error("%s context %s failed", self.name, ctx.id, exc_info=e)
@@ -471,12 +479,16 @@ class AgentSocket:
                              code or {"busy": "rate_limit_exceeded", "server": "server_error"}.get(kind,
                                                                                                 "invalid_value"),
                              ctx.id) from None
+        if ctx.queue.empty():  # nothing to continue it yet: its KV context must not hold a batch slot while the
+            ctx.session.release()  # agent waits (8 idle contexts would starve the server); the next starts afresh
         if ctx.words is not None:
             cue = Cue(start, ctx.offset, read, index=ctx.session.index - 1)
             ctx.words_tail = asyncio.create_task(self.time_words(ctx, cue, joined(held), ctx.words_tail))
 
     async def time_words(self, ctx: Context, cue: Cue, samples: np.ndarray, before: asyncio.Task | None) -> None:
         """Send `cue`'s words once timed (after the segment before's)."""
+        from fastapi import WebSocketDisconnect
+
         if before is not None:
             await before
         try:
@@ -485,7 +497,10 @@ class AgentSocket:
             log.error("%s context %s: word timing failed", self.name, ctx.id, exc_info=e)
             cue = Cue(cue.start, cue.end, cue.text, index=cue.index, words=(),
                       words_reason=f"word timing failed ({type(e).__name__})")
-        await self.send(self.words_message(ctx, cue), ctx)
+        try:
+            await self.send(self.words_message(ctx, cue), ctx)
+        except (Stalled, ConnectionError, WebSocketDisconnect) as e:  # the socket's loop ends on it; nothing raised
+            self.lost(e)  # here, where nobody may wait for this task any more
 
 
 def char_times(text: str, cue: Cue, sample_rate: int) -> dict:
@@ -494,14 +509,12 @@ def char_times(text: str, cue: Cue, sample_rate: int) -> dict:
     characters between two words share the gap; the closing space runs to the segment's end, so a client that
     advances its clock by each alignment's last character stays on the audio's clock. No words (the aligner could
     not time them): one space over the whole segment."""
-    from ..align import _WORD
-    from ..tags import CONTROL_TAG
+    from ..align import word_spans
 
     ms = 1000.0 / sample_rate
     end = (cue.end - cue.start) * ms
     words = list(cue.words or ())
-    plain = CONTROL_TAG.sub(lambda m: " " * len(m.group()), text)
-    spans = [m.span() for m in _WORD.finditer(plain)]
+    spans = word_spans(text)
     if not words or len(spans) != len(words):
         return {"chars": [" "], "charStartTimesMs": [0], "charDurationsMs": [max(1, round(end))]}
     times = [0.0] * len(text)

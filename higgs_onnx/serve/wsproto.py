@@ -134,7 +134,7 @@ class WsSession:
             log.info("%s: the client left (%s)", self.id, type(e).__name__)
         finally:
             for task in (reader, speaker, self.words_task):
-                if task is not None and not task.done():
+                if task is not None:  # a finished one's failure is the session's end, told above: retrieved here
                     task.cancel()
                     await asyncio.gather(task, return_exceptions=True)
             if session is not None:
