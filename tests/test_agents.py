@@ -171,10 +171,17 @@ def test_every_cartesia_message_and_setting_is_checked_by_name(server):
             ({**CARTESIA, "context_id": "b", "transcript": "Hi.", "output_format": {"container": "mp3"}},
              "output_format.container", "unsupported_format"),
             ({**CARTESIA, "context_id": "b", "transcript": "Hi.", "output_format": {
-                "container": "raw", "encoding": "pcm_mulaw", "sample_rate": 8000}}, "output_format",
+                "container": "raw", "encoding": "pcm_mulaw", "sample_rate": 8000}}, "output_format.encoding",
              "unsupported_format"),
             ({**CARTESIA, "context_id": "b", "transcript": "Hi.", "output_format": {
-                "container": "raw", "encoding": "pcm_s16le", "sample_rate": 11025}}, "output_format",
+                "container": "raw", "encoding": ["x"], "sample_rate": 8000}}, "output_format.encoding",
+             "unsupported_format"),
+            ({**CARTESIA, "context_id": "b", "transcript": "Hi.", "output_format": {
+                "container": "raw", "encoding": "pcm_s16le", "sample_rate": 8000, "bit_rate": 1}},
+             "output_format.bit_rate", "unsupported_parameter"),
+            ({"context_id": "b", "cancel": True, "bogus": 1}, "bogus", "unknown_parameter"),
+            ({**CARTESIA, "context_id": "b", "transcript": "Hi.", "output_format": {
+                "container": "raw", "encoding": "pcm_s16le", "sample_rate": 11025}}, "output_format.sample_rate",
              "unsupported_format"),
             ({**CARTESIA, "context_id": "b", "transcript": "Hi.", "voice": {"mode": "embedding", "embedding": [0]}},
              "voice.embedding", "unsupported_parameter"),
@@ -215,6 +222,21 @@ def test_every_cartesia_message_and_setting_is_checked_by_name(server):
     assert server.settle()["kept"] == 0
 
 
+def test_text_past_the_bound_is_refused_and_nothing_of_it_spoken(server):
+    """One message of ~1 MB text: `text_too_long`, the context ended at once (no audio for it, no slot kept)."""
+    with cartesia(server) as ws:
+        ws.send(json.dumps({**CARTESIA, "context_id": "big", "transcript": "Word here. " * 90_000,
+                            "continue": False}))
+        got = recv(ws)
+        assert got["type"] == "error" and got["code"] == "text_too_long" and got["param"] == "transcript", got
+        ws.send(json.dumps({"context_id": "probe", "cancel": True}))
+        assert recv(ws)["context_id"] == "probe"  # nothing for "big" came before it
+        ws.send(json.dumps({**CARTESIA, "context_id": "big", "transcript": "More."}))
+        assert recv(ws)["code"] == "context_closed"
+    stats = server.settle()
+    assert stats["kept"] == 0 and stats["slots_in_use"] == 0, stats
+
+
 def test_a_thousand_contexts_on_one_socket_keep_no_slot(server):
     """Only MAX_CONTEXTS are open at once; every other is refused by name; cancelling the open ones frees all."""
     with cartesia(server) as ws:
@@ -239,7 +261,12 @@ def test_every_elevenlabs_message_and_query_is_checked_by_name(server):
                          ("?output_format=pcm_11025", "output_format"), ("?model_id=gpt-9", "model_id"),
                          ("?enable_ssml_parsing=true", "enable_ssml_parsing"), ("?bogus=1", "bogus"),
                          ("?inactivity_timeout=999", "inactivity_timeout"),
-                         ("?apply_text_normalization=maybe", "apply_text_normalization")):
+                         ("?apply_text_normalization=maybe", "apply_text_normalization"),
+                         ("?output_format=pcm_%C2%B2", "output_format"), ("?inactivity_timeout=%C2%B2",
+                                                                          "inactivity_timeout"),
+                         ("?seed=%D9%A3", "seed"), ("?language_code=" + "x" * 5000, "language_code"),
+                         ("?output_format=pcm_16000&output_format=pcm_24000", "output_format"),
+                         ("?authorization=x", "authorization")):
         with eleven(server, query) as ws:
             got = recv(ws)
             assert got["param"] == param and "\n" not in got["message"], (query, got)
@@ -263,7 +290,10 @@ def test_every_elevenlabs_message_and_query_is_checked_by_name(server):
                 ({"text": "Hi.", "context_id": "a", "voice_settings": {"speed": 0}}, "voice_settings.speed",
                  "invalid_value"),
                 ({"text": 5, "context_id": "a"}, "text", "invalid_value"),
-                ({"text": "Hi.", "context_id": "y" * 10_000}, "context_id", "string_above_max_length")):
+                ({"text": "Hi.", "context_id": "y" * 10_000}, "context_id", "string_above_max_length"),
+                ({"text": None, "context_id": "a"}, "text", "invalid_value"),
+                ({"close_socket": True, "context_id": 5}, "context_id", "unknown_parameter"),
+                ({"text": "Hi.", "context_id": "a", "xi_api_key": "wrong"}, "xi_api_key", "invalid_api_key")):
             got = ask(msg)
             assert got["param"] == param and got["error"] == code, (msg, got)
         ws.send(json.dumps({"text": ""}))  # a keep-alive: no answer
@@ -287,6 +317,8 @@ def test_every_elevenlabs_message_and_query_is_checked_by_name(server):
 
 def test_stream_input_speaks_one_context_and_closes(server):
     with eleven(server, single=True) as ws:
+        ws.send(json.dumps({"close_context": True}))
+        assert recv(ws)["param"] == "close_context"  # multi-stream-input's
         ws.send(json.dumps({"text": " "}))
         ws.send(json.dumps({"text": "One context only. "}))
         ws.send(json.dumps({"text": ""}))  # the end of the input

@@ -146,6 +146,7 @@ AGENT_ASKS = {("cartesia", "speed"), ("elevenlabs", "speed"), ("elevenlabs", "se
 
 
 def at_agent(server, door, name, value):
+    import websockets
     from websockets.sync.client import connect
 
     base = server.url.replace("http://", "ws://")
@@ -156,7 +157,10 @@ def at_agent(server, door, name, value):
             return None if got["type"] != "error" else (got["error"], got["code"])
     query, settings = (f"?{name}={value}", None) if name == "seed" else ("", {name: value})
     with connect(base + f"/v1/text-to-speech/default/multi-stream-input{query}") as ws:
-        ws.send(json.dumps({"text": "Hi. ", "context_id": "a", "voice_settings": settings, "flush": True}))
+        try:  # a bad query is answered, and the socket closed, before any message
+            ws.send(json.dumps({"text": "Hi. ", "context_id": "a", "voice_settings": settings, "flush": True}))
+        except websockets.exceptions.ConnectionClosed:
+            pass
         got = json.loads(ws.recv(timeout=60))
         return None if "error" not in got else (got["message"], got["error"])
 

@@ -72,14 +72,16 @@ class Output:
     rate: int
 
     @staticmethod
-    def check(encoding, rate, native: int, param: str = "output_format") -> Output:
-        if encoding not in ENCODINGS:
-            raise AgentError(f"{param}: encoding {encoding!r:.40} is not served here; use one of "
-                             f"{', '.join(ENCODINGS)}", param, "unsupported_format")
+    def check(encoding, rate, native: int, params: tuple[str, str] = ("output_format", "output_format"),
+              context: str | None = None) -> Output:
+        """The output, or AgentError naming `params` (the encoding's field, the rate's)."""
+        if not isinstance(encoding, str) or encoding not in ENCODINGS:
+            raise AgentError(f"{params[0]}: encoding {encoding!r:.40} is not served here; use one of "
+                             f"{', '.join(ENCODINGS)}", params[0], "unsupported_format", context)
         if isinstance(rate, bool) or not isinstance(rate, int) or rate not in RATES:
-            raise AgentError(f"{param}: sample_rate {rate!r:.40} is not served here; use one of "
-                             f"{', '.join(map(str, RATES))} (the model speaks at {native})", param,
-                             "unsupported_format")
+            raise AgentError(f"{params[1]}: sample_rate {rate!r:.40} is not served here; use one of "
+                             f"{', '.join(map(str, RATES))} (the model speaks at {native})", params[1],
+                             "unsupported_format", context)
         return Output(encoding, rate)
 
     def stream(self, native: int) -> PcmStream:
@@ -196,10 +198,15 @@ class AgentSocket:
         send timeout."""
         if obj is None:
             return
+        from starlette.websockets import WebSocketDisconnect, WebSocketDisconnected
+
         async with self.send_lock:
             if ctx is not None and ctx.cancelled:
                 return
-            await send_within(self.ws.send_text(json.dumps(obj)), self.send_s)
+            try:
+                await send_within(self.ws.send_text(json.dumps(obj)), self.send_s)
+            except (WebSocketDisconnect, WebSocketDisconnected):  # the client left, or the socket closed
+                raise ConnectionError("the socket is closed") from None
 
     async def refuse(self, e: AgentError) -> None:
         await self.send(self.error_message(e))
@@ -348,8 +355,9 @@ class AgentSocket:
         while len(self.ended) > ENDED_KEPT:
             self.ended.popitem(last=False)
 
-    def feed(self, ctx: Context, text: str, param: str) -> None:
-        """Text for `ctx`: its complete segments are queued; the rest waits (for more, a flush, or `delay_s`)."""
+    async def feed(self, ctx: Context, text: str, param: str) -> None:
+        """Text for `ctx`: its complete segments are queued; the rest waits (for more, a flush, or `delay_s`). Past
+        the bound on text waiting to be spoken the context is cancelled (nothing of it queued) and refused."""
         if not isinstance(text, str):
             raise AgentError(f"{param} must be a string, got {type(text).__name__}", param, "invalid_value", ctx.id)
         if ctx.ending:
@@ -360,7 +368,8 @@ class AgentSocket:
         ctx.text_chars += len(text)
         try:
             ctx.queue.put(ctx.segmenter.feed(text), buffered(ctx.segmenter))
-        except ValueError as e:  # too much waiting to be spoken
+        except ValueError as e:  # too much waiting to be spoken: this context cannot go on as sent
+            await self.cancel(ctx, "was refused (text_too_long)")
             raise AgentError(str(e), param, "text_too_long", ctx.id) from None
         self._arm(ctx)
 
@@ -412,6 +421,7 @@ class AgentSocket:
         """The socket cannot go on (the client left or stalled, the server is stopping): its loop ends on `e`."""
         if not self.fatal.done():
             self.fatal.set_exception(e)
+            self.fatal.exception()  # read here: the loop may have ended already, and nobody else would
 
     async def speak(self, ctx: Context) -> None:
         """The context's segments in order, then its end; an error ends the context (the message names it)."""

@@ -72,7 +72,11 @@ class CartesiaSocket(AgentSocket):
     # -- messages ----------------------------------------------------------------------------------------
     async def handle(self, msg: dict) -> None:
         cid = self.check_id(msg.get("context_id"))
-        if msg.get("cancel") is not None:
+        if "cancel" in msg:
+            extra = sorted(set(msg) - {"context_id", "cancel"})
+            if extra:
+                raise AgentError(f"{extra[0]}: a cancel carries only context_id and cancel", extra[0],
+                                 "unknown_parameter", cid)
             return await self.on_cancel(cid, msg)
         unknown = sorted(set(msg) - FIELDS)
         if unknown:
@@ -91,13 +95,16 @@ class CartesiaSocket(AgentSocket):
                 raise AgentError(f"context {cid!r:.60} has no text yet: its first message needs a transcript",
                                  "transcript", "empty_context", cid)
             ctx = await self.open(cid, settings)
+        elif ctx.ending:
+            raise AgentError(f"context {cid!r:.60} has ended its input (continue: false); a new turn needs a new "
+                             f"context_id", "context_id", "context_closed", cid)
         elif settings != ctx.settings:
             name = next(k for k in SETTINGS if settings[k] != ctx.settings[k])
             raise AgentError(f"{name} is fixed for a context (Cartesia keeps every field but transcript and "
                              f"continue the same); open a new context_id to change it", name,
                              "context_settings_changed", cid)
         if transcript:
-            self.feed(ctx, transcript, "transcript")
+            await self.feed(ctx, transcript, "transcript")
         if flush:
             self.flush(ctx, final=False, marked=True)
         if not more:
@@ -137,7 +144,12 @@ class CartesiaSocket(AgentSocket):
         if fmt.get("container", "raw") != "raw":
             raise fail(f"output_format.container {fmt.get('container')!r:.40} is not served here; audio is raw PCM "
                        f"(container \"raw\")", "output_format.container", "unsupported_format")
-        output = Output.check(fmt.get("encoding", "pcm_s16le"), fmt.get("sample_rate", self.native), self.native)
+        extra = sorted(set(fmt) - {"container", "encoding", "sample_rate"})
+        if extra:
+            raise fail(f"output_format.{extra[0]} is not served here: audio is raw PCM (container, encoding, "
+                       f"sample_rate)", f"output_format.{extra[0]}", "unsupported_parameter")
+        output = Output.check(fmt.get("encoding", "pcm_s16le"), fmt.get("sample_rate", self.native), self.native,
+                              ("output_format.encoding", "output_format.sample_rate"), cid)
         stamps = s["add_timestamps"] if s["add_timestamps"] is not None else False
         if not isinstance(stamps, bool):
             raise fail(f"add_timestamps must be true or false, got {stamps!r:.40}", "add_timestamps")

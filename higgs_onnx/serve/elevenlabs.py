@@ -26,20 +26,22 @@ Single-context (`stream-input`): the same without `context_id`; `{text: ""}` end
 
 from __future__ import annotations
 
+import re
+
 from fastapi import APIRouter, WebSocket
 
 from .agents import MAX_CONTEXTS, AgentError, AgentSocket, Close, Context, Output, char_times
 from .cartesia import key_of
 
 QUERY = {"model_id", "output_format", "auto_mode", "apply_text_normalization", "language_code", "seed",
-         "inactivity_timeout", "enable_logging", "enable_ssml_parsing", "sync_alignment", "xi_api_key",
-         "authorization"}
+         "inactivity_timeout", "enable_logging", "enable_ssml_parsing", "sync_alignment", "xi_api_key"}
 FIELDS = {"text", "context_id", "voice_settings", "flush", "close_context", "close_socket", "try_trigger_generation",
           "xi_api_key"}
 NORMALIZE = {"auto": "auto", "on": True, "off": False}
 MAX_INACTIVITY_S = 180
 MODEL_PREFIX = "eleven_"
 SINGLE = "0"  # the one context of a stream-input socket
+DIGITS = re.compile(r"[0-9]{1,9}")  # a number of the query (str.isdigit takes '²', which int() does not)
 
 
 class ElevenLabsSocket(AgentSocket):
@@ -49,22 +51,26 @@ class ElevenLabsSocket(AgentSocket):
 
     def __init__(self, ws, svc, voice_id: str, query: dict):
         """AgentError for a query field that is not served (the route answers it, then closes)."""
-        self.voice_id, self.query = voice_id, dict(query)
+        items = list(query.multi_items())
+        self.voice_id, self.query = voice_id, dict(items)
         q = self.query
         unknown = sorted(set(q) - QUERY)
         if unknown:
             raise AgentError(f"{unknown[0]} is not a query parameter of ElevenLabs' stream-input here; they are "
-                             f"{', '.join(sorted(QUERY - {'authorization'}))}", unknown[0], "unknown_parameter")
+                             f"{', '.join(sorted(QUERY))}", unknown[0], "unknown_parameter")
+        if len(items) != len(q):
+            twice = next(k for k, _ in items if sum(1 for j, _ in items if j == k) > 1)
+            raise AgentError(f"{twice} is given twice in the query; give it once", twice, "invalid_value")
         model = q.get("model_id")
         if model is not None and model not in svc.models and not model.startswith(MODEL_PREFIX):
             raise AgentError(f"model_id {model!r:.60} is not served here; use one of {', '.join(svc.models)} (or an "
                              f"ElevenLabs model name: all are this model)", "model_id", "model_not_found")
         fmt = q.get("output_format", f"pcm_{svc.sample_rate}")
         rate = fmt.removeprefix("pcm_")
-        if not fmt.startswith("pcm_") or not rate.isdigit():
+        if not fmt.startswith("pcm_") or not DIGITS.fullmatch(rate):
             raise AgentError(f"output_format {fmt!r:.40} is not served here; use pcm_RATE (16-bit PCM), RATE one "
                              f"of 8000, 16000, 22050, 24000, 44100, 48000", "output_format", "unsupported_format")
-        self.output = Output.check("pcm_s16le", int(rate), svc.sample_rate, "output_format")
+        self.output = Output.check("pcm_s16le", int(rate), svc.sample_rate)
         self.granularity = {"true": "sentence", "false": "clause"}.get(q.get("auto_mode", "true").lower())
         for name in ("auto_mode", "enable_logging", "enable_ssml_parsing", "sync_alignment"):
             if q.get(name, "false").lower() not in ("true", "false"):
@@ -80,18 +86,20 @@ class ElevenLabsSocket(AgentSocket):
                                  f"{q['apply_text_normalization']!r:.40}", "apply_text_normalization")
             self.values["normalize"] = NORMALIZE[q["apply_text_normalization"]]
         if "seed" in q:  # a number of the query: its bound is the table's (job.options)
-            try:
-                self.values["seed"] = int(q["seed"])
-            except ValueError:
-                raise AgentError(f"seed must be a whole number, got {q['seed']!r:.40}", "seed") from None
+            if not re.fullmatch(r"-?[0-9]{1,20}", q["seed"]):
+                raise AgentError(f"seed must be a whole number, got {q['seed']!r:.40}", "seed")
+            self.values["seed"] = int(q["seed"])
         idle = svc.ws_idle_s
         if "inactivity_timeout" in q:
             t = q["inactivity_timeout"]
-            if not t.isdigit() or not 1 <= int(t) <= MAX_INACTIVITY_S:
+            if not DIGITS.fullmatch(t) or not 1 <= int(t) <= MAX_INACTIVITY_S:
                 raise AgentError(f"inactivity_timeout must be whole seconds from 1 to {MAX_INACTIVITY_S}, got "
                                  f"{t!r:.40}", "inactivity_timeout")
             idle = float(t)
         self.language = q.get("language_code", "en").split("-")[0].lower()
+        if not re.fullmatch(r"[a-z]{2,3}", self.language):
+            raise AgentError(f"language_code must be a language code such as \"en\", got "
+                             f"{q.get('language_code')!r:.40}", "language_code")
         super().__init__(ws, svc, idle)
 
     # -- answers -----------------------------------------------------------------------------------------
@@ -125,10 +133,16 @@ class ElevenLabsSocket(AgentSocket):
         for name in ("flush", "close_context", "close_socket", "try_trigger_generation"):
             if name in msg and not isinstance(msg[name], bool):
                 raise AgentError(f"{name} must be true or false, got {msg[name]!r:.40}", name)
+        if "xi_api_key" in msg:
+            self.check_key(msg["xi_api_key"])
         if msg.get("close_socket"):
+            extra = sorted(set(msg) - {"close_socket", "xi_api_key"})
+            if extra:
+                raise AgentError(f"{extra[0]}: close_socket closes the socket; send it alone", extra[0],
+                                 "unknown_parameter")
             raise Close(1000)
         text = msg.get("text")
-        if text is not None and not isinstance(text, str):
+        if "text" in msg and not isinstance(text, str):
             raise AgentError(f"text must be a string, got {type(text).__name__}", "text")
         if self.single:
             cid = SINGLE
@@ -143,6 +157,9 @@ class ElevenLabsSocket(AgentSocket):
             cid = self.check_id(msg["context_id"])
         ctx = self.contexts.get(cid)
         if msg.get("close_context"):
+            if self.single:
+                raise AgentError("close_context is for multi-stream-input; end stream-input's text with "
+                                 '{"text": ""}', "close_context", "unknown_parameter")
             return await self.close_context(cid, ctx)
         if ctx is None:
             if text == "" and not msg.get("flush"):
@@ -158,10 +175,20 @@ class ElevenLabsSocket(AgentSocket):
             self.flush(ctx, final=True)
             return
         if text:
-            self.feed(ctx, text, "text")
+            await self.feed(ctx, text, "text")
         if msg.get("flush") or msg.get("try_trigger_generation"):
             ctx.flushed = True
             self.flush(ctx, final=False)
+
+    def check_key(self, key) -> None:
+        """A key sent in a message (ElevenLabs' older clients do): it must be the server's, when it has one (the
+        socket's own key was checked when it opened)."""
+        import hmac
+
+        expected = self.svc.api_key
+        if not isinstance(key, str) or expected is not None and not hmac.compare_digest(key.encode(),
+                                                                                        expected.encode()):
+            raise AgentError("xi_api_key is not this server's API key", "xi_api_key", "invalid_api_key")
 
     async def close_context(self, cid: str, ctx: Context | None) -> None:
         if ctx is None:

@@ -49,14 +49,15 @@ class SegmentQueue:
         self.pending = 0  # characters queued and not yet taken
 
     def put(self, segments: list[str], buffered: int = 0) -> None:
-        """Queue `segments`; `buffered`: characters the segmenter still holds. TextTooLong past MAX_PENDING."""
-        for s in segments:
-            self.queue.put_nowait(s)
-            self.pending += len(s)
-        waiting = self.pending + buffered
+        """Queue `segments`; `buffered`: characters the segmenter still holds. TextTooLong past MAX_PENDING, and then
+        nothing of `segments` is queued."""
+        waiting = self.pending + sum(map(len, segments)) + buffered
         if waiting > MAX_PENDING:
             raise TextTooLong(f"{waiting} characters are waiting to be spoken; at most {MAX_PENDING} may wait: "
                               f"send text about as fast as it is spoken")
+        for s in segments:
+            self.queue.put_nowait(s)
+            self.pending += len(s)
 
     def mark(self, marker) -> None:
         """Queue a marker (not text: it counts no characters), taken in order with the segments."""
