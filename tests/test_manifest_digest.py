@@ -141,7 +141,11 @@ def test_inference_refuses_an_edited_manifest_and_optimize_reassembles_it(builds
     good = path.read_text()
     try:
         edit(builds["int4"], lambda d: d["model"].update(max_positions=8))
-        Exporter(str(tiny_ckpt), out_root, ExportOptions("cpu", "int4")).run()
+        # with the crossover the session's build was given: a measured one would be written into the export every
+        # other test of this worker uses (tests/test_route.py checks it is the given one)
+        from conftest import ROUTE_CROSSOVER
+
+        Exporter(str(tiny_ckpt), out_root, ExportOptions("cpu", "int4", route_crossover=ROUTE_CROSSOVER)).run()
         assert load_manifest(builds["int4"], verify=True).data["model"]["max_positions"] != 8
         HiggsTTS(builds["int4"], verify=False)
     finally:
