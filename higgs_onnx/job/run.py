@@ -366,6 +366,7 @@ async def with_words(first, items: AsyncIterator, text: str, sample_rate: int, l
 ALIGNER_THREADS = 1  # word timing (0.5-1.3 s of CPU a piece) for every stream of the server, one at a time
 ALIGNER_NICE = 10  # below the decoder's threads: word timing can slow its own stream's words, not the others' audio
 _aligner: ThreadPoolExecutor | None = None
+_aligning = 0  # pieces submitted to the aligner and not yet timed (event loop only)
 
 
 def _lower_priority() -> None:
@@ -380,10 +381,19 @@ async def aligned(cue: Cue, samples: np.ndarray, sample_rate: int, language: str
     """`captions.timed` in one aligner pool (bounded, lower priority), not the default executor that the text steps
     and voice uploads share: 8 word-timed streams queue their pieces here instead of taking every core from the
     decoder."""
-    global _aligner
+    global _aligner, _aligning
     if _aligner is None:
         _aligner = ThreadPoolExecutor(ALIGNER_THREADS, thread_name_prefix="higgs-align", initializer=_lower_priority)
-    return await asyncio.get_running_loop().run_in_executor(_aligner, timed, cue, samples, sample_rate, language)
+    _aligning += 1
+    try:
+        return await asyncio.get_running_loop().run_in_executor(_aligner, timed, cue, samples, sample_rate, language)
+    finally:
+        _aligning -= 1
+
+
+def aligner_pending() -> int:
+    """Pieces waiting for, or in, the aligner thread (the metrics' aligner queue)."""
+    return _aligning
 
 
 def joined(samples: list) -> np.ndarray:

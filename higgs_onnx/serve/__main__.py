@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "with nothing to speak and no message for this long is closed (default %(default)s)")
     ap.add_argument("--api-key", default=os.environ.get("HIGGS_API_KEY"), help="require 'Authorization: Bearer "
                     "KEY' on /v1 (default: $HIGGS_API_KEY, which keeps the key out of the process list)")
+    ap.add_argument("--metrics-public", action="store_true", help="serve GET /metrics (Prometheus) without the "
+                    "API key, for a scraper that cannot send one (default: behind --api-key like /v1)")
     add_text_flags(ap, "every request's text (a request's own fields are laid over these)")
     ap.add_argument("--threads", type=int, default=0, help="intra-op threads (0 = one per core)")
     ap.add_argument("--provider", choices=sorted(PROVIDERS), help="execution provider (default: the one the "
@@ -210,7 +212,8 @@ def serve(args: argparse.Namespace) -> int:
     timeouts = timeouts_of(args)
     app = create_app(tts, scheduler, voices, args.api_key, allowed_hosts=LOOPBACK_NAMES if loopback else None,
                      timeouts=timeouts, default_voice=args.default_voice,
-                     ws_idle_s=args.ws_idle_timeout, wyoming=args.wyoming, base=args.base)
+                     ws_idle_s=args.ws_idle_timeout, wyoming=args.wyoming, base=args.base,
+                     metrics_public=args.metrics_public)
     port = sock.getsockname()[1]
     shown = f"[{args.host}]" if ":" in args.host else args.host
     banner = (f"higgs-onnx speech server: http://{shown}:{port}/ (model {Path(tts.manifest.folder).name}, "

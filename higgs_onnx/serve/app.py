@@ -18,6 +18,7 @@ CDN, which a server on an offline machine cannot reach, and the page's CSP would
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -33,6 +34,7 @@ from ..job.options import SpeechOptions
 from . import cartesia, dialogue_routes, elevenlabs, info_routes, speech_routes, stream_routes, voice_routes
 from .http import STATIC, ApiError, HostGuard, LoggedCut, client_of, error_response, validation_message
 from .limits import BodyDeadline, BodyTimeout, ClientGone, Timeouts
+from .metrics import CONTENT_TYPE, Metrics, RequestCounter
 from .service import SpeechService
 from .voices import DEFAULT
 
@@ -42,13 +44,14 @@ log = logging.getLogger(__name__)
 def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = None, *,
                allowed_hosts: list[str] | None = None, timeouts: Timeouts | None = None,
                default_voice: str = DEFAULT, ws_idle_s: float = 30.0, wyoming: str | None = None,
-               base: SpeechOptions | None = None) -> FastAPI:
+               base: SpeechOptions | None = None, metrics_public: bool = False) -> FastAPI:
     """The app for one loaded model: the routes of every module, on one `SpeechService`. Its lifespan starts and
     stops `scheduler`. `api_key` (if set) is required as `Authorization: Bearer <key>` on every /v1 route;
     `allowed_hosts` (if set) refuses other Host headers (DNS rebinding: the server's own loopback names); `timeouts`
     bound the request bodies (`limits`); `default_voice` (a saved voice's name) speaks for requests that name no
     voice or one of OpenAI's (`OPENAI_VOICES`); "default" named is zero-shot speech. `base`: the server's defaults
-    of the job's options (its text steps), under every request's own (Wyoming's too)."""
+    of the job's options (its text steps), under every request's own (Wyoming's too). `metrics_public`: `/metrics`
+    without the API key (for a scraper that cannot send one)."""
     timeouts = timeouts or Timeouts()
     uvicorn_log = logging.getLogger("uvicorn.error")
     if not any(isinstance(f, LoggedCut) for f in uvicorn_log.filters):
@@ -109,6 +112,8 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
     async def _crash(request: Request, e: Exception):  # uvicorn logs the traceback; the client gets one line
         return error_response(500, "internal server error; the server log has the details", code="server_error")
 
+    metrics = Metrics(scheduler)  # GET /metrics (serve/metrics.py)
+    app.add_middleware(RequestCounter, metrics=metrics)
     app.add_middleware(BodyDeadline, timeouts=timeouts)
     if allowed_hosts:
         app.add_middleware(HostGuard, names=allowed_hosts)
@@ -124,5 +129,21 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
     for sockets in (stream_routes, cartesia, elevenlabs):  # their own checks, before the WebSocket is accepted
         app.include_router(sockets.router(svc))
     app.include_router(root)
+
+    async def metrics_guard(request: Request) -> None:
+        if not metrics_public:
+            await guard(request)
+
+    @app.get("/metrics", dependencies=[Depends(metrics_guard)], include_in_schema=False)
+    async def prometheus():
+        return Response(await asyncio.to_thread(metrics.render), media_type=CONTENT_TYPE)
+
+    @app.get("/ready", include_in_schema=False)
+    async def ready():
+        """Readiness: 200 once the model is loaded and the scheduler runs; 503 while it drains (SIGTERM)."""
+        if scheduler.ready:
+            return {"ready": True}
+        return error_response(503, "the server is not ready (starting or draining)", None, "not_ready",
+                              {"Retry-After": "1"})
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     return app

@@ -67,6 +67,7 @@ class Job:
         self._stopping = stopping  # set by `JobScheduler.stop`: what fails from then on fails for that reason
         self._ended = threading.Lock()  # taken by the first end
         self._ready = threading.Event()  # `handle` is set (the core may end a job before `submit` returns)
+        self.on_stats = None  # called (any thread) with the job's GenerationStats when its last chunk comes
 
     @property
     def widest(self) -> int:
@@ -99,6 +100,8 @@ class Job:
             self._done(self)
         elif self._ended.locked():
             return  # a codec chunk that raced the cancellation: nobody reads after the end
+        elif self.on_stats is not None and getattr(item, "stats", None) is not None:
+            self.on_stats(item.stats)
         try:
             self.loop.call_soon_threadsafe(self._out.put_nowait, item)
         except RuntimeError:  # the event loop is gone (server shutting down): nobody is listening
@@ -132,11 +135,19 @@ class JobScheduler:
         self._lock = threading.Lock()
         self._pending = 0  # jobs submitted and not ended
         self._stopping = threading.Event()
-        self.counts: Counter[str] = Counter()  # submitted, finished, failed, cancelled (as the clients saw them)
+        self.counts: Counter[str] = Counter()  # submitted, finished, failed, cancelled (as the clients saw them),
+        # rejected (the queue was full)
+        self.on_stats = None  # called with each finished job's GenerationStats (the metrics' histograms)
 
     def start(self) -> None:
         self._stopping.clear()
         self.core.start()
+        self._started = True
+
+    @property
+    def ready(self) -> bool:
+        """Started and not stopping (the server's readiness)."""
+        return getattr(self, "_started", False) and not self._stopping.is_set()
 
     def stop(self) -> None:
         """End the loop's thread after its current step (at most `STOP_GRACE_S`: a longer step is left to its daemon
@@ -165,8 +176,10 @@ class JobScheduler:
         req = self.tts.request(text, voice=voice, options=options, slot=self.slot_positions, history=history,
                                continues=None if continues is None else continues.request)
         job = Job(req, asyncio.get_running_loop(), exclusive, self._ended, self._stopping)
+        job.on_stats = self.on_stats
         with self._lock:
             if self._pending >= self.max_batch + self.max_queue:
+                self.counts["rejected"] += 1
                 raise QueueFull(f"{self._pending} requests in flight; the server takes {self.max_batch} at a time "
                                 f"and queues {self.max_queue}")
             self._pending += 1
@@ -206,5 +219,6 @@ class JobScheduler:
                 "prefill_positions": core["prefill_positions"], "decode_s": core["decode_s"],
                 "prefill_s": core["prefill_s"], "longest_stall_s": core["longest_stall_s"],
                 "codec_busy_s": core["codec_busy_s"], "submitted": counts.get("submitted", 0),
-                "started": core["started"], **{k: counts.get(k, 0) for k in ("finished", "failed", "cancelled")},
+                "started": core["started"],
+                **{k: counts.get(k, 0) for k in ("finished", "failed", "cancelled", "rejected")},
                 "exclusive": core["exclusive"], "exclusive_widest_batch": core["exclusive_widest_batch"]}
