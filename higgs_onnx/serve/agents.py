@@ -27,7 +27,6 @@ import base64
 import collections
 import json
 import logging
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,7 +36,7 @@ from ..longform.captions import Cue
 from ..textin import TextSegmenter
 from .limits import MAX_JSON_BYTES
 from .scheduler import ShuttingDown
-from .segments import SegmentQueue, Stalled, buffered, segment_failure, send_within
+from .segments import BadFrame, SegmentQueue, Stalled, buffered, json_object, segment_failure, send_within
 
 log = logging.getLogger(__name__)
 MAX_CONTEXTS = 8  # open at once on one socket (ElevenLabs allows 5): each may keep a KV context between segments
@@ -151,8 +150,6 @@ class Context:
         self.ending = False  # its input is over (a final flush): no more text
         self.cancelled = False
         self.busy = False  # a segment is being spoken
-        self.text_chars = 0  # characters received (the first audio's clock starts at the first text)
-        self.started: float | None = None
 
 
 class AgentSocket:
@@ -171,7 +168,6 @@ class AgentSocket:
         self.ended: collections.OrderedDict[str, str] = collections.OrderedDict()  # id -> how it ended
         self.send_lock = asyncio.Lock()
         self.fatal: asyncio.Future = asyncio.get_running_loop().create_future()  # a context's send failed
-        self.opened = 0
 
     # -- answers (the protocol's words) ----------------------------------------------------------------------
     def audio_message(self, ctx: Context, data: bytes) -> dict:
@@ -230,19 +226,10 @@ class AgentSocket:
         msg = receiving.result()
         if msg["type"] == "websocket.disconnect":
             return None
-        text = msg.get("text")
-        if text is None:
-            raise AgentError("send JSON text frames; binary frames are not accepted", None, "invalid_frame")
-        if len(text) > MAX_JSON_BYTES:
-            raise AgentError(f"a message is at most {MAX_JSON_BYTES} characters; send text as it arrives", None,
-                             "message_too_long")
         try:
-            data = json.loads(text)
-        except (ValueError, RecursionError) as e:
-            raise AgentError(f"the message is not valid JSON ({e})", None, "invalid_json") from None
-        if not isinstance(data, dict):
-            raise AgentError("a message is a JSON object", None, "invalid_message")
-        return data
+            return json_object(msg, MAX_JSON_BYTES)
+        except BadFrame as e:
+            raise AgentError(e.message, None, e.code) from None
 
     async def run(self) -> None:
         """Read messages until the client leaves, stalls or closes; however it ends, every context is cancelled
@@ -344,7 +331,6 @@ class AgentSocket:
 
     def add(self, ctx: Context) -> Context:
         self.contexts[ctx.id] = ctx
-        self.opened += 1
         ctx.task = asyncio.create_task(self.speak(ctx))
         return ctx
 
@@ -363,9 +349,6 @@ class AgentSocket:
         if ctx.ending:
             raise AgentError(f"context {ctx.id!r:.60} has ended its input; a new turn needs a new context", param,
                              "context_closed", ctx.id)
-        if text and ctx.started is None:
-            ctx.started = time.perf_counter()
-        ctx.text_chars += len(text)
         try:
             ctx.queue.put(ctx.segmenter.feed(text), buffered(ctx.segmenter))
         except ValueError as e:  # too much waiting to be spoken: this context cannot go on as sent

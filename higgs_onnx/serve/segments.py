@@ -15,6 +15,7 @@ cut into segments, spoken one after the other by one `SpeechSession`, and the li
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Awaitable
 
@@ -75,6 +76,32 @@ class SegmentQueue:
         if isinstance(text, str):
             self.pending -= len(text)
         return text
+
+
+class BadFrame(ValueError):
+    """A WebSocket frame that is not a JSON object: its one-line message and code."""
+
+    def __init__(self, message: str, code: str):
+        super().__init__(message)
+        self.message, self.code = message, code
+
+
+def json_object(msg: dict, limit: int, shape: str = "a message is a JSON object", keyed: str | None = None) -> dict:
+    """A received WebSocket text frame (`msg`, ASGI's) as the JSON object it must be, or BadFrame: a binary frame,
+    more than `limit` characters, not JSON, not an object (`shape` says what it must be), or without a string
+    `keyed` field."""
+    text = msg.get("text")
+    if text is None:
+        raise BadFrame("send JSON text frames; binary frames are not accepted", "invalid_frame")
+    if len(text) > limit:
+        raise BadFrame(f"a message is at most {limit} characters; send text as it arrives", "message_too_long")
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise BadFrame(f"the message is not valid JSON ({e})", "invalid_json") from None
+    if not isinstance(data, dict) or keyed is not None and not isinstance(data.get(keyed), str):
+        raise BadFrame(shape, "invalid_message")
+    return data
 
 
 def buffered(segmenter) -> int:

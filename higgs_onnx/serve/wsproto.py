@@ -35,7 +35,7 @@ from ..textin import GRANULARITIES, TextSegmenter
 from .formats import encoder
 from .limits import MAX_JSON_BYTES
 from .scheduler import ShuttingDown
-from .segments import SegmentQueue, Stalled, buffered, segment_failure, send_within
+from .segments import BadFrame, SegmentQueue, Stalled, buffered, json_object, segment_failure, send_within
 
 log = logging.getLogger(__name__)
 CONFIG_S = 10.0
@@ -86,20 +86,10 @@ class WsSession:
             msg = await asyncio.wait_for(self.ws.receive(), timeout)
             if msg["type"] == "websocket.disconnect":
                 return None
-            if msg.get("text") is None:
-                await self.error("send JSON text frames; binary frames are not accepted", code="invalid_frame")
-                continue
-            if len(msg["text"]) > limit:
-                await self.error(f"a message is at most {limit} characters; send text as it arrives",
-                                 code="message_too_long")
-                continue
             try:
-                data = json.loads(msg["text"])
-            except (ValueError, RecursionError) as e:
-                await self.error(f"the message is not valid JSON ({e})", code="invalid_json")
-                continue
-            if not isinstance(data, dict) or not isinstance(data.get("type"), str):
-                await self.error('a message is a JSON object with a "type"', code="invalid_message")
+                data = json_object(msg, limit, 'a message is a JSON object with a "type"', keyed="type")
+            except BadFrame as e:
+                await self.error(e.message, code=e.code)
                 continue
             return data
 
@@ -272,7 +262,5 @@ class WsSession:
         if before is not None:
             await before
         cue = await aligned(cue, samples, self.sample_rate, self.words)
-        words = [{"text": w.text, **w.span(self.sample_rate)} for w in cue.words]
-        await self.send({"type": "audio.words", "id": seg, "sentence_index": cue.index, "text": cue.text,
-                         **cue.span(self.sample_rate), "words": words,
-                         **({"words_reason": cue.words_reason} if cue.words_reason else {})})
+        shown = {k: v for k, v in cue.as_dict(self.sample_rate).items() if k != "index"}  # SSE's piece shape
+        await self.send({"type": "audio.words", "id": seg, "sentence_index": cue.index, **shown})
