@@ -284,6 +284,7 @@ class Runner:
             v = self.judged(text, done)
             takes.append(take_record(options, len(done[-1].rows), done[-1].stats.stop_reason, v))
             nxt = policy.after(v, options, len(takes))
+            tally("redraw", v.name, redraw=nxt is not None)
             if nxt is None:
                 return handle, done, takes
             log.info("request %s: take %d is %s (%s); drawing again", handle.id, len(takes), v.name, v.reason)
@@ -303,6 +304,8 @@ class Runner:
                 j.cancel()
             raise
         verdicts = [self.judged(text, d) if d else None for d in made]
+        for v in verdicts:
+            tally("best_of", v.name if v is not None else "no_audio")
         scores = take_scores([len(d[-1].rows) if d else 0 for d in made], [v is not None and v.good for v in verdicts])
         best = best_take(scores, [bool(d) for d in made])
         takes = [{**(take_record(o, len(d[-1].rows), d[-1].stats.stop_reason, v) if d else
@@ -389,6 +392,25 @@ async def aligned(cue: Cue, samples: np.ndarray, sample_rate: int, language: str
         return await asyncio.get_running_loop().run_in_executor(_aligner, timed, cue, samples, sample_rate, language)
     finally:
         _aligning -= 1
+
+
+_takes: dict[tuple[str, str], int] = {}  # (policy, verdict) -> takes judged by the server's driver
+_redraws = 0
+_tally = threading.Lock()
+
+
+def tally(policy: str, verdict: str, redraw: bool = False) -> None:
+    global _redraws
+    with _tally:
+        _takes[policy, verdict] = _takes.get((policy, verdict), 0) + 1
+        _redraws += redraw
+
+
+def take_tally() -> tuple[dict[tuple[str, str], int], int]:
+    """The takes the async driver judged, by policy (`best_of`, `redraw`) and verdict (`good` or the guard's
+    failure), and the redraws it made (the metrics' takes, redraws and guard verdicts)."""
+    with _tally:
+        return dict(_takes), _redraws
 
 
 def aligner_pending() -> int:

@@ -32,12 +32,15 @@ class VoiceCache:
         self._bytes = 0
         self._lock = threading.Lock()
         self.evictions = 0
+        self.hits = self.misses = 0  # lookups answered from memory, and not (the metrics' voice-cache hits)
 
     def get(self, key: Hashable):
         with self._lock:
             hit = self._items.get(key)
             if hit is None:
+                self.misses += 1
                 return None
+            self.hits += 1
             self._items.move_to_end(key)
             return hit[0]
 
@@ -70,7 +73,7 @@ class VoiceCache:
     def stats(self) -> dict:
         with self._lock:
             return {"voices": len(self._items), "bytes": self._bytes, "max_bytes": self.max_bytes,
-                    "evictions": self.evictions}
+                    "evictions": self.evictions, "hits": self.hits, "misses": self.misses}
 
     def __len__(self) -> int:
         return len(self._items)

@@ -70,23 +70,32 @@ def build_parser() -> argparse.ArgumentParser:
                     "folder was built for)")
     ap.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the model files")
     t = Timeouts()
-    ap.add_argument("--header-timeout", type=float, default=t.header_s, metavar="S", help="seconds for a request's "
-                    "line and headers to arrive; then 408 and the connection is closed (default %(default)s)")
+    ap.add_argument("--header-timeout", type=float, metavar="S", help="seconds for a request's line and headers to "
+                    f"arrive; then 408 and the connection is closed (default {t.header_s})")
     ap.add_argument("--body-timeout", type=float, default=t.body_s, metavar="S", help="seconds for a whole request "
                     "body (default %(default)s)")
     ap.add_argument("--body-idle-timeout", type=float, default=t.body_idle_s, metavar="S", help="longest pause "
                     "inside a request body; then 408 (default %(default)s)")
     ap.add_argument("--send-timeout", type=float, default=t.send_s, metavar="S", help="a response the client stops "
                     "reading for this long is cut and its job cancelled (default %(default)s)")
-    ap.add_argument("--keep-alive-timeout", type=float, default=t.keep_alive_s, metavar="S", help="idle kept-alive "
-                    "connections are closed after this (default %(default)s)")
-    ap.add_argument("--max-connections", type=int, default=t.max_connections, metavar="N", help="open connections "
-                    "and running requests at most; more get 503 (default %(default)s)")
+    ap.add_argument("--keep-alive-timeout", type=float, metavar="S", help="idle kept-alive connections are closed "
+                    f"after this (default {t.keep_alive_s})")
+    ap.add_argument("--max-connections", type=int, metavar="N", help="open connections and running requests at "
+                    f"most; more get 503 (default {t.max_connections})")
     ap.add_argument("--voice-cache-mb", type=int, default=DEFAULT_VOICE_CACHE_BYTES >> 20, metavar="MB",
                     help="memory for voices made from references, least recently used out (a real-model voice is "
                     "~80 MB; default %(default)s)")
     ap.add_argument("--guard", action="append", default=[], metavar="KEY=VALUE", help="a threshold of the guard "
                     "(docs/guard.md), e.g. --guard loop_rows=48 --guard overlong_factor=3; repeatable")
+    ray = ap.add_argument_group("Ray Serve: replicas of this server behind one address (docs/server.md, Scaling)")
+    ray.add_argument("--ray", action="store_true", help="serve on Ray Serve: --replicas copies of the model, each "
+                     "with its own scheduler, behind Ray's HTTP proxy on --host/--port")
+    ray.add_argument("--address", help="a running Ray cluster to deploy on ('auto', HEAD:6379 or "
+                     "ray://HEAD:10001; default: start a local one)")
+    ray.add_argument("--replicas", type=int, default=1, metavar="N", help="replicas (with --max-replicas: the "
+                     "fewest; default %(default)s); each takes --threads cores (0: 1 under --ray)")
+    ray.add_argument("--max-replicas", type=int, metavar="M", help="autoscale between --replicas and M on ongoing "
+                     "requests per replica (target: --max-batch)")
     add_log_level(ap)
     return ap
 
@@ -112,6 +121,7 @@ def check_args(args: argparse.Namespace) -> None:
     if args.prefill_chunk is not None and args.prefill_chunk < 1:
         raise ValueError(f"--prefill-chunk must be >= 1 position, got {args.prefill_chunk} (leave it out to size "
                          f"chunks by time)")
+    check_ray_args(args)
     timeouts_of(args)
     check_threads(args.threads)
     args.base = SpeechOptions.build(text_values(args), "cli")  # the text steps' defaults: the bounds of every door
@@ -127,7 +137,37 @@ def check_args(args: argparse.Namespace) -> None:
         raise NotADirectoryError(f"--voices {args.voices} is a file, not a folder")
 
 
+def check_ray_args(args: argparse.Namespace) -> None:
+    """The flags of --ray, and the plain server's flags that do not apply under it (refused by name)."""
+    if not args.ray:
+        for flag, value, default in (("--address", args.address, None), ("--replicas", args.replicas, 1),
+                                     ("--max-replicas", args.max_replicas, None)):
+            if value != default:
+                raise ValueError(f"{flag} needs --ray (the plain server is one process)")
+        return
+    if args.replicas < 1:
+        raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
+    if args.max_replicas is not None and args.max_replicas < args.replicas:
+        raise ValueError(f"--max-replicas ({args.max_replicas}) must be >= --replicas ({args.replicas})")
+    if args.wyoming is not None:
+        raise ValueError("--wyoming is not served with --ray (every replica would listen on its port): run "
+                         "python -m higgs_onnx.serve --wyoming beside it, or the Wyoming server alone")
+    for flag in ("header_timeout", "keep_alive_timeout", "max_connections"):
+        if getattr(args, flag) is not None:  # before timeouts_of fills in the defaults
+            raise ValueError(f"--{flag.replace('_', '-')} does not apply with --ray: Ray Serve's proxy reads the "
+                             f"connections (its http_options; docs/server.md, Scaling)")
+    if args.address is not None:
+        from ..corpus import check_address
+
+        check_address(args.address)
+
+
 def timeouts_of(args: argparse.Namespace) -> Timeouts:
+    t = Timeouts()
+    for flag, default in (("header_timeout", t.header_s), ("keep_alive_timeout", t.keep_alive_s),
+                          ("max_connections", t.max_connections)):
+        if getattr(args, flag) is None:
+            setattr(args, flag, default)
     for flag in ("header_timeout", "body_timeout", "body_idle_timeout", "send_timeout", "keep_alive_timeout",
                  "max_connections"):
         value = getattr(args, flag)
@@ -178,11 +218,9 @@ def warm_up(tts) -> None:
         tts.part("audio_tokenizer")
 
 
-def serve(args: argparse.Namespace) -> int:
-    check_args(args)  # before the heavy imports: a bad flag is answered at once
-    sock = listen(args.host, args.port)
-    import uvicorn
-
+def load(args: argparse.Namespace, metrics_labels: dict | None = None):
+    """The model, its scheduler and the app, from checked arguments (`check_args`): (app, tts, voices folder).
+    The plain server calls it once; each Ray Serve replica calls it (`ray_serve`)."""
     from ..runtime.model import HiggsTTS
     from .app import create_app
     from .scheduler import JobScheduler
@@ -204,16 +242,30 @@ def serve(args: argparse.Namespace) -> int:
             VoiceStore(voices, tts.model_id).get(args.default_voice)
         except VoiceError as e:
             raise ValueError(f"--default-voice: {e}") from None
-    loopback = is_loopback(args.host)
-    if not loopback and args.api_key is None:
+    scheduler = JobScheduler(tts, max_batch=args.max_batch, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk)
+    app = create_app(tts, scheduler, voices, args.api_key,
+                     allowed_hosts=LOOPBACK_NAMES if is_loopback(args.host) else None,
+                     timeouts=timeouts_of(args), default_voice=args.default_voice,
+                     ws_idle_s=args.ws_idle_timeout, wyoming=args.wyoming, base=args.base,
+                     metrics_public=args.metrics_public, metrics_labels=metrics_labels)
+    return app, tts, voices
+
+
+def serve(args: argparse.Namespace) -> int:
+    check_args(args)  # before the heavy imports: a bad flag is answered at once
+    if args.ray:
+        from .ray_serve import serve_on_ray
+
+        return serve_on_ray(args)
+    sock = listen(args.host, args.port)
+    import uvicorn
+
+    app, tts, voices = load(args)
+    scheduler = app.state.scheduler
+    if not is_loopback(args.host) and args.api_key is None:
         print(f"warning: listening on {args.host} without --api-key: anyone who reaches this port can use it",
               file=sys.stderr)
-    scheduler = JobScheduler(tts, max_batch=args.max_batch, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk)
     timeouts = timeouts_of(args)
-    app = create_app(tts, scheduler, voices, args.api_key, allowed_hosts=LOOPBACK_NAMES if loopback else None,
-                     timeouts=timeouts, default_voice=args.default_voice,
-                     ws_idle_s=args.ws_idle_timeout, wyoming=args.wyoming, base=args.base,
-                     metrics_public=args.metrics_public)
     port = sock.getsockname()[1]
     shown = f"[{args.host}]" if ":" in args.host else args.host
     banner = (f"higgs-onnx speech server: http://{shown}:{port}/ (model {Path(tts.manifest.folder).name}, "

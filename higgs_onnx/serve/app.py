@@ -44,19 +44,22 @@ log = logging.getLogger(__name__)
 def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = None, *,
                allowed_hosts: list[str] | None = None, timeouts: Timeouts | None = None,
                default_voice: str = DEFAULT, ws_idle_s: float = 30.0, wyoming: str | None = None,
-               base: SpeechOptions | None = None, metrics_public: bool = False) -> FastAPI:
+               base: SpeechOptions | None = None, metrics_public: bool = False,
+               metrics_labels: dict | None = None) -> FastAPI:
     """The app for one loaded model: the routes of every module, on one `SpeechService`. Its lifespan starts and
     stops `scheduler`. `api_key` (if set) is required as `Authorization: Bearer <key>` on every /v1 route;
     `allowed_hosts` (if set) refuses other Host headers (DNS rebinding: the server's own loopback names); `timeouts`
     bound the request bodies (`limits`); `default_voice` (a saved voice's name) speaks for requests that name no
     voice or one of OpenAI's (`OPENAI_VOICES`); "default" named is zero-shot speech. `base`: the server's defaults
     of the job's options (its text steps), under every request's own (Wyoming's too). `metrics_public`: `/metrics`
-    without the API key (for a scraper that cannot send one)."""
+    without the API key (for a scraper that cannot send one); `metrics_labels`: added to every series (a Ray Serve
+    replica's name). The app's `state` has its `metrics` (`metrics.Metrics`) and `scheduler`."""
     timeouts = timeouts or Timeouts()
     uvicorn_log = logging.getLogger("uvicorn.error")
     if not any(isinstance(f, LoggedCut) for f in uvicorn_log.filters):
         uvicorn_log.addFilter(LoggedCut())
     svc = SpeechService(tts, scheduler, voices_dir, api_key, timeouts, default_voice, ws_idle_s, base)
+    svc.replica = (metrics_labels or {}).get("replica")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -112,7 +115,7 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
     async def _crash(request: Request, e: Exception):  # uvicorn logs the traceback; the client gets one line
         return error_response(500, "internal server error; the server log has the details", code="server_error")
 
-    metrics = Metrics(scheduler)  # GET /metrics (serve/metrics.py)
+    metrics = Metrics(scheduler, tts.voices, metrics_labels)  # GET /metrics (serve/metrics.py)
     app.add_middleware(RequestCounter, metrics=metrics)
     app.add_middleware(BodyDeadline, timeouts=timeouts)
     if allowed_hosts:
@@ -146,4 +149,5 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
         return error_response(503, "the server is not ready (starting or draining)", None, "not_ready",
                               {"Retry-After": "1"})
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    app.state.metrics, app.state.scheduler = metrics, scheduler
     return app

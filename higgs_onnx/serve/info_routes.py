@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 from fastapi import APIRouter
@@ -65,11 +66,13 @@ def routers(svc: SpeechService) -> tuple[APIRouter, APIRouter]:
     @root.get("/health")
     async def health():
         """Liveness, the request limits (context and slot positions, default max_rows, sizes, timeouts), the
-        scheduler's counters and how often each client guard fired."""
+        scheduler's counters and how often each client guard fired; under Ray Serve, the answering replica (its id
+        and process)."""
         return {"status": "ok", "model": svc.model_id, "models": svc.models, "sample_rate": svc.sample_rate,
                 "limits": limits, "scheduler": svc.scheduler.stats(), "guards": dict(COUNTERS),
                 "voice_cache": svc.tts.voices.stats(),
-                "uptime_s": round(time.time() - svc.started, 1)}
+                "uptime_s": round(time.time() - svc.started, 1),
+                **({"replica": {"id": svc.replica, "pid": os.getpid()}} if svc.replica else {})}
 
     @root.get("/", include_in_schema=False)
     async def page():

@@ -9,7 +9,11 @@ What it exports, all prefixed `higgs_`:
   `max_queue`) and its counters (`jobs_total{outcome}` with `rejected` for a full queue's 429, `decoder_steps_total`,
   `rows_total`, `decode_seconds_total`, `prefill_seconds_total`: rows per second and step time are their rates);
 - histograms of each finished job's `time_to_first_audio_seconds` and `real_time_factor` (wall / audio);
-- `aligner_pending`: pieces waiting for, or in, the word aligner's thread.
+- `aligner_pending`: pieces waiting for, or in, the word aligner's thread;
+- `takes_total{policy, verdict}`: takes the guard judged (`best_of`: a request's `takes`; `redraw`: its `retries`) by
+  verdict (`good`, or the failure the guard found), and `redraws_total`: the takes drawn again after a bad one;
+- `voice_cache_lookups_total{result}` (`hit`, `miss`) and `voice_cache_bytes`: voices made from reference audio.
+Under Ray Serve each replica's series carry a `replica` label and one scrape returns every replica's (`ray_serve`).
 """
 
 from __future__ import annotations
@@ -39,8 +43,9 @@ class Metrics:
     """One process's registry: the counters the middleware and the scheduler feed, and the scheduler read at each
     scrape."""
 
-    def __init__(self, scheduler):
+    def __init__(self, scheduler, voices=None, labels: dict | None = None):
         self.registry = CollectorRegistry(auto_describe=True)
+        self.scheduler = scheduler
         self.requests = Counter("higgs_requests", "requests of the speech doors by door and status (HTTP: the "
                                 "status code; WebSocket doors: accepted or refused)", ["door", "status"],
                                 registry=self.registry)
@@ -48,21 +53,49 @@ class Metrics:
                                      "its first audio sample", buckets=FIRST_AUDIO_BUCKETS, registry=self.registry)
         self.rtf = Histogram("higgs_real_time_factor", "a finished job's wall time over its audio time (below 1: "
                              "faster than real time)", buckets=RTF_BUCKETS, registry=self.registry)
-        self.registry.register(_SchedulerCollector(scheduler))
+        self.registry.register(_SchedulerCollector(scheduler, voices))
         scheduler.on_stats = self.observe
+        self.labels = labels or {}  # added to every series (a Ray Serve replica's `replica`)
+        self.board = None  # ray_serve.MetricsBoard's handle: every replica's families in one scrape
 
     def observe(self, stats) -> None:
         """A finished job's figures (called from the scheduler's threads; prometheus-client is thread-safe)."""
         self.first_audio.observe(stats.first_audio_s)
         self.rtf.observe(stats.rtf)
 
+    def families(self) -> list:
+        """This process's metric families, each sample carrying `labels`."""
+        out = list(self.registry.collect())
+        if self.labels:
+            for family in out:
+                family.samples = [s._replace(labels={**s.labels, **self.labels}) for s in family.samples]
+        return out
+
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if self.board is None:
+            return generate_latest(self.registry)
+        return render_families(self.board.gather(self.families()))
+
+
+def render_families(families: list) -> bytes:
+    """Families of several processes (same names, different labels) as one exposition: each family once."""
+    merged: dict[str, object] = {}
+    for family in families:
+        if family.name in merged:
+            merged[family.name].samples.extend(family.samples)
+        else:
+            merged[family.name] = family
+
+    class Many:
+        def collect(self):
+            return merged.values()
+
+    return generate_latest(Many())
 
 
 class _SchedulerCollector:
-    def __init__(self, scheduler):
-        self.scheduler = scheduler
+    def __init__(self, scheduler, voices=None):
+        self.scheduler, self.voices = scheduler, voices
 
     def describe(self):
         return []
@@ -91,6 +124,24 @@ class _SchedulerCollector:
                                 ("decode_seconds", "decode_s", "seconds spent in decoder steps"),
                                 ("prefill_seconds", "prefill_s", "seconds spent prefilling prompts")):
             yield CounterMetricFamily(f"higgs_{name}", what, value=s[key])
+        from ..job.run import take_tally
+
+        counts, redraws = take_tally()
+        takes = CounterMetricFamily("higgs_takes", "takes the guard judged, by policy (best_of: takes; redraw: "
+                                    "retries) and verdict (good, or what the guard found)",
+                                    labels=["policy", "verdict"])
+        for (policy, verdict), n in sorted(counts.items()):
+            takes.add_metric([policy, verdict], n)
+        yield takes
+        yield CounterMetricFamily("higgs_redraws", "takes drawn again after a bad one (retries)", value=redraws)
+        if self.voices is not None:
+            v = self.voices.stats()
+            lookups = CounterMetricFamily("higgs_voice_cache_lookups", "voices from reference audio looked up in "
+                                          "memory: hit (made before) or miss (encoded now)", labels=["result"])
+            lookups.add_metric(["hit"], v["hits"])
+            lookups.add_metric(["miss"], v["misses"])
+            yield lookups
+            yield GaugeMetricFamily("higgs_voice_cache_bytes", "memory held by cached voices", value=v["bytes"])
 
 
 class RequestCounter:

@@ -149,6 +149,12 @@ class JobScheduler:
         """Started and not stopping (the server's readiness)."""
         return getattr(self, "_started", False) and not self._stopping.is_set()
 
+    @property
+    def alive(self) -> bool:
+        """The loop's thread runs (a Ray Serve replica's health check)."""
+        thread = self.core._thread
+        return thread is not None and thread.is_alive()
+
     def stop(self) -> None:
         """End the loop's thread after its current step (at most `STOP_GRACE_S`: a longer step is left to its daemon
         thread); jobs still waiting or running fail ("shutting down"), every slot is freed and the codec worker

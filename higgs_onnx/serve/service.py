@@ -65,6 +65,7 @@ class SpeechService:
         self.store = VoiceStore(voices_dir, tts.model_id)
         self.voice_lock = asyncio.Lock()  # one reference encoding at a time: it competes with generation for the cores
         self.started = time.time()
+        self.replica: str | None = None  # a Ray Serve replica's id (create_app; /health says which answered)
 
     def refusal(self, headers, cross_site_write: bool) -> ApiError | None:
         """Why a request must be refused: a write from a page of another origin (a browser sends Origin, and

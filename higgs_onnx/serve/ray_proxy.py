@@ -1,0 +1,149 @@
+"""Ray Serve's HTTP proxy, made to answer as our server does when a replica cannot (`serve --ray`).
+
+Ray Serve's proxy (uvicorn in a Ray actor) forwards each request to a replica. When that replica's process dies
+while it holds the request, the proxy has nothing to send: a plain-text 500, or a stream that just stops. And when
+every replica is full it answers Ray's own plain-text 429. This ASGI middleware, installed in the proxy through
+`RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=higgs_onnx.serve.ray_proxy:middlewares`, ends each such request the way
+docs/server.md documents for a server that stops:
+
+- no answer started: a JSON 503 with `Retry-After`, OpenAI's error shape, code `replica_lost`;
+- an SSE stream started: an `error` event (code `replica_lost`), then the stream's end;
+- another audio stream started: the connection is cut without the chunked body's end, so no client takes the
+  truncated audio for whole;
+- a WebSocket session open: an error message in its door's own shape (ours, Cartesia's, ElevenLabs'), then a close
+  with code 1011;
+- Ray's own plain-text 429 / 503 (every replica full, none running): the same JSON error body as ours.
+
+It imports nothing heavy: it runs in the proxy's process, which loads no model.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from starlette.middleware import Middleware
+
+from .metrics import door_of
+
+log = logging.getLogger("higgs_onnx.serve.ray")
+RETRY_AFTER_S = 1
+LOST = ("the replica serving this request stopped before it finished (it is restarted; other replicas answer "
+        "meanwhile); try again")
+
+
+def middlewares() -> list[Middleware]:
+    """The proxy callback Ray Serve calls once when its proxy starts."""
+    return [Middleware(ReplicaLoss)]
+
+
+def error_body(status: int, message: str, code: str) -> bytes:
+    kind = "rate_limit_error" if status == 429 else "server_error"
+    return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
+
+
+def socket_error(door: str | None) -> dict:
+    """A lost replica's last message on a WebSocket door, in that door's shape (serve/wsproto.py, cartesia.py,
+    elevenlabs.py)."""
+    if door == "cartesia":
+        return {"type": "error", "context_id": "", "status_code": 503, "done": True, "error": LOST, "param": None,
+                "code": "replica_lost"}
+    if door == "elevenlabs":
+        return {"error": "replica_lost", "message": LOST, "param": None}
+    return {"type": "error", "message": LOST, "error_type": "server_error", "param": None, "code": "replica_lost"}
+
+
+class ReplicaLoss:
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        gone = []  # the client left: nothing is owed to it
+
+        async def receiving():
+            message = await receive()
+            if message["type"] in ("http.disconnect", "websocket.disconnect"):
+                gone.append(message)
+            return message
+
+        if scope["type"] == "http":
+            return await self.http(scope, receiving, send, gone)
+        return await self.websocket(scope, receiving, send, gone)
+
+    async def http(self, scope, receive, send, gone):
+        state = {"started": False, "ended": False, "sse": False, "held": None, "body": b""}
+
+        async def sending(message):
+            kind = message["type"]
+            if kind == "http.response.start":
+                headers = dict(message.get("headers") or [])
+                ctype = headers.get(b"content-type", b"").decode("latin-1")
+                if message["status"] in (429, 503) and not ctype.startswith("application/json"):
+                    state["held"] = message  # Ray's own plain-text answer: rewritten once its body is in
+                    return
+                state["started"] = True
+                state["sse"] = ctype.startswith("text/event-stream")
+            elif kind == "http.response.body" and state["held"] is not None:
+                state["body"] += message.get("body", b"")
+                if message.get("more_body", False):
+                    return
+                held, state["held"] = state["held"], None
+                status = held["status"]
+                text = state["body"].decode("utf-8", "replace").strip() or "no replica can take the request"
+                note = ("every replica is busy; " if status == 429 else "no replica is running; ") + text
+                await self.answer(send, status, error_body(status, note, "rate_limit_exceeded" if status == 429
+                                                           else "no_replica"))
+                state["started"] = state["ended"] = True
+                return
+            elif kind == "http.response.body" and not message.get("more_body", False):
+                state["ended"] = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            if not state["ended"] and not gone:
+                await self.lost_http(scope, send, state)
+
+    @staticmethod
+    async def answer(send, status: int, body: bytes) -> None:
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"retry-after", str(RETRY_AFTER_S).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def lost_http(self, scope, send, state) -> None:
+        log.warning("%s %s: the replica was lost mid-request", scope.get("method"), scope.get("path"))
+        try:
+            if not state["started"]:
+                await self.answer(send, 503, error_body(503, LOST, "replica_lost"))
+            elif state["sse"]:
+                event = {"type": "error", "error": json.loads(error_body(503, LOST, "replica_lost"))["error"]}
+                await send({"type": "http.response.body", "body": f"data: {json.dumps(event)}\n\n".encode(),
+                            "more_body": False})
+            # any other started stream is left unfinished: the server cuts the connection
+        except Exception as e:  # noqa: BLE001 - the client left too: nothing to tell it
+            log.info("could not tell the client: %s", e)
+
+    async def websocket(self, scope, receive, send, gone):
+        state = {"accepted": False, "closed": False}
+
+        async def sending(message):
+            if message["type"] == "websocket.accept":
+                state["accepted"] = True
+            elif message["type"] in ("websocket.close", "websocket.http.response.start"):
+                state["closed"] = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            if state["accepted"] and not state["closed"] and not gone:
+                log.warning("WebSocket %s: the replica was lost mid-session", scope.get("path"))
+                try:
+                    await send({"type": "websocket.send", "text": json.dumps(socket_error(door_of(scope)))})
+                    await send({"type": "websocket.close", "code": 1011, "reason": "replica lost"})
+                except Exception as e:  # noqa: BLE001 - the client left too
+                    log.info("could not tell the client: %s", e)

@@ -1,0 +1,241 @@
+"""The speech server on Ray Serve: `python -m higgs_onnx.serve --ray [--address ADDR] --replicas N [--max-replicas M]`.
+
+The same app as the plain server (every route: speech, SSE, voices, dialogue, the page, the WebSocket doors) runs in
+each replica of one Ray Serve deployment (`HiggsSpeech`); each replica loads the model once and runs its own
+scheduler (`serve.__main__.load`). Ray Serve's HTTP proxy listens on --host/--port and routes each request to a
+replica (the less busy of two, by ongoing requests); docs/server.md, "Scaling", is the user's page.
+
+- **Admission.** A replica takes `max_batch + max_queue + LIGHT_REQUESTS` requests at once (the light ones: health,
+  voice lists, sockets waiting for text); its own scheduler answers 429 with `Retry-After` when its queue is full,
+  as the plain server does. When every replica is at that bound, Ray's router holds up to `max_queue` more per
+  proxy and refuses the rest with 429 and `Retry-After` (its `BackpressureConfig`; the proxy middleware gives it our
+  JSON body).
+- **Autoscaling.** `--max-replicas M` (> N) scales between N and M on ongoing requests per replica (target:
+  --max-batch), up after `UPSCALE_DELAY_S` of load, down after `DOWNSCALE_DELAY_S` of quiet.
+- **Shared state.** Saved voices live in one folder every replica reads and writes (`--voices`, default the
+  export's `voices/`): on one machine a local folder, across machines shared storage at the same path (a voice is a
+  few files written atomically, `serve.voices`); Ray's object store would lose them with the cluster. The API key
+  and every flag reach the replicas as the deployment's arguments.
+- **Faults.** A replica whose model fails to load never becomes RUNNING, so it takes no traffic (the command exits
+  with the replica's error when none comes up); `check_health` fails when its scheduler's thread has died, and
+  Ray Serve replaces it. A replica killed mid-request: the proxy middleware (`ray_proxy`) answers what it held.
+- **Metrics.** Each replica's series carry `replica="<id>"`; each replica pushes its families to one small actor
+  (`MetricsBoard`) every `PUSH_S`, and a scrape answered by any replica returns every live replica's. Ray's own
+  metrics (serve_*, per replica and proxy) are on each node's Ray metrics port.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import ray
+from ray import serve
+
+log = logging.getLogger("higgs_onnx.serve.ray")
+APP = "higgs"
+DEPLOYMENT = "HiggsSpeech"
+NAMESPACE = "higgs-onnx"
+BOARD = "higgs-metrics-board"
+PROXY_CALLBACK = "higgs_onnx.serve.ray_proxy:middlewares"
+LIGHT_REQUESTS = 8
+PUSH_S = 1.0  # a replica's metrics reach the board this often
+STALE_S = 10.0  # a replica silent this long is gone from the scrape
+UPSCALE_DELAY_S = 3.0
+DOWNSCALE_DELAY_S = 60.0
+HEALTH_PERIOD_S = 2.0
+REPO = str(Path(__file__).resolve().parents[2])
+
+
+@ray.remote(num_cpus=0)
+class MetricsBoard:
+    """Every replica's latest metric families (prometheus-client's `Metric` objects), by replica."""
+
+    def __init__(self):
+        self.seen: dict[str, tuple[float, list]] = {}
+
+    def put(self, name: str, families: list) -> None:
+        self.seen[name] = (time.monotonic(), families)
+
+    def gather(self, name: str, families: list) -> list:
+        self.put(name, families)
+        now = time.monotonic()
+        self.seen = {k: v for k, v in self.seen.items() if now - v[0] < STALE_S}
+        return [f for _, fams in self.seen.values() for f in fams]
+
+    def drop(self, name: str) -> None:
+        self.seen.pop(name, None)
+
+
+class Board:
+    """A replica's side of the board: `gather(mine)` every live replica's families (its own alone when the board
+    cannot be reached, logged)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.actor = MetricsBoard.options(name=BOARD, namespace=NAMESPACE, get_if_exists=True,
+                                          lifetime="detached").remote()
+
+    def gather(self, families: list) -> list:
+        try:
+            return ray.get(self.actor.gather.remote(self.name, families), timeout=5)
+        except Exception as e:  # noqa: BLE001 - the scrape still answers, with this replica's series
+            log.warning("the metrics board is unreachable (%s); this replica's metrics only", e)
+            return families
+
+
+@serve.ingress()
+class HiggsSpeech:
+    """One replica: the model, its scheduler and the app (`serve.__main__.load`)."""
+
+    def __init__(self, args: argparse.Namespace):
+        from .__main__ import load
+
+        self.name = serve.get_replica_context().replica_id.unique_id
+        self.built, tts, _ = load(args, {"replica": self.name})  # (`app` is Ray's: the wrapper's property)
+        self.scheduler = self.built.state.scheduler
+        self.metrics = self.built.state.metrics
+        self.metrics.board = Board(self.name)
+        self.stopped = threading.Event()
+        threading.Thread(target=self.push, name="higgs-metrics-push", daemon=True).start()
+        log.info("replica %s: %s loaded (pid %d)", self.name, Path(tts.manifest.folder).name, os.getpid())
+
+    def __serve_build_asgi_app__(self):
+        return self.built
+
+    def push(self) -> None:
+        while not self.stopped.wait(PUSH_S):
+            try:
+                self.metrics.board.actor.put.remote(self.name, self.metrics.families())
+            except Exception as e:  # noqa: BLE001 - the next push tries again
+                log.debug("metrics push: %s", e)
+
+    def check_health(self) -> None:
+        """Ray Serve's health check: the scheduler's loop must run (a replica whose loop died is replaced)."""
+        if not self.scheduler.alive and not self.stopped.is_set():
+            raise RuntimeError("the scheduler's loop has stopped")
+
+
+def free_port(host: str) -> int:
+    """A port free now on `host`, for Ray's proxy (--port 0; another process could take it before the proxy)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def deployment(args: argparse.Namespace):
+    """The bound application: replicas, autoscaling, admission and health of `HiggsSpeech`."""
+    from ray.serve.config import BackpressureConfig
+
+    threads = args.threads or 1
+    options = {"max_ongoing_requests": args.max_batch + args.max_queue + LIGHT_REQUESTS,
+               "max_queued_requests": max(args.max_queue, 1),
+               "backpressure_config": BackpressureConfig(status_code=429, retry_after_s=1),
+               "ray_actor_options": {"num_cpus": threads},
+               "health_check_period_s": HEALTH_PERIOD_S, "health_check_timeout_s": 30.0,
+               "graceful_shutdown_wait_loop_s": 1.0, "graceful_shutdown_timeout_s": 10.0}
+    if args.max_replicas is not None and args.max_replicas > args.replicas:
+        options["autoscaling_config"] = {"min_replicas": args.replicas, "initial_replicas": args.replicas,
+                                         "max_replicas": args.max_replicas,
+                                         "target_ongoing_requests": args.max_batch,
+                                         "upscale_delay_s": UPSCALE_DELAY_S, "downscale_delay_s": DOWNSCALE_DELAY_S,
+                                         "metrics_interval_s": 1.0, "look_back_period_s": 3.0}
+    else:
+        options["num_replicas"] = args.replicas
+    replica_args = argparse.Namespace(**{**vars(args), "threads": threads,
+                                         "model_path": args.model_path.resolve(),
+                                         "voices": (args.voices or args.model_path / "voices").resolve()})
+    return serve.deployment(HiggsSpeech, name=DEPLOYMENT).options(**options).bind(replica_args)
+
+
+def start_ray(args: argparse.Namespace, temp: str | None) -> None:
+    """Join --address, or start a local instance whose processes find this package and whose proxy runs our
+    middleware (`ray_proxy`; a cluster started by hand needs the same variable, docs/server.md)."""
+    os.environ["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] = PROXY_CALLBACK
+    path = os.environ.get("PYTHONPATH", "")
+    if REPO not in path.split(os.pathsep):
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, path) if p)
+    if args.address is not None:
+        ray.init(address=args.address, namespace=NAMESPACE, log_to_driver=False)
+        return
+    cores = os.cpu_count() or 1
+    need = (args.max_replicas or args.replicas) * (args.threads or 1)
+    if need > cores:
+        print(f"warning: {need} replica threads on {cores} cores: the replicas share cores", file=sys.stderr)
+    ray.init(address="local", namespace=NAMESPACE, num_cpus=max(cores, need), include_dashboard=False,
+             log_to_driver=args.log_level.upper() in ("DEBUG", "INFO"), _temp_dir=temp,
+             logging_level=logging.WARNING)
+
+
+def serve_on_ray(args: argparse.Namespace) -> int:
+    """Deploy, print the banner once the replicas serve, and run until Ctrl-C / SIGTERM (then the app is deleted,
+    and a local Ray instance stopped)."""
+    import shutil
+
+    from ..ray_local import StopSignal, ray_temp_dir, stop_leftovers
+
+    port = args.port or free_port(args.host)
+    temp = None if args.address else ray_temp_dir()
+    stop = StopSignal()
+    stop.install()
+    code = 0
+    try:
+        start_ray(args, temp)
+        stop.check()
+        stop.install()  # after ray.init, which sets handlers of its own
+        serve.start(http_options={"host": args.host, "port": port})
+        try:
+            serve.run(deployment(args), name=APP, route_prefix="/")
+        except RuntimeError as e:  # every replica failed to start: its error, once
+            print(f"error: no replica came up: {replica_error(e)}", file=sys.stderr)
+            return 1
+        shown = f"[{args.host}]" if ":" in args.host else args.host
+        scale = (f"{args.replicas}..{args.max_replicas} replicas (autoscaling)"
+                 if args.max_replicas and args.max_replicas > args.replicas else f"{args.replicas} replica(s)")
+        print(f"higgs-onnx speech server on Ray Serve: http://{shown}:{port}/ ({scale}, {args.threads or 1} "
+              f"thread(s) each, model {args.model_path.name}, batch {args.max_batch}, queue {args.max_queue}, "
+              f"voices in {args.voices or args.model_path / 'voices'}"
+              f"{', API key required' if args.api_key else ''}; Ray {args.address or 'local'})", flush=True)
+        while True:
+            time.sleep(1.0)
+    except (KeyboardInterrupt, SystemExit) as e:
+        if isinstance(e, SystemExit) and e.code not in (None, 0, signal.SIGTERM):
+            raise
+        print("stopping: the replicas drain, then Ray Serve stops", file=sys.stderr)
+    finally:
+        stop.shield()
+        try:
+            try:
+                serve.delete(APP) if args.address else serve.shutdown()
+            except Exception as e:  # noqa: BLE001 - Ray already gone: nothing to stop
+                log.info("serve shutdown: %s", e)
+            ray.shutdown()
+            if temp is not None:
+                stop_leftovers(temp)
+                shutil.rmtree(temp, ignore_errors=True)
+        finally:
+            stop.restore()
+    return code
+
+
+def replica_error(e: BaseException) -> str:
+    """Why the replicas failed to start: the last exception line of the deployment's status (the replica's own
+    error, e.g. a model file that fails its checksum), else Ray's message."""
+    text = str(e)
+    try:
+        for dep in serve.status().applications[APP].deployments.values():
+            text = dep.message or text
+    except Exception as err:  # noqa: BLE001 - Ray's own message then
+        log.debug("serve.status: %s", err)
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if ln.split(":", 1)[0].endswith(("Error", "Exception")) and ":" in ln:
+            return ln
+    return lines[0] if lines else type(e).__name__
