@@ -34,8 +34,8 @@ def health(server) -> dict:
     return r.json()
 
 
-def replicas_seen(server, want: int, within: float = 90.0) -> dict[str, int]:
-    """{replica id: pid} of the replicas answering /health, once `want` distinct ones did."""
+def replicas_seen(server, want: int = 0, within: float = 90.0, until=None) -> dict[str, int]:
+    """{replica id: pid} of the replicas answering /health, once `want` distinct ones did (or `until(seen)`)."""
     seen: dict[str, int] = {}
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
@@ -43,10 +43,10 @@ def replicas_seen(server, want: int, within: float = 90.0) -> dict[str, int]:
         if r.status_code == 200 and "replica" in r.json():
             rep = r.json()["replica"]
             seen[rep["id"]] = rep["pid"]
-            if len(seen) >= want:
+            if (until(seen) if until else len(seen) >= want):
                 return seen
         time.sleep(0.1)
-    pytest.fail(f"{want} replicas did not answer within {within} s: {seen}")
+    pytest.fail(f"the replicas wanted did not answer within {within} s: {seen}")
 
 
 def scrape(server) -> dict:
@@ -118,12 +118,13 @@ def test_two_replicas_answer_as_one_server_does(pair, plain):
     for _ in range(2):  # each replica answers some of them (the proxy picks one per request)
         assert answers(pair) == want
     # one scrape through the proxy has every replica's series; the counters add up to what was sent
+    time.sleep(2.5)  # every replica pushes its families each second (ray_serve.PUSH_S): the scrape sees all so far
     before = scrape(pair)
     for _ in range(6):
         assert pair.http.post("/v1/audio/speech", json={"model": "tts-1", "input": "Hi.", "max_rows": 30}).status_code \
             == 200
     assert pair.http.post("/v1/audio/speech", json={"model": "tts-1", "input": " "}).status_code == 400
-    time.sleep(2.5)  # every replica pushes its families each second (ray_serve.PUSH_S)
+    time.sleep(2.5)
     after = scrape(pair)
 
     def total(m: dict, name: str, **labels) -> float:
@@ -213,6 +214,7 @@ def test_a_killed_replica_ends_what_it_held_and_is_replaced(pair):
         victim = sorted(ids)[0]
         os.kill(ids[victim], signal.SIGKILL)
         results = [f.result(timeout=180) for f in futures]
+    print("outcomes:", results)
     lost = [r for r in results if r != "ok"]
     assert lost, f"the killed replica held none of {results}"
     assert set(lost) <= {"503 replica_lost", "sse replica_lost", "ws replica_lost", "cut"}, results
@@ -221,8 +223,9 @@ def test_a_killed_replica_ends_what_it_held_and_is_replaced(pair):
     with ThreadPoolExecutor(4) as pool:
         codes = list(pool.map(lambda _: pair.http.post("/v1/audio/speech", json=short).status_code, range(20)))
     assert codes == [200] * 20, codes
-    fresh = replicas_seen(pair, 3, within=120)  # Ray Serve started a new replica in the killed one's place
-    assert victim in fresh and len(fresh) == 3
+    # Ray Serve starts a new replica in the killed one's place
+    fresh = replicas_seen(pair, within=120, until=lambda seen: set(seen) - set(ids))
+    assert victim not in fresh and ids[victim] not in fresh.values()
 
 
 def test_autoscaling_adds_a_replica_under_load(builds, tmp_path):
