@@ -15,7 +15,7 @@ from .job.run import SpeechJob
 from .runtime.model import HiggsTTS
 from .serve.scheduler import JobScheduler
 from .serve.voices import VoiceError, VoiceStore, check_languages
-from .serve.wyoming_server import DEFAULT_LANGUAGES, WyomingService, check_uri, start
+from .serve.wyoming_server import DEFAULT_LANGUAGES, Announcement, WyomingService, check_uri, check_zeroconf, start
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,6 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model-path", type=Path, required=True, help="an onnx/<device>_<precision> folder")
     ap.add_argument("--uri", default="tcp://127.0.0.1:10200", help="where to listen (default %(default)s; "
                     "tcp://0.0.0.0:10200 for Home Assistant on another machine)")
+    ap.add_argument("--zeroconf", nargs="?", const="", metavar="NAME", help="announce the server over mDNS for "
+                    "Home Assistant's discovery, as NAME (default: higgs-onnx-HOSTNAME); docs/integrations.md")
     ap.add_argument("--voices", type=Path, help="folder of saved voices (default: MODEL_PATH/voices)")
     ap.add_argument("--default-voice", default="default", metavar="NAME", help="the voice when a request names none")
     ap.add_argument("--languages", default=",".join(DEFAULT_LANGUAGES), help="languages the voices are listed with "
@@ -38,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     check_uri(args.uri)
+    name = None if args.zeroconf is None else check_zeroconf(args.uri, args.zeroconf)
     base = SpeechOptions.build(text_values(args), "cli")  # the text steps (docs/text.md), before the model loads
     languages = list(check_languages(args.languages, "--languages"))  # the one check of a language code
     if not languages:
@@ -56,11 +59,17 @@ def run(args: argparse.Namespace) -> int:
         service.scheduler.start()
         try:
             server = await start(args.uri, service)
+            mdns = None if name is None else await Announcement.start(server, name)
             where = ", ".join(str(s.getsockname()) for s in server.sockets)
             print(f"higgs-onnx Wyoming server on {args.uri} ({where}); voices: "
-                  f"{', '.join(['default', *store.names()])}", flush=True)
-            async with server:
-                await server.serve_forever()
+                  f"{', '.join(['default', *store.names()])}"
+                  f"{'' if mdns is None else f'; announced as {mdns.info.name}'}", flush=True)
+            try:
+                async with server:
+                    await server.serve_forever()
+            finally:
+                if mdns is not None:
+                    await mdns.close()
         finally:
             service.scheduler.stop()
 

@@ -81,6 +81,48 @@ def test_metrics_count_what_was_sent_and_need_the_key(server):
     assert after[("higgs_max_batch", ())] == 1 and after[("higgs_aligner_pending", ())] == 0
 
 
+@pytest.fixture(scope="module")
+def roomy(builds, tmp_path_factory):
+    from test_server import Server
+
+    s = Server(builds["fp32"], tmp_path_factory.mktemp("metrics2"), "--api-key", KEY)
+    yield s
+    s.stop()
+
+
+def test_takes_verdicts_and_voice_cache_hits(roomy):
+    """A best-of-2 request counts two judged takes; a request with retries counts its takes and redraws; the same
+    inline reference twice is one voice-cache miss, then a hit."""
+    import base64
+    from pathlib import Path
+
+    server = roomy
+    clip = base64.b64encode((Path(__file__).parent / "data" / "ref_en_24k.wav").read_bytes()).decode()
+    before = scrape(server)
+    assert server.http.post("/v1/audio/speech", json={**BODY, "takes": 2}, headers=AUTH).status_code == 200
+    assert server.http.post("/v1/audio/speech", json={**BODY, "retries": 2}, headers=AUTH).status_code == 200
+    for _ in range(2):
+        r = server.http.post("/v1/audio/speech", json={**BODY, "ref_audio": clip, "ref_text": "A reference."},
+                             headers=AUTH)
+        assert r.status_code == 200, r.text
+    after = scrape(server)
+
+    def grew(name: str, **labels) -> float:
+        def total(m):
+            return sum(v for (n, lab), v in m.items() if n == name and all(dict(lab).get(k) == x
+                                                                           for k, x in labels.items()))
+        return total(after) - total(before)
+
+    assert grew("higgs_takes_total", policy="best_of") == 2
+    redrawn = grew("higgs_redraws_total")
+    assert grew("higgs_takes_total", policy="redraw") == 1 + redrawn and 0 <= redrawn <= 2
+    assert grew("higgs_voice_cache_lookups_total", result="miss") == 1
+    assert grew("higgs_voice_cache_lookups_total", result="hit") == 1
+    assert after[("higgs_voice_cache_bytes", ())] > 0
+    verdicts = {dict(lab)["verdict"] for (n, lab) in after if n == "higgs_takes_total"}
+    assert verdicts and all(v == "good" or v.replace("_", "").isalpha() for v in verdicts)
+
+
 def test_metrics_public_needs_no_key(builds, tmp_path):
     from test_server import Server
 

@@ -26,6 +26,18 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data"
 TEXT = "Hello there, from the Wyoming server. A second sentence follows."
+MDNS_NAME = f"higgs-test-{os.getpid()}"
+
+
+def discover(name: str, timeout_ms: int = 5000):
+    """The announced service as Home Assistant finds it: an mDNS query (python-zeroconf) on loopback."""
+    from zeroconf import IPVersion, Zeroconf
+
+    zc = Zeroconf(interfaces=["127.0.0.1"], ip_version=IPVersion.V4Only)
+    try:
+        return zc.get_service_info("_wyoming._tcp.local.", f"{name}._wyoming._tcp.local.", timeout=timeout_ms)
+    finally:
+        zc.close()
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +49,8 @@ def wyoming(builds, tmp_path_factory):
     tts = HiggsTTS(builds["fp32"], verify=False)
     tts.make_voice(DATA / "ref_en_24k.wav", (DATA / "ref_en_24k.txt").read_text().strip()).save(voices / "narrator.npz")
     proc = subprocess.Popen([sys.executable, "-m", "higgs_onnx.wyoming", "--model-path", str(builds["fp32"]),
-                             "--uri", "tcp://127.0.0.1:0", "--voices", str(voices)], cwd=ROOT, text=True,
+                             "--uri", "tcp://127.0.0.1:0", "--voices", str(voices), "--zeroconf", MDNS_NAME],
+                            cwd=ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "CI": "1"})
     line = proc.stdout.readline()
     m = re.search(r"\('127\.0\.0\.1', (\d+)\)", line)
@@ -166,9 +179,28 @@ def test_a_client_that_vanishes_mid_audio_leaves_the_server_serving(wyoming):
     assert len(asyncio.run(describe())) > 0
 
 
+def test_announced_over_mdns_and_found_by_a_client(wyoming):
+    """`--zeroconf NAME`: an mDNS query finds NAME._wyoming._tcp.local. at the port the server listens on, and a
+    Wyoming client that connects there is answered."""
+    info = discover(MDNS_NAME)
+    assert info is not None, "not announced"
+    assert info.port == wyoming and info.parsed_addresses() == ["127.0.0.1"]
+    assert info.properties[b"app"] == b"higgs-onnx"
+    assert discover("nobody-by-this-name", 1000) is None
+
+    async def describe():
+        async with AsyncTcpClient(info.parsed_addresses()[0], info.port) as c:
+            await c.write_event(Describe().event())
+            return Info.from_event(await asyncio.wait_for(c.read_event(), 60))
+
+    assert asyncio.run(describe()).tts[0].name == "higgs-onnx"
+
+
 def test_bad_flags_are_one_line(builds):
     for args, want in ((["--uri", "tcp://127.0.0.1:99999"], "port must be"), (["--uri", "http://x"], "use tcp://"),
-                       (["--default-voice", "nobody"], "--default-voice: unknown voice")):
+                       (["--default-voice", "nobody"], "--default-voice: unknown voice"),
+                       (["--uri", "unix:///tmp/w.sock", "--zeroconf"], "a unix socket"),
+                       (["--zeroconf", "a.b"], "without dots"), (["--zeroconf", "x" * 64], "at most 63 bytes")):
         r = subprocess.run([sys.executable, "-m", "higgs_onnx.wyoming", "--model-path", str(builds["fp32"]), *args],
                            cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and want in r.stderr and "Traceback" not in r.stderr, r.stderr
@@ -180,8 +212,11 @@ def test_serve_answers_wyoming_on_its_own_scheduler(builds, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = Server(builds["fp32"], tmp_path, "--wyoming", f"tcp://127.0.0.1:{port}")
+    name = f"higgs-serve-{os.getpid()}"
+    server = Server(builds["fp32"], tmp_path, "--wyoming", f"tcp://127.0.0.1:{port}", "--zeroconf", name)
     try:
+        info = discover(name)  # the HTTP server's Wyoming door is announced too
+        assert info is not None and info.port == port
         before = server.stats()["submitted"]
 
         async def run():
@@ -193,3 +228,7 @@ def test_serve_answers_wyoming_on_its_own_scheduler(builds, tmp_path):
         assert server.stats()["submitted"] == before + 1  # the HTTP server's scheduler made it
     finally:
         server.stop()
+    assert discover(name, 1500) is None  # withdrawn when the server stops
+    r = subprocess.run([sys.executable, "-m", "higgs_onnx.serve", "--model-path", str(builds["fp32"]), "--zeroconf"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--zeroconf announces the Wyoming door" in r.stderr, r.stderr

@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "WebUI send): a saved voice's name, or 'default' (zero-shot, the default)")
     ap.add_argument("--wyoming", metavar="URI", help="also answer Home Assistant's Wyoming protocol on URI "
                     "(tcp://HOST:PORT), on the same scheduler: its requests batch with the HTTP ones")
+    ap.add_argument("--zeroconf", nargs="?", const="", metavar="NAME", help="announce the --wyoming door over mDNS "
+                    "for Home Assistant's discovery, as NAME (default: higgs-onnx-HOSTNAME)")
     ap.add_argument("--ws-idle-timeout", type=float, default=30.0, metavar="S", help="a text-in WebSocket session "
                     "with nothing to speak and no message for this long is closed (default %(default)s)")
     ap.add_argument("--api-key", default=os.environ.get("HIGGS_API_KEY"), help="require 'Authorization: Bearer "
@@ -113,9 +115,13 @@ def check_args(args: argparse.Namespace) -> None:
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
     if args.wyoming is not None:
-        from .wyoming_server import check_uri
+        from .wyoming_server import check_uri, check_zeroconf
 
         check_uri(args.wyoming, "--wyoming")
+        if args.zeroconf is not None:
+            args.zeroconf = check_zeroconf(args.wyoming, args.zeroconf)
+    elif args.zeroconf is not None:
+        raise ValueError("--zeroconf announces the Wyoming door: give --wyoming tcp://HOST:PORT too")
     if not args.ws_idle_timeout > 0:
         raise ValueError(f"--ws-idle-timeout must be > 0 seconds, got {args.ws_idle_timeout}")
     if args.prefill_chunk is not None and args.prefill_chunk < 1:
@@ -247,7 +253,7 @@ def load(args: argparse.Namespace, metrics_labels: dict | None = None):
                      allowed_hosts=LOOPBACK_NAMES if is_loopback(args.host) else None,
                      timeouts=timeouts_of(args), default_voice=args.default_voice,
                      ws_idle_s=args.ws_idle_timeout, wyoming=args.wyoming, base=args.base,
-                     metrics_public=args.metrics_public, metrics_labels=metrics_labels)
+                     metrics_public=args.metrics_public, metrics_labels=metrics_labels, zeroconf=args.zeroconf)
     return app, tts, voices
 
 

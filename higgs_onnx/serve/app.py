@@ -45,7 +45,7 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
                allowed_hosts: list[str] | None = None, timeouts: Timeouts | None = None,
                default_voice: str = DEFAULT, ws_idle_s: float = 30.0, wyoming: str | None = None,
                base: SpeechOptions | None = None, metrics_public: bool = False,
-               metrics_labels: dict | None = None) -> FastAPI:
+               metrics_labels: dict | None = None, zeroconf: str | None = None) -> FastAPI:
     """The app for one loaded model: the routes of every module, on one `SpeechService`. Its lifespan starts and
     stops `scheduler`. `api_key` (if set) is required as `Authorization: Bearer <key>` on every /v1 route;
     `allowed_hosts` (if set) refuses other Host headers (DNS rebinding: the server's own loopback names); `timeouts`
@@ -53,7 +53,8 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
     voice or one of OpenAI's (`OPENAI_VOICES`); "default" named is zero-shot speech. `base`: the server's defaults
     of the job's options (its text steps), under every request's own (Wyoming's too). `metrics_public`: `/metrics`
     without the API key (for a scraper that cannot send one); `metrics_labels`: added to every series (a Ray Serve
-    replica's name). The app's `state` has its `metrics` (`metrics.Metrics`) and `scheduler`."""
+    replica's name); `zeroconf`: the name the Wyoming door is announced as over mDNS. The app's `state`
+    has its `metrics` (`metrics.Metrics`) and `scheduler`."""
     timeouts = timeouts or Timeouts()
     uvicorn_log = logging.getLogger("uvicorn.error")
     if not any(isinstance(f, LoggedCut) for f in uvicorn_log.filters):
@@ -64,17 +65,21 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         scheduler.start()
-        beside = None
+        beside = mdns = None
         try:
             if wyoming is not None:  # Home Assistant's protocol on the same scheduler (higgs_onnx.wyoming)
-                from .wyoming_server import WyomingService, start
+                from .wyoming_server import Announcement, WyomingService, start
 
                 beside = await start(wyoming, WyomingService(tts, scheduler, svc.store, default_voice=default_voice,
                                                                send_s=timeouts.send_s,
                                                                job=svc.speech_job(svc.base, "wyoming")))
                 log.info("Wyoming server on %s", wyoming)
+                if zeroconf is not None:
+                    mdns = await Announcement.start(beside, zeroconf)
             yield
         finally:
+            if mdns is not None:
+                await mdns.close()
             if beside is not None:
                 beside.close()
             scheduler.stop()

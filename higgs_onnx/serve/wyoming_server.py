@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 from pathlib import Path
 
 from .. import __version__
@@ -332,6 +333,72 @@ async def start(uri: str, service: WyomingService) -> asyncio.AbstractServer:
     if kind == "tcp":
         return await asyncio.start_server(service.handle, where or "127.0.0.1", port, limit=MAX_HEADER)
     return await asyncio.start_unix_server(service.handle, where, limit=MAX_HEADER)
+
+
+MDNS_TYPE = "_wyoming._tcp.local."
+MAX_NAME = 63  # an mDNS instance name is one DNS label
+
+
+def zeroconf_name(name: str | None, what: str = "--zeroconf") -> str:
+    """The instance name Home Assistant shows (`NAME._wyoming._tcp.local.`): given, or `higgs-onnx-<host name>`."""
+    if not name:
+        name = f"higgs-onnx-{socket.gethostname().split('.')[0]}"[:MAX_NAME]
+    if len(name.encode()) > MAX_NAME or "." in name or not name.isprintable():
+        raise ValueError(f"{what} {name!r}: a name of at most {MAX_NAME} bytes, printable, without dots")
+    return name
+
+
+def check_zeroconf(uri: str, name: str | None, what: str = "--zeroconf") -> str:
+    """The announced name, once the URI can be announced (tcp, an IPv4 address or a name: mDNS here is IPv4)."""
+    kind, host, _ = parse_uri(uri)
+    if kind != "tcp":
+        raise ValueError(f"{what}: a unix socket ({uri}) cannot be announced on the network; listen on tcp://")
+    if ":" in host:
+        raise ValueError(f"{what}: {uri} is IPv6; the announcement is IPv4 (listen on an IPv4 address or 0.0.0.0)")
+    return zeroconf_name(name, what)
+
+
+class Announcement:
+    """The Wyoming door announced over mDNS (python-zeroconf), as wyoming-piper does: `NAME._wyoming._tcp.local.`
+    at the address and port it listens on. A server bound to one address is announced on that interface only (one
+    on 127.0.0.1 is found on this machine alone); one on 0.0.0.0 on every interface, at the address this machine
+    would reach the mDNS group from. `close()` withdraws it."""
+
+    def __init__(self, zc, info):
+        self.zc, self.info = zc, info
+
+    @classmethod
+    async def start(cls, server: asyncio.AbstractServer, name: str) -> Announcement:
+        from zeroconf import InterfaceChoice, IPVersion
+        from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
+
+        host, port = server.sockets[0].getsockname()[:2]
+        if host in ("0.0.0.0", "::", ""):
+            interfaces, address = InterfaceChoice.All, own_address()
+        else:
+            interfaces, address = [host], host
+        zc = AsyncZeroconf(interfaces=interfaces, ip_version=IPVersion.V4Only)
+        info = AsyncServiceInfo(MDNS_TYPE, f"{name}.{MDNS_TYPE}", addresses=[socket.inet_aton(address)], port=port,
+                                properties={"app": "higgs-onnx"})
+        await zc.async_register_service(info)
+        log.info("announced %s at %s:%d over mDNS", info.name, address, port)
+        return cls(zc, info)
+
+    async def close(self) -> None:
+        try:
+            await self.zc.async_unregister_service(self.info)
+        finally:
+            await self.zc.async_close()
+
+
+def own_address() -> str:
+    """The IPv4 address this machine sends to the mDNS group from (no packet is sent); loopback when none."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("224.0.0.251", 5353))
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
 
 
 def parse_uri(uri: str, what: str = "--uri") -> tuple[str, str, int | None]:
