@@ -2,6 +2,7 @@
 many rows/s does the server make with 4 clients against the same export decoding 4 requests in process?
 
     python benchmarks/server_load.py --model-path onnx/cpu_int4 [--threads 0] [--prefill-chunk N] [--json out.json]
+    python benchmarks/server_load.py --model-path onnx/cpu_int4 --compare-replicas [--duration 60] [--clients 4]
 
 It starts the real server (`python -m higgs_onnx.serve` in a subprocess on a free port, a voices folder of its
 own), then:
@@ -29,6 +30,12 @@ own), then:
    - *decode only*: 4 requests decoded together for `--rows` rows without stopping, no codec (what
      `bench.py --batch 4` measures): the issue-21 reference. Each new request's prompt prefill (~35 positions) and
      the codec's chunks take cores from the decoder on a 2-core machine, so the server cannot reach it there.
+
+With `--compare-replicas` it runs one thing instead: the same closed-loop load (`--clients` clients, `--duration`
+s each, the throughput phase's text and `--rows`) against one server process with 2 threads, then against the
+server on Ray Serve with 2 replicas of 1 thread each (`serve --ray --replicas 2 --threads 1`, a local Ray
+instance); per setup: requests and audio seconds made per second, rows/s from the audio, and the time to first
+audio's p50 / p95 (docs/server.md, "Scaling").
 
 Prints a table naming the CPU's flags (avx2, avx512f, avx512_vnni, amx); `--json` writes every figure, the chunk
 arrival times included. Nothing here is asserted: the figures depend on the machine (and another process on it).
@@ -300,6 +307,71 @@ def throughput_phase(server: Server, args) -> dict:
             "errors": [s.error for s in done if s.error and not stop.is_set()]}
 
 
+# -- one process with 2 threads against 2 replicas with 1 thread each (--compare-replicas) ----------------------------
+SETUPS = (("one process, 2 threads", ("--threads", "2")),
+          ("Ray Serve, 2 replicas x 1 thread", ("--ray", "--replicas", "2", "--threads", "1")))
+
+
+def closed_loop(server: Server, clients: int, rows: int, duration: float) -> dict:
+    """`clients` closed-loop SSE clients for `duration` s (after a warm-up of one short request each): what the
+    setup made in the window, and each request's time to first audio."""
+    with ThreadPoolExecutor(clients) as pool:  # warm-up: every replica's sessions run once (not timed)
+        list(pool.map(Stream.run, [Stream(server, THROUGHPUT_TEXT, seed=190 + i, max_rows=16)
+                                   for i in range(2 * clients)]))
+    stop, done = threading.Event(), []
+
+    def client(i: int) -> None:
+        k = 0
+        while not stop.is_set():
+            done.append(Stream(server, THROUGHPUT_TEXT, seed=200 + 10 * i + k, max_rows=rows).run())
+            k += 1
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    time.sleep(duration)
+    stop.set()
+    for t in threads:
+        t.join(timeout=600)
+    wall = time.perf_counter() - t0  # the last requests finish: their audio counts over the whole wall
+    ok = [x for x in done if not x.error]
+    firsts = sorted(x.first_audio_s for x in ok if x.first_audio_s is not None)
+    audio = sum(x.audio_s() for x in ok)
+
+    def pct(q: float) -> float | None:
+        return firsts[min(len(firsts) - 1, int(q * len(firsts)))] if firsts else None
+
+    return {"requests": len(ok), "wall_s": wall, "requests_per_s": len(ok) / wall, "audio_s": audio,
+            "audio_s_per_s": audio / wall, "rows_per_s": audio * FRAME_RATE / wall,
+            "first_audio_p50_s": pct(0.5), "first_audio_p95_s": pct(0.95),
+            "errors": [x.error for x in done if x.error]}
+
+
+def compare_replicas(args, flags: list[str]) -> dict:
+    out = {}
+    for name, extra in SETUPS:
+        with tempfile.TemporaryDirectory() as work:
+            server = Server(args.model_path, Path(work), *flags, *extra)
+            try:
+                print(f"{name}: {args.clients} clients for {args.duration:.0f} s ...", file=sys.stderr)
+                out[name] = {"banner": server.banner, **closed_loop(server, args.clients, args.rows, args.duration)}
+            finally:
+                server.stop()
+    return out
+
+
+def report_replicas(out: dict) -> None:
+    print(f"\none process vs replicas: {out['model_path']}, {out['args']['clients']} closed-loop clients, "
+          f"{out['args']['duration']:.0f} s each, up to {out['args']['rows']} rows per request")
+    print(f"CPU: {cpu_line(out['cpu'])}")
+    print(f"  {'setup':<34} {'requests/s':>10} {'audio s/s':>10} {'rows/s':>8} {'TTFA p50':>9} {'TTFA p95':>9}")
+    for name, r in out["replicas"].items():
+        print(f"  {name:<34} {r['requests_per_s']:>10.2f} {r['audio_s_per_s']:>10.2f} {r['rows_per_s']:>8.1f} "
+              f"{fmt(r['first_audio_p50_s']):>9} {fmt(r['first_audio_p95_s']):>9}"
+              f"{'  errors: ' + str(len(r['errors'])) if r['errors'] else ''}")
+
+
 # -- in process: the same feed on one scheduler, and 4 requests decoded together (a child process) ---------------
 def inprocess_figures(model: Path, batch: int, rows: int, threads: int, duration: float) -> dict:
     from higgs_onnx.generation.codec_stream import StreamOptions
@@ -461,6 +533,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only-throughput", action="store_true", help="skip the stall and upload phases")
     ap.add_argument("--skip-upload", action="store_true")
     ap.add_argument("--skip-inprocess", action="store_true")
+    ap.add_argument("--compare-replicas", action="store_true", help="only compare one process with 2 threads and "
+                    "2 Ray Serve replicas with 1 thread each under the same load")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--_inprocess", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -483,6 +557,12 @@ def main(argv: list[str] | None = None) -> int:
     out: dict = {"model_path": str(args.model_path), "cpu": cpu_info(), "args": {k: (str(v) if isinstance(v, Path)
                                                                                    else v)
                                                                                for k, v in vars(args).items()}}
+    if args.compare_replicas:
+        out["replicas"] = compare_replicas(args, ["--max-batch", str(args.max_batch), "--max-queue", "8"])
+        report_replicas(out)
+        if args.json:
+            args.json.write_text(json.dumps(out, indent=2))
+        return 0
     with tempfile.TemporaryDirectory() as work:
         server = Server(args.model_path, Path(work), *flags)
         out["banner"] = server.banner
