@@ -194,7 +194,8 @@ def is_loopback(host: str) -> bool:
 
 
 def listen(host: str, port: int) -> socket.socket:
-    """The listening socket, opened before the model loads: a taken port is one clear error, not a late crash."""
+    """The server's socket, bound before the model loads (a taken port is one clear error, not a late crash); uvicorn
+    listens on it once the model is loaded, so until then a connection is refused (not ready) instead of waiting."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
@@ -207,7 +208,6 @@ def listen(host: str, port: int) -> socket.socket:
     except OSError as e:
         sock.close()
         raise ValueError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port") from None
-    sock.listen(2048)
     sock.set_inheritable(True)
     return sock
 
