@@ -65,7 +65,7 @@ from pathlib import Path
 from .cli import add_log_level, run_main
 from .memory import peak_rss
 from .outputs import write_atomic
-from .ray_local import StopSignal, ray_temp_dir, stop_leftovers
+from .ray_local import StopSignal, check_address, ray_temp_dir, stop_leftovers
 
 MANIFEST = "manifest.jsonl"
 ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # a plain file name: cannot leave the folder
@@ -399,26 +399,6 @@ def build_parser() -> argparse.ArgumentParser:
                     "(default %(default)s; 0 = off); the manifest records every try and its verdict")
     add_log_level(ap)
     return ap
-
-
-def check_address(address: str | None) -> None:
-    """A `ray://` address needs Ray Client (grpcio): pinned here, but a hand-made install may lack it."""
-    import importlib.metadata
-    import importlib.util
-
-    if address is None:
-        return
-    if not address.strip():
-        raise ValueError("--address is empty: give 'auto', HEAD:6379 or ray://HEAD:10001, or leave it out to start "
-                         "a local instance")
-    if address.startswith("ray://") and importlib.util.find_spec("grpc") is None:
-        try:
-            version = importlib.metadata.version("ray")
-        except importlib.metadata.PackageNotFoundError:
-            version = "2.60.0"
-        raise ValueError(f"--address {address} needs Ray Client, which is not installed: pip install "
-                         f"\"ray[client]=={version}\" (or join the cluster with --address auto / HEAD:6379 from a "
-                         f"node of it)")
 
 
 def check_out(out: Path) -> None:

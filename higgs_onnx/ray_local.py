@@ -1,6 +1,7 @@
-"""A local Ray instance's processes, for `python -m higgs_onnx.corpus`: its own temporary folder (short enough for
-Ray's socket paths), the processes still using one after a run (found and stopped, SIGTERM then SIGKILL), and
-SIGTERM taken like Ctrl-C while a run goes on."""
+"""Ray for `python -m higgs_onnx.corpus` and `serve --ray`: `check_address` (a `--address` checked before Ray
+starts), and a local instance's processes: its own temporary folder (short enough for Ray's socket paths), the
+processes still using one after a run (found and stopped, SIGTERM then SIGKILL), and SIGTERM taken like Ctrl-C while
+a run goes on."""
 
 from __future__ import annotations
 
@@ -146,3 +147,23 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[-1].split()[0] != "Z"  # a zombie is gone for our purposes
     except OSError:
         return False
+
+
+def check_address(address: str | None) -> None:
+    """A `ray://` address needs Ray Client (grpcio): pinned here, but a hand-made install may lack it."""
+    import importlib.metadata
+    import importlib.util
+
+    if address is None:
+        return
+    if not address.strip():
+        raise ValueError("--address is empty: give 'auto', HEAD:6379 or ray://HEAD:10001, or leave it out to start "
+                         "a local instance")
+    if address.startswith("ray://") and importlib.util.find_spec("grpc") is None:
+        try:
+            version = importlib.metadata.version("ray")
+        except importlib.metadata.PackageNotFoundError:
+            version = "2.60.0"
+        raise ValueError(f"--address {address} needs Ray Client, which is not installed: pip install "
+                         f"\"ray[client]=={version}\" (or join the cluster with --address auto / HEAD:6379 from a "
+                         f"node of it)")

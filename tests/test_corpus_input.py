@@ -193,10 +193,10 @@ def test_ray_client_address_needs_ray_client(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "grpc" else real(name, *a))
     with pytest.raises(ValueError, match=r'needs Ray Client, which is not installed: pip install "ray\[client\]==2\.60'
                                          r'\.0"'):
-        corpus.check_address("ray://head:10001")
-    corpus.check_address("auto")  # needs no client
+        ray_local.check_address("ray://head:10001")
+    ray_local.check_address("auto")  # needs no client
     with pytest.raises(ValueError, match="--address is empty"):
-        corpus.check_address(" ")
+        ray_local.check_address(" ")
 
 
 # -- usage errors through the command: one line, exit 2, before Ray starts ------------------------------------------

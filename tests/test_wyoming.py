@@ -29,13 +29,32 @@ TEXT = "Hello there, from the Wyoming server. A second sentence follows."
 MDNS_NAME = f"higgs-test-{os.getpid()}"
 
 
-def discover(name: str, timeout_ms: int = 5000):
-    """The announced service as Home Assistant finds it: an mDNS query (python-zeroconf) on loopback."""
-    from zeroconf import IPVersion, Zeroconf
+def discover(name: str, timeout: float = 10.0):
+    """The announced service as Home Assistant finds it: browsing `_wyoming._tcp.local.` over mDNS
+    (python-zeroconf) on loopback, then its records (from the browse's answers). A direct QU query for the name is
+    not used: on one host several mDNS sockets share port 5353, and a unicast answer may reach another of them."""
+    import threading
+
+    from zeroconf import IPVersion, ServiceBrowser, Zeroconf
+
+    full, seen = f"{name}._wyoming._tcp.local.", threading.Event()
+
+    class Listener:
+        def add_service(self, zc, kind, found):
+            if found == full:
+                seen.set()
+
+        update_service = add_service
+
+        def remove_service(self, zc, kind, found):
+            pass
 
     zc = Zeroconf(interfaces=["127.0.0.1"], ip_version=IPVersion.V4Only)
     try:
-        return zc.get_service_info("_wyoming._tcp.local.", f"{name}._wyoming._tcp.local.", timeout=timeout_ms)
+        ServiceBrowser(zc, "_wyoming._tcp.local.", Listener())
+        if not seen.wait(timeout):
+            return None
+        return zc.get_service_info("_wyoming._tcp.local.", full, timeout=3000)
     finally:
         zc.close()
 
@@ -186,7 +205,7 @@ def test_announced_over_mdns_and_found_by_a_client(wyoming):
     assert info is not None, "not announced"
     assert info.port == wyoming and info.parsed_addresses() == ["127.0.0.1"]
     assert info.properties[b"app"] == b"higgs-onnx"
-    assert discover("nobody-by-this-name", 1000) is None
+    assert discover("nobody-by-this-name", 1.5) is None
 
     async def describe():
         async with AsyncTcpClient(info.parsed_addresses()[0], info.port) as c:
@@ -228,7 +247,7 @@ def test_serve_answers_wyoming_on_its_own_scheduler(builds, tmp_path):
         assert server.stats()["submitted"] == before + 1  # the HTTP server's scheduler made it
     finally:
         server.stop()
-    assert discover(name, 1500) is None  # withdrawn when the server stops
+    assert discover(name, 2.0) is None  # withdrawn when the server stops
     r = subprocess.run([sys.executable, "-m", "higgs_onnx.serve", "--model-path", str(builds["fp32"]), "--zeroconf"],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--zeroconf announces the Wyoming door" in r.stderr, r.stderr

@@ -2,7 +2,7 @@
 
 The same app as the plain server (every route: speech, SSE, voices, dialogue, the page, the WebSocket doors) runs in
 each replica of one Ray Serve deployment (`HiggsSpeech`); each replica loads the model once and runs its own
-scheduler (`serve.__main__.load`). Ray Serve's HTTP proxy listens on --host/--port and routes each request to a
+scheduler (`serve.launch.load`). Ray Serve's HTTP proxy listens on --host/--port and routes each request to a
 replica (the less busy of two, by ongoing requests); docs/server.md, "Scaling", is the user's page.
 
 - **Admission.** A replica takes `max_batch + max_queue + LIGHT_REQUESTS` requests at once (the light ones: health,
@@ -93,10 +93,10 @@ class Board:
 
 @serve.ingress()
 class HiggsSpeech:
-    """One replica: the model, its scheduler and the app (`serve.__main__.load`)."""
+    """One replica: the model, its scheduler and the app (`serve.launch.load`)."""
 
     def __init__(self, args: argparse.Namespace):
-        from .__main__ import load
+        from .launch import load
 
         self.name = serve.get_replica_context().replica_id.unique_id
         self.built, tts, _ = load(args, {"replica": self.name})  # (`app` is Ray's: the wrapper's property)
