@@ -220,3 +220,44 @@ def test_a_session_longer_than_the_context_starts_again_from_the_voice(ws_server
     assert restarts[0] == 0 and len(restarts) >= 2, (continued, slot)  # the context filled up, and it went on
     assert np.all(np.diff(restarts) > 5)
     assert ws_server.settle()["kept"] == 0
+
+
+@pytest_slow
+def test_an_idle_session_gives_its_kept_context_to_a_waiting_job(builds, tmp_path):
+    """One slot: a session that spoke a segment keeps its KV context while it waits for text; a plain request that
+    needs the slot makes the session give it back (it is served while the session stays open), and the session's
+    next segment starts again from the voice."""
+    import threading
+
+    from test_server import Server
+    from websockets.sync.client import connect
+
+    s = Server(builds["fp32"], tmp_path, "--max-batch", "1", "--max-queue", "2", "--ws-idle-timeout", "60")
+    try:
+        with connect(url(s), max_size=None) as ws:
+            ws.send(json.dumps({"type": "session.config", "response_format": "pcm", "seed": 1}))
+
+            def segment_done() -> dict:
+                while True:
+                    m = ws.recv(timeout=120)
+                    if isinstance(m, str) and json.loads(m)["type"] == "audio.done":
+                        return json.loads(m)
+
+            ws.send(json.dumps({"type": "input.text", "text": "The first sentence is here. "}))
+            ws.send(json.dumps({"type": "input.commit"}))
+            segment_done()
+            s.wait(lambda st: st["kept"] == 1 and st["in_flight"] == 0, "the session keeping its context")
+            got = {}
+            t = threading.Thread(target=lambda: got.update(r=s.http.post("/v1/audio/speech", json={
+                "model": "tts-1", "input": "Let me in.", "max_rows": 40, "response_format": "pcm"})))
+            t.start()
+            t.join(30)
+            assert not t.is_alive() and got["r"].status_code == 200  # served while the session is still open
+            ws.send(json.dumps({"type": "input.text", "text": "And a second one now. "}))
+            ws.send(json.dumps({"type": "input.commit"}))
+            assert segment_done()["continued"] is False  # its context was given back: from the voice again
+            ws.send(json.dumps({"type": "input.done"}))
+        s.wait(lambda st: st["kept"] == 0 and st["in_flight"] == 0, "everything freed")
+    finally:
+        s.stop()
+    assert "Traceback" not in s.log.read_text()

@@ -558,6 +558,13 @@ class Scheduler:
     def _free_slots(self) -> int:
         return self.slots - sum(h.request.width for h in self._running) - len(self._kept)
 
+    @property
+    def starved(self) -> bool:
+        """A request waits for a slot while finished requests keep theirs (a kept cache given back would let it in).
+        """
+        with self._lock:
+            return bool(self._kept) and any(h.after is None for h in self._waiting) and self._free_slots() <= 0
+
     def _admit(self) -> None:
         """Waiting requests into the batch: in order while slots are free; a request that continues a kept cache
         needs no new slot, so it never waits behind one that does."""

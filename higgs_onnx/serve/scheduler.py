@@ -150,6 +150,11 @@ class JobScheduler:
         return getattr(self, "_started", False) and not self._stopping.is_set()
 
     @property
+    def starved(self) -> bool:
+        """A job waits for a slot that a kept KV context holds (a session idle between segments gives it back)."""
+        return self.core.starved
+
+    @property
     def alive(self) -> bool:
         """The loop's thread runs (a Ray Serve replica's health check)."""
         thread = self.core._thread

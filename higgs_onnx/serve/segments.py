@@ -23,6 +23,7 @@ from ..generation.contract import ContractError, NoAudioError
 from .scheduler import QueueFull, ShuttingDown
 
 log = logging.getLogger(__name__)
+STARVED_POLL_S = 0.1  # how often a session waiting for text looks for jobs its kept KV context keeps out
 MAX_PENDING = 100_000  # characters received and not yet spoken: more is a client that sends far faster than speech
 
 
@@ -125,3 +126,21 @@ def segment_failure(e: Exception, where: str) -> tuple[str, str, str | None]:
         return "stopping", f"{e}; try again shortly", None
     log.error("%s: a segment failed", where, exc_info=e)
     return "server", f"speech generation failed ({type(e).__name__}); the server log has the details", None
+
+
+async def next_segment(segments: SegmentQueue, session, name: str) -> str | None:
+    """The next segment of `segments` to speak (None: the input is done). While none is queued, `session` (a
+    `textstream.SpeechSession`) keeps the last segment's KV context for it, unless the scheduler has a job waiting
+    for the slot that context holds: then it is given back (the next segment starts again from the voice), so
+    sessions idle between segments never starve other requests."""
+    waiting = asyncio.ensure_future(segments.next())
+    try:
+        while True:
+            done, _ = await asyncio.wait({waiting}, timeout=STARVED_POLL_S)
+            if done:
+                return waiting.result()
+            if session.prev is not None and session.scheduler.starved:
+                log.info("%s: its kept context is given back (a job waits for the slot)", name)
+                await asyncio.to_thread(session.release)  # it waits for the decoder's step to end
+    finally:
+        waiting.cancel()

@@ -35,7 +35,7 @@ from ..textin import GRANULARITIES, TextSegmenter
 from .formats import encoder
 from .limits import MAX_JSON_BYTES
 from .scheduler import ShuttingDown
-from .segments import BadFrame, SegmentQueue, Stalled, buffered, json_object, segment_failure, send_within
+from .segments import BadFrame, SegmentQueue, Stalled, buffered, json_object, next_segment, segment_failure, send_within
 
 log = logging.getLogger(__name__)
 CONFIG_S = 10.0
@@ -213,7 +213,7 @@ class WsSession:
         from fastapi import WebSocketDisconnect
 
         index, words = 0, None
-        while (text := await self.segments.next()) is not None:
+        while (text := await next_segment(self.segments, session, self.id)) is not None:
             self.busy = True
             seg, start, held = f"{self.id}-{index}", self.offset, []
             await self.send({"type": "audio.start", "id": seg, "sentence_index": index, "sentence_text": text,

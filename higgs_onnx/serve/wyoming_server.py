@@ -30,7 +30,7 @@ from pathlib import Path
 from .. import __version__
 from ..audio import pcm16
 from ..textin import TextSegmenter
-from .segments import SegmentQueue, Stalled, buffered, segment_failure, send_within
+from .segments import SegmentQueue, Stalled, buffered, next_segment, segment_failure, send_within
 from .textstream import SpeechSession
 from .voices import DEFAULT, VoiceError
 
@@ -268,7 +268,7 @@ class Connection:
     async def speak_queue(self) -> None:
         """A stream's segments in order, each with its own audio-start ... audio-stop."""
         try:
-            while (text := await self.segments.next()) is not None:
+            while (text := await next_segment(self.segments, self.session, "wyoming")) is not None:
                 await self.speak_segments(self.session, [text])
         except Stalled as e:  # the reader waits on the client: cut the connection, which ends it and frees all
             log.warning("%s: %s; connection closed, its job cancelled", self.writer.get_extra_info("peername"), e)
