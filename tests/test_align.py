@@ -21,6 +21,7 @@ import pytest
 
 from higgs_onnx.align import (
     ALIGN_LANGUAGES,
+    START_LEAD_S,
     AlignUnavailable,
     WordTime,
     align_words,
@@ -81,7 +82,7 @@ def test_every_word_once_in_order_inside_the_audio(en, capsys):
     assert [w.word for w in words] == EN_WORDS == words_of(text)
     assert all(isinstance(w, WordTime) and 0 <= w.start < w.end <= len(x) / sr for w in words)
     assert all(a.end <= b.start for a, b in zip(words, words[1:], strict=False))
-    assert all(0.08 <= w.end - w.start <= 1.0 for w in words)  # a plausible length for a spoken word
+    assert all(0.04 <= w.end - w.start <= 1.0 for w in words)  # a plausible length for a spoken word ("the": 60 ms)
 
 
 def test_first_word_starts_at_the_onset_last_ends_at_the_offset(en):
@@ -101,10 +102,13 @@ def test_the_sentence_pause_falls_between_dog_and_speech(en):
 def test_the_words_cover_the_speech(en):
     x, sr, _, words = en
     sp = speech_frames(x, sr)
-    inside = np.zeros_like(sp)
+    inside, onsets = np.zeros_like(sp), np.zeros_like(sp)
     for w in words:
         inside[int(round(w.start * 100)): int(round(w.end * 100))] = True
-    assert (sp & inside).sum() / sp.sum() >= 0.97  # speech nobody claims: at most 3 %
+        onsets[int(round((w.start - START_LEAD_S) * 100)): int(round(w.start * 100))] = True
+    # speech nobody claims: at most 3 % beside the transitions into words, which no word holds (a word starts where
+    # its first sound does: START_LEAD_S, measured against Piper's word times in test_realspeech.py)
+    assert (sp & (inside | onsets)).sum() / sp.sum() >= 0.97
     assert (inside & ~sp).sum() / inside.sum() <= 0.15  # word time that is silence (stop closures): at most 15 %
 
 

@@ -1,0 +1,76 @@
+"""Checks that listen, measured on real speech with known word times (higgs_onnx/realspeech.py: Piper's voice, each
+word's time from its phonemes' sample counts). The sentences are tests/data/speech/set_a.txt (40, written before the
+aligner was tuned) and set_b.txt (20, written after); the floors are docs/evaluation.md's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from higgs_onnx import realspeech
+from higgs_onnx.align import AlignUnavailable, align_words
+from higgs_onnx.audio import resample
+
+SETS = Path(__file__).resolve().parent / "data" / "speech"
+
+
+def sentences(name: str) -> list[str]:
+    return [ln.strip() for ln in (SETS / name).read_text().splitlines() if ln.strip()]
+
+
+@pytest.fixture(scope="session")
+def spoken() -> dict[str, list[realspeech.Spoken]]:
+    """Every sentence of both sets, spoken once per test session."""
+    return {name: [realspeech.speak(t) for t in sentences(f"{name}.txt")] for name in ("set_a", "set_b")}
+
+
+def test_piper_speech_has_a_known_time_for_every_word_group(spoken):
+    for s in spoken["set_a"] + spoken["set_b"]:
+        assert s.sample_rate == 22050 and s.seconds > 0.5
+        known = [t for w in s.words for t in (w.start, w.end) if t == t]
+        assert known == sorted(known) and known[-1] <= s.seconds  # in order, inside the audio
+        assert s.words[0].start == s.words[0].start and s.words[-1].end == s.words[-1].end
+        assert len(known) >= len(s.words)  # at least one edge per word: runs hold few words
+
+
+def test_phoneme_runs_pair_with_words():
+    runs = realspeech.word_runs(["^", "a", "b", " ", "c", ",", " ", "d", ".", "$"], [5, 1, 2, 3, 4, 10, 2, 6, 7, 9])
+    assert runs == [(5, 8), (11, 15), (27, 33)]
+    # espeak runs "in the" together: the split that matches each word's own phoneme count
+    assert realspeech.group(["sat", "in", "the", "sun"], [(0, 1), (1, 2), (2, 3)], [3, 4, 3]) == [(0, 1), (1, 2),
+                                                                                                     (3, 1)]
+
+
+@pytest.mark.parametrize("name", ["set_a", "set_b"])
+def test_aligner_boundaries_against_piper(spoken, name):
+    """Every sentence aligned (no false refusal of whole speech); boundary error median <= 25 ms, p90 <= 60 ms."""
+    errors = []
+    for s in spoken[name]:
+        errors += realspeech.boundary_errors(align_words(s.samples, s.sample_rate, s.text), s.words)
+    ms = np.array(errors) * 1000
+    print(f"\n{name}: {len(spoken[name])} sentences, {ms.size} boundaries: median {np.median(ms):.1f} ms, "
+          f"p90 {np.percentile(ms, 90):.1f} ms, within 100 ms {np.mean(ms <= 100):.1%}")
+    assert ms.size >= 300
+    assert np.median(ms) <= 25 and np.percentile(ms, 90) <= 60
+
+
+def test_aligner_on_noisy_and_resampled_speech(spoken):
+    """20 dB SNR white noise, at 16 / 24 kHz: still every sentence, median <= 25 ms, p90 <= 65 ms."""
+    rng = np.random.default_rng(0)
+    for rate in (16000, 24000):
+        errors = []
+        for s in spoken["set_a"]:
+            x = s.samples + rng.normal(0, np.sqrt(np.mean(s.samples ** 2) / 100), s.samples.size).astype(np.float32)
+            errors += realspeech.boundary_errors(align_words(resample(x, s.sample_rate, rate), rate, s.text),
+                                                 s.words)
+        ms = np.array(errors) * 1000
+        assert np.median(ms) <= 25 and np.percentile(ms, 90) <= 65, (rate, np.median(ms), np.percentile(ms, 90))
+
+
+def test_the_wrong_text_is_refused_not_timed(spoken):
+    s = spoken["set_b"][0]
+    other = spoken["set_a"][0].text
+    with pytest.raises(AlignUnavailable, match="too short for the text, or not this text"):
+        align_words(s.samples[: s.samples.size // 4], s.sample_rate, other + " " + other)
