@@ -32,7 +32,7 @@ import numpy as np
 from ..tags import CONTROL_TAG
 
 GOOD = ("eoc",)  # stop reasons of a good take (before the length and audio verdicts)
-VERDICTS = ("loop", "overlong", "short", "silence", "max_rows")  # a degenerate take, by name
+VERDICTS = ("loop", "overlong", "short", "silence", "max_rows", "misheard")  # a degenerate take, by name
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,11 @@ class GuardOptions:
     silence_rms: float = 0.008
     silence_s: float = 1.5
     keep_tail_s: float = 0.25  # of trailing near-silence, kept by `trim_tail`
+    # a take heard (`asr`, pocketsphinx with the text's own language model) with a word error rate above this says
+    # something else: measured on real speech (docs/evaluation.md, "The ASR judge"): 60 clean Piper sentences 0.0
+    # (at 16/22/24 kHz), the same at 20 dB SNR at most 0.125, this project's human recording 0.125; two words
+    # dropped, two repeated or the last 40 % cut: at least 0.154 on sentences of 5-13 words
+    max_heard_wer: float = 0.15
 
     def __post_init__(self) -> None:
         for name in ("loop_rows", "loop_period"):
@@ -68,7 +73,7 @@ class GuardOptions:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"guard {name} must be a whole number >= 1, got {v!r}")
         for name in ("overlong_factor", "slack_s", "short_factor", "short_min_s", "silence_rms", "silence_s",
-                     "keep_tail_s"):
+                     "keep_tail_s", "max_heard_wer"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
                 raise ValueError(f"guard {name} must be a number >= 0, got {v!r}")
@@ -239,6 +244,29 @@ def judge(rows: np.ndarray, text: str, frame_rate: float, num_codebooks: int, st
             return Verdict("silence", f"{gap / frame_rate:.1f} s of dead air inside the speech (RMS < "
                                       f"{options.silence_rms})", fig)
     return Verdict("good", "a clean stop at a plausible length", fig)
+
+
+def listen(text: str, wav: np.ndarray, sample_rate: int, asr, options: GuardOptions = GuardOptions()) -> Verdict:
+    """The part of the guard that listens, for any audio of `text` (a take, or real speech): dead air inside the
+    speech (RMS in 40 ms frames), then what `asr` (`asr.Transcriber`) hears: "misheard" above `max_heard_wer`. A
+    text the recogniser cannot hear (`not_heard`: no English pronunciation) is judged on dead air alone."""
+    hop = max(1, round(sample_rate * 0.04))
+    gap_s = longest_inner_silence(frame_rms(wav, hop), options.silence_rms) * hop / sample_rate
+    fig: dict = {"seconds": len(wav) / sample_rate, "longest_silence_s": round(gap_s, 3)}
+    if gap_s > options.silence_s:
+        return Verdict("silence", f"{gap_s:.1f} s of dead air inside the speech (RMS < {options.silence_rms})", fig)
+    heard = asr.score(text, wav, sample_rate)
+    return misheard(heard, options, {**fig, **heard}) or Verdict("good", "no dead air; heard as the text",
+                                                                 {**fig, **heard})
+
+
+def misheard(heard: dict, options: GuardOptions = GuardOptions(), figures: dict | None = None) -> Verdict | None:
+    """"misheard" when a heard take's error rate (`asr.Transcriber.score`) is above `max_heard_wer`; else None."""
+    rate = heard.get("wer", heard.get("cer", 0.0))
+    if "not_heard" in heard or rate <= options.max_heard_wer:
+        return None
+    return Verdict("misheard", f"heard {heard['heard']!r}: error rate {rate:.2f} (above {options.max_heard_wer})",
+                   figures if figures is not None else dict(heard))
 
 
 TAKE_SEED_STEP = 7_919  # seed of take i of a best-of: seed + i * this (not a retry's step: the two never meet)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..guard import GuardOptions, RetryPolicy, best_take, judge, take_record, take_scores, take_seeds
+from ..guard import GuardOptions, RetryPolicy, best_take, judge, misheard, take_record, take_scores, take_seeds
 from ..longform.captions import Cue, timed
 from ..loudness import normalise
 from ..tags import CONTROL_TAG
@@ -147,6 +147,7 @@ def best_of(tts, text: str, takes: int, ref_audio=None, ref_text: str | None = N
                 decoded(i)  # may find dead air
             if verdicts[i].good:
                 heard[i] = asr.score(text, speeches[i].waveform, f.sample_rate)
+                verdicts[i] = misheard(heard[i], g, {**verdicts[i].figures, **heard[i]}) or verdicts[i]
         scores = take_scores([r.n for r in done], [v.good for v in verdicts])
         best = max(range(takes), key=lambda i: (verdicts[i].good, -heard_rate(heard.get(i)), scores[i], -i))
         decoded(best)
