@@ -109,6 +109,8 @@ def test_failing_gates_in_two_sections_still_write_both_reports(builds, tiny_ckp
         "nothing to compare (the export has no int8 route)")
     assert not skipped or list(skipped) == ["intelligibility"] and "faster-whisper" in skipped["intelligibility"]
     assert not any("error" in v for v in rep["sections"].values())
+    q = rep["sections"]["quality"]  # DNSMOS: the tiny model's audio does not sound like speech
+    assert len(q["rows"]) == 2 and q["onnx_ovrl"] < 2.0 and q["torch_ovrl"] < 2.0 and "## Quality (DNSMOS)" in md
     assert not (tmp_path / "r_plots").exists() and "![" not in md
 
 

@@ -136,6 +136,17 @@ def _intelligibility(s: dict, meta: dict) -> list[str]:
             f"{s['torch_wer'] * 100:.1f}%."]
 
 
+def _quality(s: dict, meta: dict) -> list[str]:
+    lines = ["DNSMOS (1-5, from the audio alone: real speech scores ~3-3.5, noise and the tiny synthetic model ~1.1, "
+             f"silence ~1.8): ONNX ovrl {s['onnx_ovrl']:.2f}, PyTorch {s['torch_ovrl']:.2f}.", "",
+             "| prompt | ONNX sig / bak / ovrl | PyTorch sig / bak / ovrl |", "|---|---|---|"]
+    for r in s["rows"]:
+        a, b = r["onnx"], r["torch"]
+        lines.append(f"| {_cell(r['prompt'][:40])} | {a['sig']:.2f} / {a['bak']:.2f} / {a['ovrl']:.2f} | "
+                     f"{b['sig']:.2f} / {b['bak']:.2f} / {b['ovrl']:.2f} |")
+    return lines
+
+
 def _g(x) -> str:
     return "" if x is None else f"{x:.3g}"
 
@@ -185,6 +196,7 @@ RENDER: dict[str, tuple[str, Callable[[dict, dict], list[str]]]] = {
     "audio": ("Audio", _audio), "sampled": ("Sampled runs", _sampled),
     "text_lm": ("Text LM (tied text head)", _text_lm),
     "teacher_codes": ("Teacher codes", _teacher_codes), "intelligibility": ("Intelligibility", _intelligibility),
+    "quality": ("Quality (DNSMOS)", _quality),
     "kv_cache": ("int8 KV cache", _kv_cache), "route": ("Decoder routes: int4 and the int8 GEMM", _route),
 }
 

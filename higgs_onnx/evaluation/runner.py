@@ -105,6 +105,7 @@ SECTIONS: dict[str, Section] = {
     "text_lm": Section(sections.text_lm, ("llm_decoder", "text_embed")),
     "teacher_codes": Section(sections.teacher_codes, GENERATION, _not_asked_teacher_codes),
     "intelligibility": Section(sections.intelligibility, (*GENERATION, "audio_tokenizer")),
+    "quality": Section(sections.quality, (*GENERATION, "audio_tokenizer")),
     "kv_cache": Section(sections.kv_cache, GENERATION, needless=_fp32_cache),
     "route": Section(sections.route, GENERATION, needless=_no_route),
 }

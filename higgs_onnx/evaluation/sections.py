@@ -212,6 +212,26 @@ def intelligibility(ev: EvalContext) -> dict:
             "torch_wer": float(np.mean([r["torch_wer"] for r in rows]))}
 
 
+def quality(ev: EvalContext) -> dict:
+    """DNSMOS (`quality.Dnsmos`: sig, bak, ovrl on a 1-5 scale) of greedy ONNX and PyTorch audio of each prompt:
+    whether it sounds like clean speech (real speech ~3-3.5; noise and the tiny synthetic model ~1.1; silence ~1.8).
+    Skipped, said by name, when the speechmos wheel is missing."""
+    from ..quality import NoDnsmos, dnsmos
+
+    try:
+        scorer = dnsmos()
+    except NoDnsmos as e:
+        return {"skipped": str(e)}
+    options = dataclasses.replace(GREEDY_OPTIONS, max_rows=ev.options.max_rows)
+    rows = []
+    for text in ev.options.prompts:
+        row = {"prompt": text}
+        for k, model in (("onnx", ev.tts), ("torch", ev.ref)):
+            row[k] = scorer.score(model.generate(text, options=options).waveform, ev.tts.facts.sample_rate)
+        rows.append(row)
+    return {"rows": rows, **{f"{k}_ovrl": float(np.mean([r[k]["ovrl"] for r in rows])) for k in ("onnx", "torch")}}
+
+
 def _wer_row(ev: EvalContext, asr, text: str) -> dict:
     from ..asr import error_rate
 

@@ -164,7 +164,11 @@ def best_of(tts, text: str, takes: int, ref_audio=None, ref_text: str | None = N
         scores = take_scores([r.n for r in done], [v.good for v in verdicts])
     records = [{**take_record(r.options, r.n, r.stop_reason, v), "take": i + 1, "score": round(scores[i], 4),
                 **heard.get(i, {}), "kept": i == best} for i, (r, v) in enumerate(zip(done, verdicts, strict=True))]
-    if folder is not None:
+    if folder is not None:  # saved takes are scored by ear too: DNSMOS, in takes.json (quality.take_quality)
+        from ..quality import take_quality
+
+        for i, record in enumerate(records):
+            record.update(take_quality(speeches[i].waveform, speeches[i].sample_rate))
         save_all_takes(folder, [speeches[i] for i in range(takes)], records)
     kept = speeches[best]
     kept.verdict, kept.takes = verdicts[best], records
