@@ -90,12 +90,38 @@ DAY_NAMES = {"mon": "Monday", "tue": "Tuesday", "wed": "Wednesday", "thu": "Thur
              "sat": "Saturday", "sun": "Sunday"}
 DAY = r"(Mon|Tue|Tues|Wed|Thu|Thur|Thurs|Fri|Sat|Sun)"
 DAYS = _re(rf"\b{DAY}\.?\s?[-–]\s?{DAY}\b\.?")
-PHONE = _re(PHONE_GROUPS + r"|(?<![\w.])(?:\+\d{1,3}[ -])?(?:\(\d{2,4}\) ?|\d{2,4}-)\d{3,4}-\d{4}(?![\w-])"
+# a local number, 555-1423: three digits, a dash, four (a range of round numbers, 500-1000, stays a range)
+LOCAL_PHONE = r"|(?<![\w.,-])\d{3}-(?!\d{2}00(?![\w-]))\d{4}(?![\w-])"
+PHONE = _re(PHONE_GROUPS + LOCAL_PHONE
+            + r"|(?<![\w.])(?:\+\d{1,3}[ -])?(?:\(\d{2,4}\) ?|\d{2,4}-)\d{3,4}-\d{4}(?![\w-])"
                    r"|(?<![\w.])0\d{2,3}-\d{7,8}(?![\w-])|(?<![\w.])1\d{10}(?!\d)")
 HOUR = _re(r"(?<![\w:.])(1[0-2]|0?[1-9])\s?([AaPp])(?:\.[Mm](?=\.)|\.?\s?[Mm]\b)")
 VERSION = _re(r"(?<![\w.])\d+(?:\.\d+){2,}(?![\w.]*\d)")
 DECADE = _re(r"(?<![\w.])(1\d|20)?(\d0)'?s\b")
 NUMBER = _re(rf"(?<![\w.])(-?)({NUM})(?![\d])")
+QUARTER = _re(r"(?<![\w])Q([1-4])(?![\w])")  # Q3: "Q three"
+# Roman numerals after a capitalised word: World War II, Chapter XII (a number), Henry VIII (a monarch or pope: "the
+# eighth"); I..LXXXIX written with I, V, X, L. One letter (V, X, L) only after such a name: "Malcolm X", "I" stay.
+ROMAN = _re(r"\b([A-Z][a-z]+) ([IVXL]{1,8})\b(?!['’-]?\w)")
+ROMAN_VALUE = {"I": 1, "V": 5, "X": 10, "L": 50}
+REGNAL = frozenset("Henry Elizabeth Louis George Edward Charles William James Richard John Paul Benedict Pius "
+                   "Gregory Leo Innocent Clement Philip Frederick Peter Catherine Mary Victor Alexander Nicholas Ivan "
+                   "Napoleon Ramesses Constantine Alfonso Ferdinand Felipe Carlos Juan Gustav Olaf Harald Haakon "
+                   "Christian Rama Boniface Urban Sixtus Stephen Otto Francis Wilhelm Ludwig Henri Anne Victoria "
+                   "Matilda Hugh David Robert Malcolm_ Alexios Basil Leopold Sigismund Casimir Wladyslaw".split())
+
+
+def roman(numeral: str) -> int | None:
+    """The value of a Roman numeral written the standard way (I..LXXXIX), else None ("IIII", "VX", "IL")."""
+    values = [ROMAN_VALUE[c] for c in numeral]
+    total = sum(-v if i + 1 < len(values) and v < values[i + 1] else v for i, v in enumerate(values))
+    if not 0 < total < 90:
+        return None
+    out, rest = "", total
+    for value, mark in ((50, "L"), (40, "XL"), (10, "X"), (9, "IX"), (5, "V"), (4, "IV"), (1, "I")):
+        while rest >= value:
+            out, rest = out + mark, rest - value
+    return total if out == numeral else None
 
 MONTHS = ("January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
           "November", "December")
@@ -202,7 +228,12 @@ class _English(_NumberReader):
         "kW": ("kilowatt", "kilowatts"), "W": ("watt", "watts"), "V": ("volt", "volts"),
         "ms": ("millisecond", "milliseconds"), "min": ("minute", "minutes"), "h": ("hour", "hours"),
         "hr": ("hour", "hours"), "hrs": ("hour", "hours"), "s": ("second", "seconds"), "sec": ("second", "seconds"),
+        "Mbps": ("megabit per second", "megabits per second"), "Gbps": ("gigabit per second", "gigabits per second"),
+        "kbps": ("kilobit per second", "kilobits per second"), "Mb": ("megabit", "megabits"),
+        "Gb": ("gigabit", "gigabits"),
     }
+    # the second half of a compound unit, MB/s, kg/cm: "megabytes per second" (km/h, m/s are units of their own)
+    PER = ("s", "sec", "min", "h", "hr", "ms", "m", "cm", "mm", "km", "kg", "g", "l", "L", "ml", "mL")
     CURRENCY = {"$": "USD", "US$": "USD", "€": "EUR", "£": "GBP", "¥": "JPY", "USD": "USD", "EUR": "EUR",
                 "GBP": "GBP"}
     NAMES = {"USD": (("dollar", "dollars"), ("cent", "cents")), "EUR": (("euro", "euros"), ("cent", "cents")),
@@ -213,16 +244,19 @@ class _English(_NumberReader):
                      "Jr.": "Junior", "Sr.": "Senior", "vs.": "versus", "e.g.": "for example", "i.e.": "that is",
                      "etc.": "et cetera", "approx.": "approximately", "Mt.": "Mount", "Ave.": "Avenue",
                      "Inc.": "Incorporated", "Ltd.": "Limited"}
-    YEAR_CUES = _re(r"\b(?:in|since|by|of|from|until|till|to|year|around|before|after|early|late|mid|"
-                           r"circa|during|through|and|or|the)\s*$", re.IGNORECASE)
+    YEAR_CUES = _re(r"(?:\b(?:in|since|by|of|from|until|till|to|year|around|before|after|early|late|mid|"
+                           r"circa|during|through|and|or|the|between)|\bQ (?:one|two|three|four))\s*$", re.IGNORECASE)
 
     def __init__(self):
         from num2words import num2words
 
         self.n2w = lambda n, **kw: num2words(n, **kw).replace(",", "")
         units = sorted(self.UNITS, key=len, reverse=True)
-        self.measure = _re(rf"(?<![\w.])(-?)({NUM})\s?(" + "|".join(re.escape(u) for u in units)
-                                  + r")(?![\w/])")
+        alone = "|".join(re.escape(u) for u in units)
+        per = "|".join(re.escape(u) for u in sorted(self.PER, key=len, reverse=True))
+        self.measure = _re(rf"(?<![\w.])(-?)({NUM})\s?((?:{alone})/(?:{per})|{alone})(?![\w/])")
+        self.dimension = _re(rf"(?<![\w.])({NUM})\s?[x×]\s?({NUM})(?:\s?[x×]\s?({NUM}))?"
+                             rf"(?:\s?({alone}))?(?![\w/])(?![.,]\d)")
         symbols = "|".join(re.escape(s) for s in sorted(self.CURRENCY, key=len, reverse=True))
         scale = "|".join(sorted(self.SCALE, key=len, reverse=True))
         self.money = _re(rf"(?<![\w])({symbols})\s?({NUM})(?:\s?({scale})\b)?"
@@ -249,7 +283,8 @@ class _English(_NumberReader):
                 (CENTS, lambda m: f"{self.n2w(int(m.group(1)))} cent{'s' if m.group(1) != '1' else ''}"),
                 (DASH, lambda m: " to "), (LEADING_POINT, lambda m: "0" + m.group()), (TIME, self.time),
                 (CLOCK, lambda m: self.as_written(m.group())), (HOUR, self.hour),
-                (VERSION, self.version), (DECADE, self.decade),
+                (VERSION, self.version), (DECADE, self.decade), (QUARTER, lambda m: f"Q {self.n2w(int(m.group(1)))}"),
+                (self.dimension, self.dimensions), (ROMAN, self.roman),
                 (self.money, self.cash),
                 (PERCENT, self.percent), (self.measure, self.unit), (RANGE, self.range), (ORDINAL, self.ordinal),
                 (NUMBER, self.number), (self.saint, lambda m: "Saint"), (self.street, lambda m: "Street"),
@@ -369,11 +404,30 @@ class _English(_NumberReader):
     def percent(self, m):
         return f"{'minus ' if m.group(1) else ''}{self.cardinal(m.group(2))} percent"
 
+    def unit_words(self, symbol: str, value: str) -> str:
+        if symbol not in self.UNITS:  # a compound, MB/s: "megabytes per second"
+            first, _, second = symbol.partition("/")
+            return f"{self.unit_words(first, value)} per {self.UNITS[second][0]}"
+        one, many = self.UNITS[symbol]
+        return one if value == "1" else many
+
     def unit(self, m):
-        one, many = self.UNITS[m.group(3)]
         value = m.group(2)
-        word = one if value == "1" else many
-        return f"{'minus ' if m.group(1) else ''}{self.cardinal(value)} {word}"
+        return f"{'minus ' if m.group(1) else ''}{self.cardinal(value)} {self.unit_words(m.group(3), value)}"
+
+    def dimensions(self, m):
+        sides = [self.cardinal(g) for g in m.groups()[:3] if g]
+        unit = f" {self.unit_words(m.group(4), 'many')}" if m.group(4) else ""
+        return " by ".join(sides) + unit
+
+    def roman(self, m):
+        name, numeral = m.group(1), m.group(2)
+        value = roman(numeral)
+        if value is None or (len(numeral) == 1 and name not in REGNAL) or numeral == "I":
+            return m.group()
+        if name in REGNAL:
+            return f"{name} the {self.n2w(value, to='ordinal')}"
+        return f"{name} {self.n2w(value)}"
 
     def range(self, m):
         return f"{self.cardinal(m.group(1))} to {self.cardinal(m.group(2))}"
