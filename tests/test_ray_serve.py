@@ -49,6 +49,10 @@ def replicas_seen(server, want: int = 0, within: float = 90.0, until=None) -> di
     pytest.fail(f"the replicas wanted did not answer within {within} s: {seen}")
 
 
+def scrape_total(server, name: str) -> float:
+    return sum(v for (n, _), v in scrape(server).items() if n == name)
+
+
 def scrape(server) -> dict:
     out = {}
     r = server.http.get("/metrics")
@@ -258,6 +262,17 @@ def test_autoscaling_adds_a_replica_under_load(builds, tmp_path):
             for t in threads:
                 t.join(120)
         assert len(seen) == 2 and set(codes) <= {200, 429} and 200 in codes
+        # SIGTERM while requests run: the replicas finish them (the drain), then Ray stops
+        with ThreadPoolExecutor(2) as pool:
+            running = [pool.submit(sse_audio, s, seed=40 + i, max_rows=200) for i in range(2)]
+            deadline = time.monotonic() + 60
+            while scrape_total(s, "higgs_in_flight") < 1 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            s.proc.send_signal(signal.SIGTERM)
+            for f in running:
+                audio, events = f.result(timeout=120)
+                assert events[-1]["type"] == "speech.audio.done" and audio  # drained: whole
+        assert s.proc.wait(timeout=60) == 0
     finally:
         s.stop()
 
@@ -285,10 +300,19 @@ def test_a_replica_that_cannot_load_never_serves(builds, tmp_path):
     (["--ray", "--wyoming", "tcp://127.0.0.1:10200"], "--wyoming is not served with --ray"),
     (["--ray", "--header-timeout", "5"], "--header-timeout does not apply with --ray"),
     (["--ray", "--max-connections", "5"], "--max-connections does not apply with --ray"),
+    (["--ray", "--address", "127.0.0.1:1"], "--address 127.0.0.1:1: no Ray cluster answers there"),
+    (["--ray", "--address", "nowhere"], "give HEAD:PORT"),
+    (["--ray", "--port", "TAKEN"], "pick another --port"),
 ])
 def test_ray_flags_are_checked_before_anything_starts(builds, args, message):
-    p = subprocess.run([sys.executable, "-m", "higgs_onnx.serve", "--model-path", str(builds["fp32"]), *args],
-                       capture_output=True, text=True, timeout=60)
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        args = [str(taken.getsockname()[1]) if a == "TAKEN" else a for a in args]
+        p = subprocess.run([sys.executable, "-m", "higgs_onnx.serve", "--model-path", str(builds["fp32"]), *args],
+                           capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and p.stderr.strip().splitlines() == [f"error: {p.stderr.strip()[7:]}"]
     assert message in p.stderr, p.stderr
 
@@ -368,3 +392,18 @@ def test_the_proxy_answers_for_a_lost_replica():
         message = json.loads(sent[-2]["text"])
         assert shape in message and "replica_lost" in json.dumps(message), (path, message)
         assert sent[-1] == {"type": "websocket.close", "code": 1011, "reason": "replica lost"}
+
+
+def test_the_proxy_answers_a_full_deployment_on_a_websocket_upgrade():
+    """Ray's backpressure answer to an upgrade is an HTTP 429 on the WebSocket scope (uvicorn would make it a bare
+    500): it becomes a JSON 429 with Retry-After (the denial response), or close 1013 where that is not supported."""
+    async def ray_is_full(scope, receive, send):
+        await send({"type": "http.response.start", "status": 429, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": b"Request dropped due to backpressure"})
+
+    scope = {"type": "websocket", "path": "/v1/audio/speech/stream", "headers": []}
+    sent = run_asgi(ray_is_full, {**scope, "extensions": {"websocket.http.response": {}}}, [])
+    assert sent[0]["type"] == "websocket.http.response.start" and sent[0]["status"] == 429
+    assert (b"retry-after", b"1") in sent[0]["headers"]
+    assert json.loads(sent[1]["body"])["error"]["code"] == "rate_limit_exceeded"
+    assert run_asgi(ray_is_full, scope, []) == [{"type": "websocket.close", "code": 1013}]

@@ -14,7 +14,7 @@ import pytest
 from higgs_onnx.job.options import OptionError, SpeechOptions
 from higgs_onnx.text import directions
 from higgs_onnx.text.lexicon import Lexicon, LexiconError, load
-from higgs_onnx.text.normalize import LANGUAGES, language_of, normalize
+from higgs_onnx.text.normalize import language_of, normalize
 from higgs_onnx.text.pipeline import TextOptions
 
 ROOT = Path(__file__).resolve().parents[1]

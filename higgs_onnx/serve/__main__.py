@@ -188,18 +188,20 @@ def listen(host: str, port: int) -> socket.socket:
 
 def serve(args: argparse.Namespace) -> int:
     check_args(args)  # before the heavy imports: a bad flag is answered at once
-    if args.ray:
+    sock = listen(args.host, args.port)
+    if not is_loopback(args.host) and args.api_key is None:
+        print(f"warning: listening on {args.host} without --api-key: anyone who reaches this port can use it",
+              file=sys.stderr)
+    if args.ray:  # Ray's proxy listens: the port is checked (and, for --port 0, chosen) here, then let go
         from .ray_serve import serve_on_ray
 
+        args.port = sock.getsockname()[1]
+        sock.close()
         return serve_on_ray(args)
-    sock = listen(args.host, args.port)
     import uvicorn
 
     app, tts, voices = load(args)
     scheduler = app.state.scheduler
-    if not is_loopback(args.host) and args.api_key is None:
-        print(f"warning: listening on {args.host} without --api-key: anyone who reaches this port can use it",
-              file=sys.stderr)
     timeouts = timeouts_of(args)
     port = sock.getsockname()[1]
     shown = f"[{args.host}]" if ":" in args.host else args.host

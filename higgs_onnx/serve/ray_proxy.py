@@ -12,7 +12,8 @@ docs/server.md documents for a server that stops:
   truncated audio for whole;
 - a WebSocket session open: an error message in its door's own shape (ours, Cartesia's, ElevenLabs'), then a close
   with code 1011;
-- Ray's own plain-text 429 / 503 (every replica full, none running): the same JSON error body as ours.
+- Ray's own plain-text 429 / 503 (every replica full, none running): the same JSON error body as ours, also to a
+  WebSocket upgrade (an HTTP answer to the handshake, or close code 1013 where the server cannot send one).
 
 It imports nothing heavy: it runs in the proxy's process, which loads no model.
 """
@@ -128,12 +129,30 @@ class ReplicaLoss:
             log.info("could not tell the client: %s", e)
 
     async def websocket(self, scope, receive, send, gone):
-        state = {"accepted": False, "closed": False}
+        state = {"accepted": False, "closed": False, "status": None}
+        denial = "websocket.http.response" in (scope.get("extensions") or {})
 
         async def sending(message):
-            if message["type"] == "websocket.accept":
+            kind = message["type"]
+            if kind.startswith("http.response."):  # Ray's own answer to an upgrade (every replica full): ours
+                if kind == "http.response.start":
+                    state["status"], state["closed"] = message["status"], True
+                elif not message.get("more_body", False):
+                    status = state["status"] or 503
+                    if denial:
+                        body = error_body(status, "every replica is busy; try again" if status == 429 else
+                                          "no replica can take the session; try again",
+                                          "rate_limit_exceeded" if status == 429 else "no_replica")
+                        await send({"type": "websocket.http.response.start", "status": status,
+                                    "headers": [(b"content-type", b"application/json"),
+                                                (b"retry-after", str(RETRY_AFTER_S).encode())]})
+                        await send({"type": "websocket.http.response.body", "body": body})
+                    else:
+                        await send({"type": "websocket.close", "code": 1013})
+                return
+            if kind == "websocket.accept":
                 state["accepted"] = True
-            elif message["type"] in ("websocket.close", "websocket.http.response.start"):
+            elif kind in ("websocket.close", "websocket.http.response.start"):
                 state["closed"] = True
             await send(message)
 

@@ -45,12 +45,14 @@ DEPLOYMENT = "HiggsSpeech"
 NAMESPACE = "higgs-onnx"
 BOARD = "higgs-metrics-board"
 PROXY_CALLBACK = "higgs_onnx.serve.ray_proxy:middlewares"
-LIGHT_REQUESTS = 8
+LIGHT_REQUESTS = 32  # beside the jobs: health checks, voice lists, WebSocket sessions waiting for text
+CONNECT_S = 10.0  # a cluster address that does not answer a TCP connection within this is refused
 PUSH_S = 1.0  # a replica's metrics reach the board this often
 STALE_S = 10.0  # a replica silent this long is gone from the scrape
 UPSCALE_DELAY_S = 3.0
 DOWNSCALE_DELAY_S = 60.0
 HEALTH_PERIOD_S = 2.0
+DRAIN_S = 10.0  # a stopping replica finishes its requests for at most this long; then they end as documented
 REPO = str(Path(__file__).resolve().parents[2])
 
 
@@ -123,11 +125,20 @@ class HiggsSpeech:
             raise RuntimeError("the scheduler's loop has stopped")
 
 
-def free_port(host: str) -> int:
-    """A port free now on `host`, for Ray's proxy (--port 0; another process could take it before the proxy)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def check_reachable(address: str) -> None:
+    """A HEAD:PORT address must answer a TCP connection (Ray itself would retry for ever); `auto` and `ray://`
+    addresses fail fast on their own."""
+    if address == "auto" or "://" in address:
+        return
+    host, _, port = address.rpartition(":")
+    if not port.isdigit():
+        raise ValueError(f"--address {address!r}: give HEAD:PORT (the head's GCS port, 6379 by default), 'auto' or "
+                         f"ray://HEAD:10001")
+    try:
+        socket.create_connection((host or "127.0.0.1", int(port)), timeout=CONNECT_S).close()
+    except OSError as e:
+        raise ValueError(f"--address {address}: no Ray cluster answers there ({e.strerror or e}); start one with "
+                         f"`ray start --head` or leave --address out for a local one") from None
 
 
 def deployment(args: argparse.Namespace):
@@ -140,7 +151,7 @@ def deployment(args: argparse.Namespace):
                "backpressure_config": BackpressureConfig(status_code=429, retry_after_s=1),
                "ray_actor_options": {"num_cpus": threads},
                "health_check_period_s": HEALTH_PERIOD_S, "health_check_timeout_s": 30.0,
-               "graceful_shutdown_wait_loop_s": 1.0, "graceful_shutdown_timeout_s": 10.0}
+               "graceful_shutdown_wait_loop_s": 0.5, "graceful_shutdown_timeout_s": DRAIN_S}
     if args.max_replicas is not None and args.max_replicas > args.replicas:
         options["autoscaling_config"] = {"min_replicas": args.replicas, "initial_replicas": args.replicas,
                                          "max_replicas": args.max_replicas,
@@ -163,7 +174,11 @@ def start_ray(args: argparse.Namespace, temp: str | None) -> None:
     if REPO not in path.split(os.pathsep):
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, path) if p)
     if args.address is not None:
-        ray.init(address=args.address, namespace=NAMESPACE, log_to_driver=False)
+        check_reachable(args.address)
+        try:
+            ray.init(address=args.address, namespace=NAMESPACE, log_to_driver=False)
+        except ConnectionError as e:
+            raise ValueError(f"--address {args.address}: {str(e).splitlines()[0]}") from None
         return
     cores = os.cpu_count() or 1
     need = (args.max_replicas or args.replicas) * (args.threads or 1)
@@ -181,20 +196,23 @@ def serve_on_ray(args: argparse.Namespace) -> int:
 
     from ..ray_local import StopSignal, ray_temp_dir, stop_leftovers
 
-    port = args.port or free_port(args.host)
+    port = args.port  # checked free (and chosen for --port 0) by serve.__main__
     temp = None if args.address else ray_temp_dir()
     stop = StopSignal()
     stop.install()
-    code = 0
+    code, deployed, failure = 0, False, None
+    if args.log_level.upper() not in ("DEBUG", "INFO"):
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)  # "Deleting app ...": Ray's, not the user's
     try:
         start_ray(args, temp)
         stop.check()
         stop.install()  # after ray.init, which sets handlers of its own
         serve.start(http_options={"host": args.host, "port": port})
+        deployed = True
         try:
             serve.run(deployment(args), name=APP, route_prefix="/")
-        except RuntimeError as e:  # every replica failed to start: its error, once
-            print(f"error: no replica came up: {replica_error(e)}", file=sys.stderr)
+        except RuntimeError as e:  # every replica failed to start: its error, once (after Ray's cleanup lines)
+            failure = f"error: no replica came up: {replica_error(e)}"
             return 1
         shown = f"[{args.host}]" if ":" in args.host else args.host
         scale = (f"{args.replicas}..{args.max_replicas} replicas (autoscaling)"
@@ -208,20 +226,27 @@ def serve_on_ray(args: argparse.Namespace) -> int:
     except (KeyboardInterrupt, SystemExit) as e:
         if isinstance(e, SystemExit) and e.code not in (None, 0, signal.SIGTERM):
             raise
-        print("stopping: the replicas drain, then Ray Serve stops", file=sys.stderr)
+        print(f"stopping: the replicas finish what they hold (at most {DRAIN_S:g} s; then it ends as docs/server.md "
+              f"says), then Ray Serve stops", file=sys.stderr)
     finally:
         stop.shield()
         try:
-            try:
-                serve.delete(APP) if args.address else serve.shutdown()
-            except Exception as e:  # noqa: BLE001 - Ray already gone: nothing to stop
-                log.info("serve shutdown: %s", e)
+            if ray.is_initialized():  # never a Ray started just to be stopped
+                try:
+                    if deployed:
+                        serve.delete(APP)  # replicas drain while the proxies still answer
+                    if not args.address:
+                        serve.shutdown()
+                except Exception as e:  # noqa: BLE001 - Ray already gone: nothing to stop
+                    log.info("serve shutdown: %s", e)
             ray.shutdown()
             if temp is not None:
                 stop_leftovers(temp)
                 shutil.rmtree(temp, ignore_errors=True)
         finally:
             stop.restore()
+            if failure:
+                print(failure, file=sys.stderr)
     return code
 
 
