@@ -171,7 +171,14 @@ def read_rows(path: Path) -> list[Row]:
             error = f"voice {voice!r} must be a voice file or a name in --voices"
         else:
             try:  # the job options' own bounds; a job field a row cannot carry is refused by name (job.options)
-                SpeechOptions.build({k: obj[k] for k in OPTIONS if k in obj and k != "voice"}, "corpus")
+                built = SpeechOptions.build({k: obj[k] for k in OPTIONS if k in obj and k != "voice"}, "corpus")
+                if built.text.ssml:  # a document that cannot be read is known now, not on a worker
+                    from .text.ssml import SsmlError, to_text
+
+                    try:
+                        to_text(text, ())
+                    except SsmlError as e:
+                        error = f"text: {e}"
             except OptionError as e:
                 error = e.message
         text_options = {k: obj[k] for k in TEXT if k in obj} or None

@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     check_uri(args.uri)
+    if args.ssml:
+        raise ValueError("--ssml does not apply to Wyoming: its text arrives in pieces, and Home Assistant sends "
+                         "plain text")
     name = None if args.zeroconf is None else check_zeroconf(args.uri, args.zeroconf)
     base = SpeechOptions.build(text_values(args), "cli")  # the text steps (docs/text.md), before the model loads
     languages = list(check_languages(args.languages, "--languages"))  # the one check of a language code

@@ -54,7 +54,7 @@ BAD = {"temperature": -1.0, "top_k": -1, "top_p": 0.0, "seed": -1, "max_rows": 0
 REF = {"data": base64.b64encode((DATA / "ref_en_24k.wav").read_bytes()).decode(), "text": "A reference."}
 ASKS = {"speed": 1.5, "takes": 2, "retries": 1, "loudness": -16.0, "deterministic": True, "blend_mode": "product",
         "instructions": "speak calmly", "references": [REF], "dry_run": True, "normalize": True, "markdown": True,
-        "emoji": "name", "stage_directions": "tags", "lexicon": {"Ann": "Anne"}, "caption_level": "word"}
+        "ssml": True, "emoji": "name", "stage_directions": "tags", "lexicon": {"Ann": "Anne"}, "caption_level": "word"}
 
 
 def free_port() -> int:
@@ -207,7 +207,7 @@ def test_the_table_covers_every_field_and_door():
         assert (opt.at("wyoming") == "honoured") == (name == "voice"), name
     for page in ("server.md", "integrations.md"):
         assert door_table() in (ROOT / "docs" / page).read_text(), f"docs/{page}: the fields x doors table is stale"
-    assert len(cases("bound")) == 56 and len(cases("refused")) == 25
+    assert len(cases("bound")) == 56 and len(cases("refused")) == 27
 
 
 @pytest.mark.parametrize("door, name", cases("bound"))

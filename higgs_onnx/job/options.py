@@ -137,6 +137,9 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
            "words of docs/text.md's table", "--instructions", refused={"wyoming": ABSENT, "python": PREPARE}),
     Option("normalize", "numbers, dates, money, units, URLs ... read out as words", "true, false, auto, en or zh",
            "--normalize", refused={"wyoming": ABSENT, "python": PREPARE}),
+    Option("ssml", "the text is an SSML document (a subset: docs/text.md)", "true or false", "--ssml",
+           refused={"websocket": "a session's text arrives in pieces, and an SSML document is read whole: send it "
+                                 "to POST /v1/audio/speech", "wyoming": ABSENT, "python": PREPARE}),
     Option("markdown", "chat text: markdown read as prose", "true or false", "--markdown",
            refused={"wyoming": ABSENT, "python": PREPARE}),
     Option("emoji", "emoji dropped, named or kept (drop with markdown, else keep)", " or ".join(EMOJI), "--emoji",
@@ -152,7 +155,7 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
                     "python": "time a result's words with higgs_onnx.align.word_cues(samples, sample_rate, text)"}),
 )}
 SAMPLING = ("temperature", "top_k", "top_p", "seed", "max_rows")
-TEXT = ("normalize", "markdown", "emoji", "stage_directions", "lexicon", "instructions")
+TEXT = ("normalize", "ssml", "markdown", "emoji", "stage_directions", "lexicon", "instructions")
 MAX_INSTRUCTIONS = 1000
 
 
@@ -168,7 +171,7 @@ class OptionError(ValueError):
 WHOLE, FINITE, BOOL, TEXT_KIND = "a whole number", "a finite number", "true or false", "a string"
 KINDS = {"temperature": FINITE, "top_p": FINITE, "speed": FINITE, "loudness": FINITE, "top_k": WHOLE, "seed": WHOLE,
          "max_rows": WHOLE, "takes": WHOLE, "retries": WHOLE, "deterministic": BOOL, "dry_run": BOOL,
-         "markdown": BOOL, "blend_mode": TEXT_KIND, "instructions": TEXT_KIND, "emoji": TEXT_KIND,
+         "markdown": BOOL, "ssml": BOOL, "blend_mode": TEXT_KIND, "instructions": TEXT_KIND, "emoji": TEXT_KIND,
          "stage_directions": TEXT_KIND, "caption_level": TEXT_KIND}
 
 
@@ -266,7 +269,7 @@ def check_instructions(value, label: str = "instructions") -> str:
     return value
 
 
-TEXT_CHECKS = {"normalize": _text_check(check_normalize), "markdown": check_bool,
+TEXT_CHECKS = {"normalize": _text_check(check_normalize), "markdown": check_bool, "ssml": check_bool,
                "emoji": _text_check(check_emoji), "stage_directions": _text_check(check_mode),
                "lexicon": check_lexicon, "instructions": check_instructions}
 CHECKS = {"speed": check_speed, "takes": check_takes, "retries": check_retries, "loudness": check_loudness,
@@ -487,7 +490,7 @@ def _is_default(name: str, value) -> bool:
     instructions) is let through: there is nothing the door would have to ignore."""
     if name == "instructions":
         return isinstance(value, str) and not value.strip()
-    if name in ("deterministic", "dry_run", "normalize", "markdown"):
+    if name in ("deterministic", "dry_run", "normalize", "markdown", "ssml"):
         return value is False
     if name in ("emoji", "stage_directions"):
         return value == "keep"
@@ -550,6 +553,9 @@ def add_text_flags(ap, where: str = "the text") -> None:
     ap.add_argument("--normalize", nargs="?", const=True, default=None, metavar="LANG",
                     help=f"read numbers, dates, money, units, URLs ... in {where} as words: en, zh, or auto (the "
                     "default when LANG is left out) (docs/text.md)")
+    ap.add_argument("--ssml", action="store_const", const=True, default=None,
+                    help=f"{where} is an SSML document: <speak>, <break>, <prosody rate/pitch>, <say-as>, <sub>, "
+                    "<emphasis> (docs/text.md); anything else is refused")
     ap.add_argument("--markdown", action="store_const", const=True, default=None,
                     help=f"{where} is chat text: read its markdown as prose (lists, tables, links; code dropped)")
     ap.add_argument("--emoji", metavar="MODE", help="drop, name or keep emoji (default: drop with --markdown, else "

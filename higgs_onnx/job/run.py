@@ -34,6 +34,7 @@ from ..loudness import normalise
 from ..tags import CONTROL_TAG
 from ..text.directions import DirectionError
 from ..text.pipeline import Reading
+from ..text.ssml import SsmlError
 from .options import TEXT, OptionError, Shape, SpeechOptions, check_takes
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,10 @@ class SpeechJob:
 
     def prepare(self, text: str, what: str = "input") -> Prepared:
         """The lead and the reading of `text`; OptionError (param `input`) when the steps leave nothing to speak."""
-        reading = self.options.read(text, self.tags)
+        try:
+            reading = self.options.read(text, self.tags)
+        except SsmlError as e:  # the text is the document: its field is the input's
+            raise OptionError(str(e), "input") from None
         if reading.steps and not CONTROL_TAG.sub("", reading.text).strip():
             raise OptionError(f"{what} has nothing to speak after {', '.join(s for s, _ in reading.steps)}",
                               "input")

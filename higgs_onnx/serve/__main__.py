@@ -127,6 +127,9 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--prefill-chunk must be >= 1 position, got {args.prefill_chunk} (leave it out to size "
                          f"chunks by time)")
     check_ray_args(args)
+    if getattr(args, "ssml", None):
+        raise ValueError('--ssml is per request, not a server default (a WebSocket or Wyoming session\'s text arrives '
+                         'in pieces): send "ssml": true with POST /v1/audio/speech')
     timeouts_of(args)
     check_threads(args.threads)
     args.base = SpeechOptions.build(text_values(args), "cli")  # the text steps' defaults: the bounds of every door

@@ -542,10 +542,64 @@ class _Lazy:
     def __init__(self, make):
         self.make, self.reader = make, None
 
-    def read(self, text: str) -> str:
+    def get(self):
         if self.reader is None:
             self.reader = self.make()
-        return self.reader.read(text)
+        return self.reader
+
+    def read(self, text: str) -> str:
+        return self.get().read(text)
 
 
 _EN, _ZH = _Lazy(_English), _Lazy(_Chinese)
+SAY_AS_FORMATS = ("ymd", "mdy", "dmy", "md", "dm", "ym", "my", "y")
+
+
+def say_as(kind: str, text: str, fmt: str | None = None, language: str = "en") -> str:
+    """SSML's say-as (text/ssml.py): `text` read as `kind` (characters, cardinal, ordinal, date, telephone), in
+    English; ValueError says why it cannot be (not a number, not a date of `fmt`)."""
+    if language not in ("en", AUTO):
+        raise ValueError("say-as reads English only")
+    en = _EN.get()
+    if not text:
+        raise ValueError("it holds no text")
+    if kind == "characters":
+        return " ".join(en.n2w(int(c)) if c.isdigit() else c.upper() if c.isalpha() else c
+                        for c in text if not c.isspace())
+    if kind == "telephone":
+        groups = re.findall(r"\d+", text)
+        if not groups or re.search(r"[^\d\s().+-]", text):
+            raise ValueError(f"{text!r} is not a telephone number")
+        return ("plus " if text.lstrip().startswith("+") else "") + ", ".join(en.digits(g) for g in groups)
+    if kind == "cardinal":
+        if not re.fullmatch(rf"-?(?:{NUM})", text):
+            raise ValueError(f"{text!r} is not a number")
+        return ("minus " if text.startswith("-") else "") + en.cardinal(text.lstrip("-"))
+    if kind == "ordinal":
+        m = re.fullmatch(r"(\d+)(?:st|nd|rd|th)?", text, re.IGNORECASE)
+        if not m:
+            raise ValueError(f"{text!r} is not an ordinal number")
+        return en.n2w(int(m.group(1)), to="ordinal")
+    if kind == "date":
+        return _date(en, text, fmt or "ymd")
+    raise ValueError(f"say-as {kind!r} is not one this reader has")
+
+
+def _date(en, text: str, fmt: str) -> str:
+    if fmt not in SAY_AS_FORMATS:
+        raise ValueError(f"format {fmt!r} is not one of {', '.join(SAY_AS_FORMATS)}")
+    parts = re.findall(r"\d+", text)
+    if len(parts) != len(fmt) or re.search(r"[^\d\s/.-]", text):
+        raise ValueError(f"{text!r} is not a date written {fmt}")
+    values = dict(zip(fmt, (int(p) for p in parts), strict=True))
+    year = str(values["y"]) if "y" in values else None
+    if "m" not in values:
+        return en.n2w(int(year), to="year")
+    if "d" not in values:
+        if not 1 <= values["m"] <= 12:
+            raise ValueError(f"{text!r} has no month {values['m']}")
+        return f"{MONTHS[values['m'] - 1]} {en.n2w(int(year), to='year')}"
+    said = en.date_words(values["m"], values["d"], year)
+    if said is None:
+        raise ValueError(f"{text!r} is not a day of the calendar")
+    return said

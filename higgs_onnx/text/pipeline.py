@@ -1,5 +1,6 @@
 """What the model reads: the text as written, through the steps a job asks for, in this order.
 
+0. SSML (ssml.py): a `<speak>` document read as its text and the model's tags;
 1. stage directions (`[laughs]` -> `<|sfx:laughter|>`, directions.py), before markdown reads `*whispers*` as emphasis;
 2. markdown -> prose (markdown.py), emoji dropped, named or kept;
 3. the lexicon's respellings (lexicon.py), on the words as written (so an entry can overrule the normaliser: "3M");
@@ -32,6 +33,7 @@ class TextOptions:
     """The text steps of one job (checked where they are built: `job.options`)."""
 
     normalize: str | None = None  # None: off; "auto", "en", "zh"
+    ssml: bool = False
     markdown: bool = False
     emoji: str | None = None  # None: "drop" with markdown, else the text's emoji are kept
     stage_directions: str = "keep"
@@ -41,12 +43,12 @@ class TextOptions:
     @property
     def plain(self) -> bool:
         """Nothing to do: the text goes to the tokenizer as written."""
-        return (self.normalize is None and not self.markdown and self.emoji in (None, "keep")
+        return (self.normalize is None and not self.ssml and not self.markdown and self.emoji in (None, "keep")
                 and self.stage_directions == "keep" and not self.lexicon and not (self.instructions or "").strip())
 
     def read(self, text: str, tags) -> Reading:
         """`text` through the steps; `tags`: the tokenizer's control tags. DirectionError for instructions it
-        cannot map."""
+        cannot map, ssml.SsmlError for a document it refuses."""
         if self.plain:
             return Reading(text)
         steps = []
@@ -55,6 +57,10 @@ class TextOptions:
             steps.append((name, new))
             return new
 
+        if self.ssml:
+            from .ssml import to_text
+
+            text = step("ssml", to_text(text, tags, self.normalize or "en"))
         if self.stage_directions != "keep":
             text = step(f"stage_directions={self.stage_directions}",
                         directions.stage_directions(text, self.stage_directions, tags))
