@@ -248,6 +248,7 @@ def check_args(args: argparse.Namespace) -> tuple[GenerationOptions, StreamOptio
                                     "seed": args.seed, "max_rows": args.max_rows, "speed": args.speed,
                                     "takes": args.takes, "retries": args.retries, "loudness": args.loudness,
                                     "blend_mode": args.blend_mode, "caption_level": args.caption_level,
+                                    "caption_language": args.caption_language,
                                     **text_values(args)}, "cli")
     options = args.job.generation
     stream = StreamOptions(first_frames=args.first_frames, chunk_frames=args.chunk_frames, codec=args.stream_codec)

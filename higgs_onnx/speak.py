@@ -431,7 +431,7 @@ def _run_job(make, args, label: str, tmp: Path) -> int:
             raise
     if args.captions is not None:
         if args.caption_level == "word":
-            cues = word_cues(args.out, cues, args.caption_language)
+            cues = word_cues(args.out, cues, args.job.caption_language)
         try:
             captions.write(args.captions, cues, job.tts.facts.sample_rate)
         except OSError as e:

@@ -338,6 +338,14 @@ def test_word_cues_ride_on_the_piece_events(server):
     assert kinds[0] == "audio.speech.piece.start" and kinds[-2:] == ["audio.speech.piece", "speech.audio.done"]
     sent = sum(len(base64.b64decode(e["audio"])) // 2 for e in short if e["type"] == "speech.audio.delta")
     assert short[-2]["text"] == "Hello there." and (short[-2]["start_sample"], short[-2]["end_sample"]) == (0, sent)
+    # the words' language is a field: another language's pieces say why they have no words
+    german = sse_events(server.http.post("/v1/audio/speech", json={
+        "model": "higgs-tts-3", "input": "Guten Tag.", "max_rows": ROWS, "response_format": "pcm",
+        "stream_format": "sse", "caption_level": "word", "caption_language": "de-DE"}))
+    assert german[-2]["words"] == [] and "English" in german[-2]["words_reason"], german[-2]
+    bad = server.http.post("/v1/audio/speech", json={**BODY, "stream_format": "sse", "caption_level": "word",
+                                                     "caption_language": "klingon!"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "caption_language", bad.text
     for body in ({}, {"stream": True}):  # raw audio has no place for cues
         r = server.http.post("/v1/audio/speech", json={**BODY, "response_format": "pcm", "caption_level": "word",
                                                        **body})

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,9 +48,10 @@ DOORS = {
 # protocol's fields with no meaning here are refused by name by the door itself (serve/cartesia.py, elevenlabs.py).
 ALWAYS = "always: "
 AGENT_FIELDS = {
-    "cartesia": {"voice": "voice.id", "speed": "generation_config.speed", "caption_level": "add_timestamps"},
+    "cartesia": {"voice": "voice.id", "speed": "generation_config.speed", "caption_level": "add_timestamps",
+                 "caption_language": "language"},
     "elevenlabs": {"voice": "voice_id", "speed": "voice_settings.speed", "normalize": "apply_text_normalization",
-                   "seed": "seed", "caption_level": ALWAYS + "alignment"},
+                   "seed": "seed", "caption_level": ALWAYS + "alignment", "caption_language": "language_code"},
 }
 ABSENT = "absent"  # the door's protocol has no place for the field (Wyoming's events carry text and a voice name)
 STREAMED = "audio is sent as it is made, segment by segment, so nothing can wait for a whole take"
@@ -153,6 +155,11 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
            refused={"wyoming": ABSENT,
                     "corpus": "a corpus writes no captions",
                     "python": "time a result's words with higgs_onnx.align.word_cues(samples, sample_rate, text)"}),
+    Option("caption_language", "the language of the words timed (caption_level word): English is timed, another "
+           "language's pieces keep their cues and say why", "a language code (en, de, pt-BR)", "--caption-language",
+           refused={"wyoming": ABSENT, "corpus": "a corpus writes no captions",
+                    "python": "time a result's words with higgs_onnx.align.word_cues(samples, sample_rate, text, "
+                              "language)"}),
 )}
 SAMPLING = ("temperature", "top_k", "top_p", "seed", "max_rows")
 TEXT = ("normalize", "ssml", "markdown", "emoji", "stage_directions", "lexicon", "instructions")
@@ -172,7 +179,7 @@ WHOLE, FINITE, BOOL, TEXT_KIND = "a whole number", "a finite number", "true or f
 KINDS = {"temperature": FINITE, "top_p": FINITE, "speed": FINITE, "loudness": FINITE, "top_k": WHOLE, "seed": WHOLE,
          "max_rows": WHOLE, "takes": WHOLE, "retries": WHOLE, "deterministic": BOOL, "dry_run": BOOL,
          "markdown": BOOL, "ssml": BOOL, "blend_mode": TEXT_KIND, "instructions": TEXT_KIND, "emoji": TEXT_KIND,
-         "stage_directions": TEXT_KIND, "caption_level": TEXT_KIND}
+         "stage_directions": TEXT_KIND, "caption_level": TEXT_KIND, "caption_language": TEXT_KIND}
 
 
 _IS = {WHOLE: lambda v: isinstance(v, int), BOOL: lambda v: isinstance(v, bool),
@@ -246,6 +253,17 @@ def check_caption_level(value, label: str = "caption_level") -> str:
     return value
 
 
+LANGUAGE_CODE = re.compile(r"[A-Za-z]{2,3}(?:[-_][A-Za-z0-9]{2,8})?")
+
+
+def check_caption_language(value, label: str = "caption_language") -> str:
+    """A language code (en, de, pt-BR); its primary language, lower case, is what the aligner is asked for."""
+    of_kind(value, TEXT_KIND, label)
+    if not LANGUAGE_CODE.fullmatch(value):
+        raise OptionError(f"{label} must be a language code such as en, de or pt-BR, got {value!r:.40}", None)
+    return re.split(r"[-_]", value)[0].lower()
+
+
 def _text_check(check):
     def run(value, label):
         try:
@@ -274,7 +292,7 @@ TEXT_CHECKS = {"normalize": _text_check(check_normalize), "markdown": check_bool
                "lexicon": check_lexicon, "instructions": check_instructions}
 CHECKS = {"speed": check_speed, "takes": check_takes, "retries": check_retries, "loudness": check_loudness,
           "blend_mode": check_blend_mode, "deterministic": check_bool, "dry_run": check_bool,
-          "caption_level": check_caption_level}
+          "caption_level": check_caption_level, "caption_language": check_caption_language}
 
 
 @dataclass(frozen=True)
@@ -291,6 +309,7 @@ class SpeechOptions:
     dry_run: bool = False
     text: TextOptions = TextOptions()
     caption_level: str = "piece"  # word: each piece's cue carries its words, timed on its samples
+    caption_language: str = "en"  # the aligner's language (align.ALIGN_LANGUAGES times words; others say why not)
 
     def read(self, text: str, tags) -> Reading:
         """What the model reads of `text` (the text steps; `tags`: the tokenizer's control tags), without the lead."""
@@ -496,6 +515,8 @@ def _is_default(name: str, value) -> bool:
         return value == "keep"
     if name == "caption_level":
         return value == "piece"
+    if name == "caption_language":
+        return isinstance(value, str) and value.lower() in ("en", "en-us", "en-gb", "en_us", "en_gb")
     if name == "lexicon":
         return value == {}
     neutral = {"takes": 1, "retries": 0, "speed": 1.0}

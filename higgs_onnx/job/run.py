@@ -261,7 +261,8 @@ class Runner:
         gain for the whole take), and each piece's words timed when `caption_level` is "word"."""
         made = await self.take(job, ready.text, voice, read_pieces)
         if job.caption_level == "word" and made.first is not None:
-            made.first, made.rest = await with_words(made.first, made.rest, ready.reading.text, self.sample_rate)
+            made.first, made.rest = await with_words(made.first, made.rest, ready.reading.text, self.sample_rate,
+                                                     job.caption_language)
         return made
 
     async def take(self, job: SpeechOptions, text: str, voice, read_pieces=None) -> Outcome:

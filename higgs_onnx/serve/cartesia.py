@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, WebSocket
 
+from ..job.options import OptionError, check_caption_language
 from .agents import AgentError, AgentSocket, Context, Output
 
 SETTINGS = ("model_id", "voice", "output_format", "add_timestamps", "language", "generation_config",
@@ -156,9 +157,10 @@ class CartesiaSocket(AgentSocket):
         if s["use_normalized_timestamps"] not in (None, False):
             raise fail("use_normalized_timestamps: the words are timed as the transcript writes them (false)",
                        "use_normalized_timestamps", "unsupported_parameter")
-        language = s["language"] if s["language"] is not None else "en"
-        if not isinstance(language, str) or not 2 <= len(language) <= 16:
-            raise fail(f"language must be a language code such as \"en\", got {language!r:.40}", "language")
+        try:  # the caption_language job option's one check (job.options), under the vendor's name
+            language = check_caption_language(s["language"] if s["language"] is not None else "en", "language")
+        except OptionError as e:
+            raise fail(str(e), "language") from None
         delay = s["max_buffer_delay_ms"] if s["max_buffer_delay_ms"] is not None else DELAY_MS[0]
         if isinstance(delay, bool) or not isinstance(delay, int) or not 0 <= delay <= DELAY_MS[1]:
             raise fail(f"max_buffer_delay_ms must be a whole number from 0 to {DELAY_MS[1]}, got {delay!r:.40}",
@@ -178,7 +180,7 @@ class CartesiaSocket(AgentSocket):
             session, reader, _ = await self.session_of(values)
         except AgentError as e:
             raise fail(e.message, e.param or "voice.id", e.code) from None
-        ctx = Context(cid, session, reader, output, self.native, language.split("-")[0].lower() if stamps else None,
+        ctx = Context(cid, session, reader, output, self.native, language if stamps else None,
                       delay_s=delay / 1000.0, settings=s)
         return self.add(ctx)
 

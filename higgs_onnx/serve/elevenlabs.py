@@ -30,6 +30,7 @@ import re
 
 from fastapi import APIRouter, WebSocket
 
+from ..job.options import OptionError, check_caption_language
 from .agents import MAX_CONTEXTS, AgentError, AgentSocket, Close, Context, Output, char_times
 from .cartesia import key_of
 
@@ -96,10 +97,10 @@ class ElevenLabsSocket(AgentSocket):
                 raise AgentError(f"inactivity_timeout must be whole seconds from 1 to {MAX_INACTIVITY_S}, got "
                                  f"{t!r:.40}", "inactivity_timeout")
             idle = float(t)
-        self.language = q.get("language_code", "en").split("-")[0].lower()
-        if not re.fullmatch(r"[a-z]{2,3}", self.language):
-            raise AgentError(f"language_code must be a language code such as \"en\", got "
-                             f"{q.get('language_code')!r:.40}", "language_code")
+        try:  # the caption_language job option's one check (job.options), under the vendor's name
+            self.language = check_caption_language(q.get("language_code", "en"), "language_code")
+        except OptionError as e:
+            raise AgentError(str(e), "language_code") from None
         super().__init__(ws, svc, idle)
 
     # -- answers -----------------------------------------------------------------------------------------

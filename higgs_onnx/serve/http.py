@@ -114,12 +114,14 @@ class SpeechRequest(OutputFields):
     # the text steps (docs/text.md), checked by job.options (one bound and message for every door): None = the
     # server's default (serve --normalize ...), which is off
     normalize: Any = None
+    ssml: Any = None  # the input is an SSML document (a subset: docs/text.md)
     markdown: Any = None
     emoji: Any = None
     stage_directions: Any = None
     lexicon: Any = None
     # "word": each piece event of the SSE stream carries its words, timed by a forced aligner (docs/captions.md)
     caption_level: Any = None
+    caption_language: Any = None  # the language of those words (the aligner times English; job.options)
 
 
 class DialogueRequest(OutputFields):
@@ -132,7 +134,7 @@ class DialogueRequest(OutputFields):
 
 # the body's fields that are `job.options.OPTIONS` (references: `shapes.normalise`)
 JOB_FIELDS = ("voice", "blend_mode", *SAMPLING, "speed", "takes", "retries", "loudness", "deterministic",
-              "dry_run", *TEXT, "caption_level")
+              "dry_run", *TEXT, "caption_level", "caption_language")
 # what a session.config may hold beyond WS_ONLY: the speech fields (refused by name where the WebSocket cannot
 # honour them), the reference shapes and the output format
 WS_FIELDS = {"model", *JOB_FIELDS, "response_format", "stream_format", "stream", "ref_audio", "ref_text", "references",

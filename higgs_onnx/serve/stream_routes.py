@@ -63,7 +63,7 @@ def router(svc: SpeechService) -> APIRouter:
                                       "references", "unsupported_parameter")
                 voice = await svc.job_voice(inline, r)  # blend_mode: refused by the table above
                 svc.optioned(job.check, Shape(voices=getattr(voice, "width", 1), continues=True))  # job.options.RULES
-                words = "en" if job_opts.caption_level == "word" else None  # the aligner's one language
+                words = job_opts.caption_language if job_opts.caption_level == "word" else None
                 return r.response_format, job_opts.generation, voice, (job.lead, job.reader(), words)
             except ValidationError as e:
                 message, param = validation_message(e)
