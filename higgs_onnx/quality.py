@@ -47,12 +47,9 @@ class Dnsmos:
     """One session, shared by threads (a lock: one window at a time)."""
 
     def __init__(self, path: Path | None = None):
-        import onnxruntime as ort
+        from .runtime.session import create_session
 
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = 1
-        opts.log_severity_level = 3
-        self.session = ort.InferenceSession(str(path or model_path()), opts, providers=["CPUExecutionProvider"])
+        self.session = create_session(Path(path or model_path()), "cpu", threads=1, name="dnsmos")
         self.input = self.session.get_inputs()[0].name
         self.lock = threading.Lock()
 

@@ -29,7 +29,7 @@ from ..guard import check_retries as guard_retries
 from ..loudness import RANGE as LOUDNESS_RANGE
 from ..loudness import check_target
 from ..text.directions import MODES as DIRECTION_MODES
-from ..text.directions import check_mode
+from ..text.directions import check_mode, speed_tag
 from ..text.lexicon import MAX_ENTRIES, Lexicon, LexiconError
 from ..text.pipeline import EMOJI, Reading, TextOptions, check_emoji, check_normalize
 
@@ -559,14 +559,6 @@ def rules_table() -> str:
     rows = [f"| {r.name} | {', '.join(f'`{f}`' for f in r.fields)} | {', '.join(r.doors)} | "
             f"{r.message(_EXAMPLE, _EXAMPLE_SHAPE, 'http')} |" for r in RULES]
     return "\n".join(["| rule | fields | checked at | the error (as HTTP words it) |", "|---|---|---|---|", *rows])
-
-
-def speed_tag(speed: float, tags) -> str | None:
-    """`speed` as the model's own prosody tag, where the tokenizer has it (`tags`: its control tags); None at 1."""
-    name = ("speed_very_slow" if speed <= 0.6 else "speed_slow" if speed < 0.9 else None if speed <= 1.1 else
-            "speed_fast" if speed < 1.6 else "speed_very_fast")
-    tag = f"<|prosody:{name}|>" if name else None
-    return tag if tag in tags else None
 
 
 def add_text_flags(ap, where: str = "the text") -> None:

@@ -160,3 +160,11 @@ def markdown_table(tags) -> str:
         words.setdefault(tag, []).append(word)
     rows = [f"| `{tag}` | {', '.join(ws)} |" for tag, ws in sorted(words.items())]
     return "\n".join(["| tag | words (a stage direction or an instruction) |", "|---|---|", *rows])
+
+
+def speed_tag(speed: float, tags) -> str | None:
+    """`speed` as the model's own prosody tag, where the tokenizer has it (`tags`: its control tags); None at 1."""
+    name = ("speed_very_slow" if speed <= 0.6 else "speed_slow" if speed < 0.9 else None if speed <= 1.1 else
+            "speed_fast" if speed < 1.6 else "speed_very_fast")
+    tag = f"<|prosody:{name}|>" if name else None
+    return tag if tag in tags else None

@@ -97,7 +97,7 @@ def rate_of(value: str) -> float:
 
 def to_text(text: str, tags, language: str = "en") -> str:
     """The document as what the model reads: its text, with the model's tags where the elements ask for them."""
-    from ..job.options import speed_tag
+    from .directions import speed_tag
     from .normalize import say_as
 
     root = parse(text)
