@@ -77,6 +77,11 @@ class Server(ServerProcess):
         """The stats once nothing is in flight."""
         return self.wait(lambda s: s["in_flight"] == 0, "nothing in flight")
 
+    def released(self) -> dict:
+        """The stats once nothing is in flight and no session keeps a context (a session's end gives its kept
+        context back as its handler ends, just after the client has its last event): fails if one stays kept."""
+        return self.wait(lambda s: s["in_flight"] == 0 and s["kept"] == 0, "nothing in flight or kept")
+
     def stop(self) -> None:
         super().stop(timeout=15)
 
