@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -25,7 +26,8 @@ class StopSignal:
     `install` before and again after `ray.init`, which sets SIGTERM handlers of its own (a SIGTERM while it runs is
     Ray's SystemExit(15), which the same `finally` handles). Ctrl-C is raised by the same handler, so its signal is
     recorded: one that lands in an at-fork hook while Ray starts its processes is swallowed there ("Exception
-    ignored in _resume_parent_after_fork"), and `check` raises it again afterwards. `shield` while shutting down: a
+    ignored in _resume_parent_after_fork"; that line and its traceback are not printed, since the signal is not
+    lost), and `check` raises it again afterwards. `shield` while shutting down: a
     second signal is noted, not raised, so the shutdown is not cut short. `signum` says which signal stopped the job."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -33,6 +35,13 @@ class StopSignal:
     def __init__(self):
         self.signum: int | None = None
         self._previous: dict[int, object] = {}
+        self._unraisable = None
+
+    def _swallowed(self, unraisable) -> None:
+        """sys.unraisablehook: our own KeyboardInterrupt, swallowed where Python cannot raise it, is kept quiet
+        (`check` raises it again); anything else goes to the hook that was there."""
+        if not (isinstance(unraisable.exc_value, KeyboardInterrupt) and self.signum is not None):
+            (self._unraisable or sys.__unraisablehook__)(unraisable)
 
     @staticmethod
     def _main_thread() -> bool:  # signals reach the main thread only; run() in a thread leaves them alone
@@ -47,6 +56,8 @@ class StopSignal:
 
     def install(self) -> None:
         if self._main_thread():
+            if self._unraisable is None:
+                self._unraisable, sys.unraisablehook = sys.unraisablehook, self._swallowed
             self._previous.setdefault(signal.SIGTERM, signal.getsignal(signal.SIGTERM))
             signal.signal(signal.SIGTERM, self._raise)
             self._previous.setdefault(signal.SIGINT, signal.getsignal(signal.SIGINT))
@@ -69,6 +80,8 @@ class StopSignal:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
         self._previous.clear()
+        if self._unraisable is not None:
+            sys.unraisablehook, self._unraisable = self._unraisable, None
 
 
 def ray_temp_dir() -> str:

@@ -133,3 +133,35 @@ def test_dnsmos_tells_real_speech_from_noise_and_silence(spoken, tts):
     assert min(real) > 2.6 and max(other) < 2.0
     assert take_quality(np.zeros(0, np.float32), 24000) == {"dnsmos": None,
                                                               "dnsmos_off": "DNSMOS needs non-empty, finite audio"}
+
+
+@pytest.mark.slow
+def test_a_second_real_english_voice_clones_and_blends(spoken, tts, tmp_path):
+    """Piper's voice is the suite's second real English voice: cloned from one of its sentences (at Piper's own
+    22.05 kHz, so the reference is resampled), its rows span the recording, it is another voice than the human
+    recording's, it round-trips through a voice file, and a blend weighted wholly on it is it, to the bit (fp32)."""
+    import soundfile as sf
+
+    from higgs_onnx.generation.blend import Blend
+    from higgs_onnx.generation.options import GenerationOptions
+    from higgs_onnx.runtime.voice import Voice
+
+    data = Path(__file__).resolve().parent / "data"
+    s = spoken["set_b"][0]
+    sf.write(tmp_path / "piper.wav", s.samples, s.sample_rate)
+    piper = tts.make_voice(tmp_path / "piper.wav", s.text)
+    human = tts.make_voice(data / "ref_en_24k.wav", (data / "ref_en_24k.txt").read_text().strip())
+    f = tts.facts
+    frames = s.seconds * f.frame_rate
+    assert s.sample_rate != f.sample_rate and abs(piper.rows.shape[0] - frames) <= f.num_codebooks + 2, \
+        (piper.rows.shape, frames)
+    assert piper.rows.shape[0] != human.rows.shape[0] or not np.array_equal(piper.rows, human.rows)
+    back = Voice.load(piper.save(tmp_path / "piper.npz"), piper.model_id)
+    assert back.ref_text == s.text and np.array_equal(back.rows, piper.rows)
+    greedy = GenerationOptions(temperature=0, max_rows=60)
+    alone = tts.run(tts.request("Hello from a second voice.", voice=piper, options=greedy), None)
+    blend = tts.run(tts.request("Hello from a second voice.", voice=Blend.make([human, piper], (0, 1)),
+                                options=greedy), None)
+    assert np.array_equal(blend.generated, alone.generated)
+    other = tts.run(tts.request("Hello from a second voice.", voice=human, options=greedy), None)
+    assert not np.array_equal(other.generated, alone.generated)  # the voice changes what the model makes
