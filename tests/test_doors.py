@@ -676,15 +676,18 @@ def test_a_client_leaving_mid_audio_is_one_log_line(server):
 
 
 # -- SIGTERM with work in flight at every door ---------------------------------------------------------------------
-LONG_ROWS = 2800  # ~2 s of the tiny model's decoder, alone on the slot (the tiny model seldom ends early)
+# one request the tiny model speaks for ~2 s alone on its slot: it reads ~2.7 rows per character and stops at the
+# text's end, so the text is long enough to reach HOLD_ROWS (a short text ends in ~80 rows)
+HOLD_TEXT = " ".join(["I hold the slot while the others wait"] * 25) + "."
+HOLD_ROWS = 2500  # with its ~410 prompt positions, within a slot's 3072
 
 
 def test_sigterm_answers_every_door_as_documented(builds, tmp_path):
-    """One batch slot, held by a WebSocket session's long segment (a kept context between segments would be given
-    back as soon as a job waits: segments.next_segment). Waiting behind it, with no audio yet: a speech request, an
-    SSE one, a second WebSocket session's segment and a Wyoming synthesis.
+    """One batch slot, held by a long speech request (a WebSocket session's kept context between segments would be
+    given back as soon as a job waits: segments.next_segment). Waiting behind it, with no audio yet: a speech request,
+    an SSE one, a WebSocket session's segment and a Wyoming synthesis.
     SIGTERM: both HTTP requests get the JSON 503 with Retry-After, the WebSocket an error event and close code 1012,
-    Wyoming an error event; no traceback in the log."""
+    Wyoming an error event, the holder's audio stream is cut (no last chunk); no traceback in the log."""
     import threading
 
     import httpx2 as httpx
@@ -700,17 +703,26 @@ def test_sigterm_answers_every_door_as_documented(builds, tmp_path):
         r = httpx.post(f"{s.url}/v1/audio/speech", json={**body, **extra}, timeout=60)
         out[key] = (r.status_code, r.headers.get("retry-after"), r.text)
 
+    def hold():
+        with httpx.stream("POST", f"{s.url}/v1/audio/speech", timeout=60,
+                          json={**body, "input": HOLD_TEXT, "max_rows": HOLD_ROWS}) as r:
+            assert r.status_code == 200, r.read()
+            try:
+                for _ in r.iter_bytes():
+                    out["holding"] = True  # its first audio: it runs
+                out["holder"] = "whole"
+            except httpx.RemoteProtocolError:  # the chunked body ends without its last chunk: visibly incomplete
+                out["holder"] = "cut"
+
     async def sessions():
         url = s.url.replace("http://", "ws://") + "/v1/audio/speech/stream"
-        async with websockets.connect(url) as holder, websockets.connect(url) as waiter, \
-                AsyncTcpClient("127.0.0.1", port) as wy:
-            for ws, rows in ((holder, LONG_ROWS), (waiter, 40)):
-                await ws.send(json.dumps({"type": "session.config", "response_format": "pcm", "max_rows": rows}))
-                await ws.recv()
-            await holder.send(json.dumps({"type": "input.text", "text": "I hold the slot."}))
-            await holder.send(json.dumps({"type": "input.commit"}))
-            while not isinstance(await asyncio.wait_for(holder.recv(), 60), bytes):  # its first audio: it runs
-                pass
+        async with websockets.connect(url) as waiter, AsyncTcpClient("127.0.0.1", port) as wy:
+            await waiter.send(json.dumps({"type": "session.config", "response_format": "pcm", "max_rows": 40}))
+            await waiter.recv()
+            for _ in range(1200):
+                if out.get("holding"):
+                    break
+                await asyncio.sleep(0.01)
             await waiter.send(json.dumps({"type": "input.text", "text": "I wait for it. "}))
             await waiter.send(json.dumps({"type": "input.commit"}))
             await wy.write_event(Synthesize(text="I wait too.").event())
@@ -726,10 +738,12 @@ def test_sigterm_answers_every_door_as_documented(builds, tmp_path):
             e = await asyncio.wait_for(wy.read_event(), 60)
             out["wyoming"] = (e.type, e.data.get("code")) if e is not None else None
 
+    holder = threading.Thread(target=hold)
     side = threading.Thread(target=lambda: asyncio.run(sessions()))
     posts = [threading.Thread(target=post, args=("http", {})),
              threading.Thread(target=post, args=("sse", {"stream_format": "sse"}))]
     try:
+        holder.start()
         side.start()
         for _ in range(1200):
             if out.get("ready"):
@@ -737,14 +751,15 @@ def test_sigterm_answers_every_door_as_documented(builds, tmp_path):
             time.sleep(0.05)
         for t in posts:
             t.start()
-        s.wait(lambda st: st["waiting"] >= 4, "four jobs waiting behind the held slot")
+        s.wait(lambda st: st["waiting"] >= 4 and st["active"] == 1, "four jobs waiting behind the held slot")
         s.proc.send_signal(signal.SIGTERM)
-        for t in (*posts, side):
+        for t in (*posts, side, holder):
             t.join(60)
         assert s.proc.wait(30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it has shut down
     finally:
         if s.proc.poll() is None:
             s.stop()
+    assert out["holder"] == "cut", out  # its audio stream, mid-way: never ended as if whole
     for key in ("http", "sse"):
         status, retry, text = out[key]
         assert status == 503 and retry == "1" and json.loads(text)["error"]["code"] == "shutting_down", out[key]

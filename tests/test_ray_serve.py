@@ -117,6 +117,10 @@ def test_two_replicas_answer_as_one_server_does(pair, plain):
     assert "Ray Serve" in pair.banner and "2 replica(s)" in pair.banner
     ids = replicas_seen(pair, 2)
     assert len(set(ids.values())) == 2  # two processes
+    limits = health(pair)["limits"]  # the proxy holds the connections: their bounds are not claimed
+    assert limits["connections"] == "ray_serve_proxy" and "max_connections" not in limits, limits
+    assert not {"header_s", "keep_alive_s"} & set(limits["timeouts_s"]) and limits["timeouts_s"]["send_s"] > 0
+    assert "connections" not in health(plain)["limits"] and health(plain)["limits"]["max_connections"] > 0
     want = answers(plain)
     assert all(want.values())
     for _ in range(2):  # each replica answers some of them (the proxy picks one per request)

@@ -29,6 +29,16 @@ from .service import SpeechService
 log = logging.getLogger(__name__)
 
 
+PROXY_HOLDS = ("header_s", "keep_alive_s")  # under Ray Serve its proxy holds the connections: not these bounds
+
+
+def behind_proxy(limits: dict) -> dict:
+    """The limits a Ray Serve replica enforces: the connection bounds are the proxy's (no header timeout, its own
+    keep-alive and connection count), so they are not claimed (docs/server.md, Scaling)."""
+    return {**{k: v for k, v in limits.items() if k != "max_connections"}, "connections": "ray_serve_proxy",
+            "timeouts_s": {k: v for k, v in limits["timeouts_s"].items() if k not in PROXY_HOLDS}}
+
+
 def routers(svc: SpeechService) -> tuple[APIRouter, APIRouter]:
     """(the /v1 routes, the root ones)."""
     router, root = APIRouter(), APIRouter()
@@ -69,7 +79,8 @@ def routers(svc: SpeechService) -> tuple[APIRouter, APIRouter]:
         scheduler's counters and how often each client guard fired; under Ray Serve, the answering replica (its id
         and process)."""
         return {"status": "ok", "model": svc.model_id, "models": svc.models, "sample_rate": svc.sample_rate,
-                "limits": limits, "scheduler": svc.scheduler.stats(), "guards": dict(COUNTERS),
+                "limits": limits if not svc.replica else behind_proxy(limits),
+                "scheduler": svc.scheduler.stats(), "guards": dict(COUNTERS),
                 "voice_cache": svc.tts.voices.stats(),
                 "uptime_s": round(time.time() - svc.started, 1),
                 **({"replica": {"id": svc.replica, "pid": os.getpid()}} if svc.replica else {})}
