@@ -68,7 +68,7 @@ def sse_audio(server, **body) -> tuple[bytes, list[dict]]:
     with server.http.stream("POST", "/v1/audio/speech", json={"model": "tts-1", "input": TEXT,
                                                               "response_format": "pcm", "stream_format": "sse",
                                                               **body}) as r:
-        assert r.status_code == 200
+        assert r.status_code == 200, (r.status_code, r.read())
         for line in r.iter_lines():
             if line.startswith("data: "):
                 events.append(json.loads(line[6:]))
@@ -266,7 +266,11 @@ def test_autoscaling_adds_a_replica_under_load(builds, tmp_path):
             for t in threads:
                 t.join(120)
         assert len(seen) == 2 and set(codes) <= {200, 429} and 200 in codes
-        # SIGTERM while requests run: the replicas finish them (the drain), then Ray stops
+        # SIGTERM while requests run: the replicas finish them (the drain), then Ray stops. First the load's last
+        # requests end (a replica's scheduler counts a job until its stream is closed on its side)
+        deadline = time.monotonic() + 60
+        while scrape_total(s, "higgs_in_flight") > 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
         with ThreadPoolExecutor(2) as pool:
             running = [pool.submit(sse_audio, s, seed=40 + i, max_rows=200) for i in range(2)]
             deadline = time.monotonic() + 60

@@ -7,9 +7,11 @@ replica (the less busy of two, by ongoing requests); docs/server.md, "Scaling", 
 
 - **Admission.** A replica takes `max_batch + max_queue + LIGHT_REQUESTS` requests at once (the light ones: health,
   voice lists, sockets waiting for text); its own scheduler answers 429 with `Retry-After` when its queue is full,
-  as the plain server does. When every replica is at that bound, Ray's router holds up to `max_queue` more per
-  proxy and refuses the rest with 429 and `Retry-After` (its `BackpressureConfig`; the proxy middleware gives it our
-  JSON body).
+  as the plain server does. Ray's router holds up to `max_queue + LIGHT_REQUESTS` requests per proxy that no replica
+  has taken yet and refuses the rest with 429 and `Retry-After` (its `BackpressureConfig`; the proxy middleware
+  gives it our JSON body). That queue also holds requests while the router waits for the replicas' queue lengths,
+  which a replica busy on every core answers late: at `max_queue` alone (2 in a test) a health check or a scrape
+  beside two requests was refused while both replicas had room.
 - **Autoscaling.** `--max-replicas M` (> N) scales between N and M on ongoing requests per replica (target:
   --max-batch), up after `UPSCALE_DELAY_S` of load, down after `DOWNSCALE_DELAY_S` of quiet.
 - **Shared state.** Saved voices live in one folder every replica reads and writes (`--voices`, default the
@@ -147,7 +149,7 @@ def deployment(args: argparse.Namespace):
 
     threads = args.threads or 1
     options = {"max_ongoing_requests": args.max_batch + args.max_queue + LIGHT_REQUESTS,
-               "max_queued_requests": max(args.max_queue, 1),
+               "max_queued_requests": args.max_queue + LIGHT_REQUESTS,
                "backpressure_config": BackpressureConfig(status_code=429, retry_after_s=1),
                "ray_actor_options": {"num_cpus": threads},
                "health_check_period_s": HEALTH_PERIOD_S, "health_check_timeout_s": 30.0,
