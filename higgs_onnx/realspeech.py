@@ -53,13 +53,18 @@ def voice():
     return PiperVoice.load(joe.model_path(), config_path=joe.config_path(), include_alignments=True)
 
 
+def is_phoneme(p: str) -> bool:
+    """A phoneme of a word: not a space, Piper's BOS / EOS / pad or punctuation."""
+    return p not in (" ", "^", "$", "_") and p not in PUNCTUATION
+
+
 def word_runs(phonemes: list[str], samples: list[int]) -> list[tuple[int, int]]:
     """(start, end) sample of each word's run of phonemes; `phonemes` includes Piper's BOS and EOS, `samples` is each
     one's count of samples."""
     edges = np.concatenate([[0], np.cumsum(samples)])
     runs, start = [], None
     for i, p in enumerate(phonemes):
-        inside = p not in (" ", "^", "$", "_") and p not in PUNCTUATION
+        inside = is_phoneme(p)
         if inside and start is None:
             start = i
         if not inside and start is not None:
@@ -111,8 +116,7 @@ def speak(text: str) -> Spoken:
         counts = [int(a.num_samples) for a in chunk.phoneme_alignments]
         found = word_runs(phones, counts)
         runs += [(offset + start, offset + end) for start, end in found]
-        inside = [p not in (" ", "^", "$", "_") and p not in PUNCTUATION for p in phones]
-        sizes += [len(r) for r in "".join("x" if i else " " for i in inside).split()]
+        sizes += [len(r) for r in "".join("x" if is_phoneme(p) else " " for p in phones).split()]
         audio = chunk.audio_float_array
         pieces.append(audio)
         offset += audio.size

@@ -238,12 +238,20 @@ def judge(rows: np.ndarray, text: str, frame_rate: float, num_codebooks: int, st
     if want / frame_rate >= options.short_min_s and n < options.short_factor * want:
         return Verdict("short", f"ended after {n} rows; the text needs about {want}", fig)
     if wav is not None and hop:
-        gap = longest_inner_silence(frame_rms(wav, hop), options.silence_rms)
-        fig["longest_silence_s"] = gap / frame_rate
-        if gap / frame_rate > options.silence_s:
-            return Verdict("silence", f"{gap / frame_rate:.1f} s of dead air inside the speech (RMS < "
-                                      f"{options.silence_rms})", fig)
+        fig["longest_silence_s"] = gap_s = dead_air_s(wav, hop, frame_rate, options)
+        if gap_s > options.silence_s:
+            return silence(gap_s, fig, options)
     return Verdict("good", "a clean stop at a plausible length", fig)
+
+
+def dead_air_s(wav: np.ndarray, hop: int, frames_per_s: float, options: GuardOptions) -> float:
+    """Seconds of the longest dead air inside the speech of `wav` (RMS in frames of `hop` samples)."""
+    return longest_inner_silence(frame_rms(wav, hop), options.silence_rms) / frames_per_s
+
+
+def silence(gap_s: float, fig: dict, options: GuardOptions) -> Verdict:
+    """The "silence" verdict: `gap_s` of dead air, above `silence_s`."""
+    return Verdict("silence", f"{gap_s:.1f} s of dead air inside the speech (RMS < {options.silence_rms})", fig)
 
 
 def listen(text: str, wav: np.ndarray, sample_rate: int, asr, options: GuardOptions = GuardOptions()) -> Verdict:
@@ -251,10 +259,10 @@ def listen(text: str, wav: np.ndarray, sample_rate: int, asr, options: GuardOpti
     speech (RMS in 40 ms frames), then what `asr` (`asr.Transcriber`) hears: "misheard" above `max_heard_wer`. A
     text the recogniser cannot hear (`not_heard`: no English pronunciation) is judged on dead air alone."""
     hop = max(1, round(sample_rate * 0.04))
-    gap_s = longest_inner_silence(frame_rms(wav, hop), options.silence_rms) * hop / sample_rate
+    gap_s = dead_air_s(wav, hop, sample_rate / hop, options)
     fig: dict = {"seconds": len(wav) / sample_rate, "longest_silence_s": round(gap_s, 3)}
     if gap_s > options.silence_s:
-        return Verdict("silence", f"{gap_s:.1f} s of dead air inside the speech (RMS < {options.silence_rms})", fig)
+        return silence(gap_s, fig, options)
     heard = asr.score(text, wav, sample_rate)
     return misheard(heard, options, {**fig, **heard}) or Verdict("good", "no dead air; heard as the text",
                                                                  {**fig, **heard})

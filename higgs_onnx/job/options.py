@@ -29,7 +29,7 @@ from ..guard import check_retries as guard_retries
 from ..loudness import RANGE as LOUDNESS_RANGE
 from ..loudness import check_target
 from ..text.directions import MODES as DIRECTION_MODES
-from ..text.directions import check_mode, speed_tag
+from ..text.directions import SPEED_RANGE, check_mode, speed_tag
 from ..text.lexicon import MAX_ENTRIES, Lexicon, LexiconError
 from ..text.pipeline import EMOJI, Reading, TextOptions, check_emoji, check_normalize
 
@@ -57,7 +57,6 @@ ABSENT = "absent"  # the door's protocol has no place for the field (Wyoming's e
 STREAMED = "audio is sent as it is made, segment by segment, so nothing can wait for a whole take"
 PREPARE = ("prepare the text first: higgs_onnx.job.run.read_text(tts, text, normalize=..., markdown=...) returns "
            "what to pass")
-SPEED_RANGE = (0.25, 4.0)
 MAX_TAKES = 16  # takes of one request: each is a batch row (its own slot)
 CAPTION_LEVELS = ("piece", "word")
 

@@ -31,6 +31,7 @@ from .limits import (
     MAX_UPLOAD_BYTES,
     BodyTimeout,
     ClientGone,
+    error_type,
 )
 
 log = logging.getLogger(__name__)
@@ -58,10 +59,8 @@ class ApiError(Exception):
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
-    kind = {401: "authentication_error", 429: "rate_limit_error"}.get(status) or \
-        ("invalid_request_error" if status < 500 else "server_error")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status,
-                        headers=headers)
+    return JSONResponse({"error": {"message": message, "type": error_type(status), "param": param, "code": code}},
+                        status, headers=headers)
 
 
 class VoiceRef(BaseModel):

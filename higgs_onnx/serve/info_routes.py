@@ -49,6 +49,8 @@ def routers(svc: SpeechService) -> tuple[APIRouter, APIRouter]:
               "max_json_bytes": MAX_JSON_BYTES,
               "max_upload_bytes": MAX_UPLOAD_BYTES, "max_connections": timeouts.max_connections,
               "timeouts_s": {k: v for k, v in timeouts.as_dict().items() if k.endswith("_s")}}
+    if svc.replica:  # set by create_app before the routes are made
+        limits = behind_proxy(limits)
 
     @router.get("/audio/models")
     async def audio_models():
@@ -79,7 +81,7 @@ def routers(svc: SpeechService) -> tuple[APIRouter, APIRouter]:
         scheduler's counters and how often each client guard fired; under Ray Serve, the answering replica (its id
         and process)."""
         return {"status": "ok", "model": svc.model_id, "models": svc.models, "sample_rate": svc.sample_rate,
-                "limits": limits if not svc.replica else behind_proxy(limits),
+                "limits": limits,
                 "scheduler": svc.scheduler.stats(), "guards": dict(COUNTERS),
                 "voice_cache": svc.tts.voices.stats(),
                 "uptime_s": round(time.time() - svc.started, 1),

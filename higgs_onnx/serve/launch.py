@@ -38,6 +38,11 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def voices_of(args: argparse.Namespace) -> Path:
+    """The saved voices' folder: --voices, by default the export's `voices/`."""
+    return args.voices if args.voices is not None else Path(args.model_path) / "voices"
+
+
 def warm_up(tts) -> None:
     """Create every session a request needs now, so the first request does not pay for loading the model."""
     from ..generation.codec_stream import StreamOptions
@@ -60,7 +65,7 @@ def load(args: argparse.Namespace, metrics_labels: dict | None = None):
     tts = HiggsTTS(args.model_path, provider=args.provider, threads=args.threads, verify=not args.no_verify,
                    voice_cache_bytes=args.voice_cache_mb << 20, guard=args.guard_options)
     warm_up(tts)
-    voices = args.voices if args.voices is not None else Path(args.model_path) / "voices"
+    voices = voices_of(args)
     try:
         voices.mkdir(parents=True, exist_ok=True)
     except OSError as e:

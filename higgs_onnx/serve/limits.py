@@ -45,6 +45,19 @@ COUNTERS: Counter[str] = Counter()  # header_timeout, body_timeout, send_timeout
 MALFORMED = "higgs.malformed_body"  # scope key: uvicorn refused the rest of the body (bad chunked framing) with 400
 
 
+def error_type(status: int) -> str:
+    """OpenAI's error `type` for an HTTP status."""
+    return {401: "authentication_error", 429: "rate_limit_error"}.get(status) or \
+        ("invalid_request_error" if status < 500 else "server_error")
+
+
+def error_body(status: int, message: str, code: str | None, param: str | None = None) -> bytes:
+    """An error in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, as JSON bytes (for the layers
+    below the app: the protocol, the raw ASGI guards, Ray's proxy)."""
+    return json.dumps({"error": {"message": message, "type": error_type(status), "param": param,
+                                 "code": code}}).encode()
+
+
 @dataclass(frozen=True)
 class Timeouts:
     header_s: float = 10.0
@@ -73,8 +86,7 @@ class ClientGone(Exception):
 
 def _raw_json(status: int, reason: str, message: str, code: str) -> bytes:
     """A whole HTTP/1.1 error response (for the protocol layer, where no request object exists)."""
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                 "code": code}}).encode()
+    body = error_body(status, message, code)
     head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
             f"connection: close\r\n\r\n").encode()
     return head + body
@@ -171,8 +183,7 @@ def guarded_protocol(timeouts: Timeouts) -> type:
 
 
 async def _refuse(send, status: int, message: str, code: str) -> None:
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                 "code": code}}).encode()
+    body = error_body(status, message, code)
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)),
                             (b"connection", b"close")]})

@@ -25,6 +25,7 @@ import logging
 
 from starlette.middleware import Middleware
 
+from .limits import error_body
 from .metrics import door_of
 
 log = logging.getLogger("higgs_onnx.serve.ray")
@@ -36,11 +37,6 @@ LOST = ("the replica serving this request stopped before it finished (it is rest
 def middlewares() -> list[Middleware]:
     """The proxy callback Ray Serve calls once when its proxy starts."""
     return [Middleware(ReplicaLoss)]
-
-
-def error_body(status: int, message: str, code: str) -> bytes:
-    kind = "rate_limit_error" if status == 429 else "server_error"
-    return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
 
 
 def socket_error(door: str | None) -> dict:

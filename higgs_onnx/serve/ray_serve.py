@@ -41,6 +41,8 @@ from pathlib import Path
 import ray
 from ray import serve
 
+from .launch import load, voices_of
+
 log = logging.getLogger("higgs_onnx.serve.ray")
 APP = "higgs"
 DEPLOYMENT = "HiggsSpeech"
@@ -100,14 +102,11 @@ class HiggsSpeech:
     """One replica: the model, its scheduler and the app (`serve.launch.load`)."""
 
     def __init__(self, args: argparse.Namespace):
-        from .launch import load
-
         self.name = serve.get_replica_context().replica_id.unique_id
         self.built, tts, _ = load(args, {"replica": self.name})  # (`app` is Ray's: the wrapper's property)
         self.scheduler = self.built.state.scheduler
         self.metrics = self.built.state.metrics
         self.metrics.board = Board(self.name)
-        self.stopped = threading.Event()
         threading.Thread(target=self.push, name="higgs-metrics-push", daemon=True).start()
         log.info("replica %s: %s loaded (pid %d)", self.name, Path(tts.manifest.folder).name, os.getpid())
 
@@ -115,7 +114,8 @@ class HiggsSpeech:
         return self.built
 
     def push(self) -> None:
-        while not self.stopped.wait(PUSH_S):
+        while True:
+            time.sleep(PUSH_S)
             try:
                 self.metrics.board.actor.put.remote(self.name, self.metrics.families())
             except Exception as e:  # noqa: BLE001 - the next push tries again
@@ -123,7 +123,7 @@ class HiggsSpeech:
 
     def check_health(self) -> None:
         """Ray Serve's health check: the scheduler's loop must run (a replica whose loop died is replaced)."""
-        if not self.scheduler.alive and not self.stopped.is_set():
+        if not self.scheduler.alive:
             raise RuntimeError("the scheduler's loop has stopped")
 
 
@@ -164,7 +164,7 @@ def deployment(args: argparse.Namespace):
         options["num_replicas"] = args.replicas
     replica_args = argparse.Namespace(**{**vars(args), "threads": threads,
                                          "model_path": args.model_path.resolve(),
-                                         "voices": (args.voices or args.model_path / "voices").resolve()})
+                                         "voices": voices_of(args).resolve()})
     return serve.deployment(HiggsSpeech, name=DEPLOYMENT).options(**options).bind(replica_args)
 
 
@@ -202,7 +202,7 @@ def serve_on_ray(args: argparse.Namespace) -> int:
     temp = None if args.address else ray_temp_dir()
     stop = StopSignal()
     stop.install()
-    code, deployed, failure = 0, False, None
+    deployed, failure = False, None
     if args.log_level.upper() not in ("DEBUG", "INFO"):
         logging.getLogger("ray.serve").setLevel(logging.WARNING)  # "Deleting app ...": Ray's, not the user's
     try:
@@ -221,7 +221,7 @@ def serve_on_ray(args: argparse.Namespace) -> int:
                  if args.max_replicas and args.max_replicas > args.replicas else f"{args.replicas} replica(s)")
         print(f"higgs-onnx speech server on Ray Serve: http://{shown}:{port}/ ({scale}, {args.threads or 1} "
               f"thread(s) each, model {args.model_path.name}, batch {args.max_batch}, queue {args.max_queue}, "
-              f"voices in {args.voices or args.model_path / 'voices'}"
+              f"voices in {voices_of(args)}"
               f"{', API key required' if args.api_key else ''}; Ray {args.address or 'local'})", flush=True)
         while True:
             time.sleep(1.0)
@@ -249,7 +249,7 @@ def serve_on_ray(args: argparse.Namespace) -> int:
             stop.restore()
             if failure:
                 print(failure, file=sys.stderr)
-    return code
+    return 0
 
 
 def replica_error(e: BaseException) -> str:

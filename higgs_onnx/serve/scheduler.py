@@ -135,6 +135,7 @@ class JobScheduler:
         self._lock = threading.Lock()
         self._pending = 0  # jobs submitted and not ended
         self._stopping = threading.Event()
+        self._started = False
         self.counts: Counter[str] = Counter()  # submitted, finished, failed, cancelled (as the clients saw them),
         # rejected (the queue was full)
         self.on_stats = None  # called with each finished job's GenerationStats (the metrics' histograms)
@@ -147,7 +148,7 @@ class JobScheduler:
     @property
     def ready(self) -> bool:
         """Started and not stopping (the server's readiness)."""
-        return getattr(self, "_started", False) and not self._stopping.is_set()
+        return self._started and not self._stopping.is_set()
 
     @property
     def starved(self) -> bool:

@@ -162,6 +162,9 @@ def markdown_table(tags) -> str:
     return "\n".join(["| tag | words (a stage direction or an instruction) |", "|---|---|", *rows])
 
 
+SPEED_RANGE = (0.25, 4.0)  # the speeds a job may ask for (the `speed` option, SSML's <prosody rate>)
+
+
 def speed_tag(speed: float, tags) -> str | None:
     """`speed` as the model's own prosody tag, where the tokenizer has it (`tags`: its control tags); None at 1."""
     name = ("speed_very_slow" if speed <= 0.6 else "speed_slow" if speed < 0.9 else None if speed <= 1.1 else

@@ -108,7 +108,7 @@ REGNAL = frozenset("Henry Elizabeth Louis George Edward Charles William James Ri
                    "Gregory Leo Innocent Clement Philip Frederick Peter Catherine Mary Victor Alexander Nicholas Ivan "
                    "Napoleon Ramesses Constantine Alfonso Ferdinand Felipe Carlos Juan Gustav Olaf Harald Haakon "
                    "Christian Rama Boniface Urban Sixtus Stephen Otto Francis Wilhelm Ludwig Henri Anne Victoria "
-                   "Matilda Hugh David Robert Malcolm_ Alexios Basil Leopold Sigismund Casimir Wladyslaw".split())
+                   "Matilda Hugh David Robert Alexios Basil Leopold Sigismund Casimir Wladyslaw".split())
 
 
 def roman(numeral: str) -> int | None:

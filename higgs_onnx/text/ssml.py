@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import re
 
+from .directions import SPEED_RANGE, speed_tag
+
 ELEMENTS = ("speak", "break", "prosody", "say-as", "sub", "emphasis")
 ATTRIBUTES = {"speak": {"version", "lang", "base", "xmlns"}, "break": {"time", "strength"},
               "prosody": {"rate", "pitch"}, "say-as": {"interpret-as", "format", "detail"}, "sub": {"alias"},
@@ -90,14 +92,13 @@ def rate_of(value: str) -> float:
         raise SsmlError(f'<prosody rate="{value}">: use x-slow, slow, medium, fast, x-fast or a percentage ("80%")')
     pct = float(m.group(1))
     rate = 1 + pct / 100 if m.group(1)[0] in "+-" else pct / 100
-    if not 0.25 <= rate <= 4.0:
-        raise SsmlError(f'<prosody rate="{value}">: the rate must be 25% to 400%')
+    if not SPEED_RANGE[0] <= rate <= SPEED_RANGE[1]:
+        raise SsmlError(f'<prosody rate="{value}">: the rate must be {SPEED_RANGE[0]:.0%} to {SPEED_RANGE[1]:.0%}')
     return rate
 
 
 def to_text(text: str, tags, language: str = "en") -> str:
     """The document as what the model reads: its text, with the model's tags where the elements ask for them."""
-    from .directions import speed_tag
     from .normalize import say_as
 
     root = parse(text)
