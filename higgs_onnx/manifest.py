@@ -122,9 +122,21 @@ def safe_member(folder: Path, name: str) -> Path:
         raise ManifestError(f"manifest file entry {name!r} is not a plain file name inside the model folder")
     path = folder / name
     real_folder = folder.resolve()
-    if path.is_symlink() and path.resolve().parent != real_folder:
+    if path.is_symlink() and path.resolve().parent != real_folder and not hub_blob(folder, path):
         raise ManifestError(f"manifest file entry {name!r} is a link pointing outside the model folder")
     return path
+
+
+def hub_blob(folder: Path, path: Path) -> bool:
+    """Whether the link `path` in `folder` is a Hugging Face cache snapshot's link to its repo's blob store: a folder
+    `<repo>/snapshots/<commit>/<sub>/` whose files link to `<repo>/blobs/<hash>` (how huggingface_hub keeps a
+    download; the blob is the file)."""
+    parts = folder.absolute().parts
+    if "snapshots" not in parts:
+        return False
+    repo = Path(*parts[:len(parts) - parts[::-1].index("snapshots") - 1]).resolve()
+    target = path.resolve()
+    return target.parent == repo / "blobs" and target.is_file()
 
 
 @dataclass(frozen=True)
