@@ -14,11 +14,15 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import threading
 
+import numpy as np
+
 from .. import providers
 from ..checkpoint import ModelFacts
+from ..foreign import lacks
 from ..generation.prompt import PromptTokens
 from ..manifest import Manifest, ManifestError, load_manifest
 from ..part_facts import FACTS
@@ -28,6 +32,7 @@ from .session import Part, open_part
 STATEFUL_CODEC = "audio_tokenizer_stream"
 GENERATION_PARTS = ("llm_decoder", "text_embed", "audio_embed", "audio_heads")  # what every request runs through
 VOICE_PARTS = ("llm_decoder", "text_embed", "audio_embed", "audio_encoder")  # what a saved voice's state depends on
+log = logging.getLogger(__name__)
 
 
 class ModelParts:
@@ -43,6 +48,7 @@ class ModelParts:
 
         check_threads(threads)  # before the (slow) hashing of the model files
         self.manifest: Manifest = load_manifest(model_path, verify=verify)
+        say_lacks(self.manifest)
         built_for = self.manifest.device
         self.provider = provider or built_for
         if self.provider not in providers.runners(built_for):
@@ -83,6 +89,9 @@ class ModelParts:
                 if key not in self._sessions:
                     part = open_part(name, self.manifest.part_file(name), self.provider, self.threads, stateful)
                     check_io(self.manifest, self.facts, name, part)
+                    io = self.manifest.parts[name].get("io")
+                    if io:  # another layout's names (foreign.py)
+                        part = RenamedPart(part, io, self.facts.hop)
                     self._sessions[key] = part
         return self._sessions[key]
 
@@ -113,6 +122,37 @@ class ModelParts:
         return hashlib.sha256("".join(hashes).encode()).hexdigest()
 
 
+_SAID: set[str] = set()
+
+
+def say_lacks(manifest: Manifest) -> None:
+    """Say once per folder (per process), in one line, what an export in another layout lacks (foreign.py)."""
+    line = lacks(manifest)
+    if line and str(manifest.folder) not in _SAID:
+        _SAID.add(str(manifest.folder))
+        log.warning("%s", line)
+
+
+class RenamedPart:
+    """A part of another layout under our I/O names (`io`: {"inputs": {ours: theirs}, "outputs": {...},
+    "input_rank"}): an encoder that takes [B, 1, T] gets our [B, T] padded with zeros to a multiple of the hop."""
+
+    def __init__(self, part: Part, io: dict, hop: int):
+        self.part, self.name, self.session = part, part.name, part.session
+        self.ins, self.outs = io["inputs"], {v: k for k, v in io["outputs"].items()}
+        self.rank, self.hop = io.get("input_rank"), hop
+        self.input_types = {k: part.input_types[v] for k, v in self.ins.items()}
+        self.output_names = [self.outs.get(n, n) for n in part.output_names]
+
+    def __call__(self, **feeds: np.ndarray) -> dict[str, np.ndarray]:
+        if self.rank == 3:  # (B, T) -> (B, 1, T'), T' a multiple of the hop (what that encoder was exported for)
+            (k, wav), = feeds.items()
+            pad = -wav.shape[-1] % self.hop
+            feeds = {k: np.pad(wav, ((0, 0), (0, pad)))[:, None, :]}
+        out = self.part(**{self.ins.get(k, k): v for k, v in feeds.items()})
+        return {self.outs.get(k, k): v for k, v in out.items()}
+
+
 def check_genai_config(manifest: Manifest, facts: ModelFacts) -> None:
     """ModelBuilder's genai_config.json must exist and agree with the model facts (head size, KV heads)."""
     path = manifest.path(manifest.genai_config)
@@ -136,6 +176,8 @@ def check_io(manifest: Manifest, facts: ModelFacts, name: str, part: Part) -> No
     sized = FACTS[name].sized if name in FACTS else None  # the part's own facts (parts/__init__.py)
     if sized:
         io, axis, field = sized
+        names = entry.get("io", {})  # another layout's names for ours (foreign.py)
+        io = names.get("inputs", {}).get(io) or names.get("outputs", {}).get(io) or io
         size = getattr(facts, field)
         shapes = {x.name: x.shape for x in part.session.get_inputs() + part.session.get_outputs()}
         dim = shapes[io][axis]
