@@ -54,6 +54,9 @@ class Provider:
     # ONNX Runtime provider options every session of it gets (cuda: no TF32, so fp32 parts compute in fp32: measured on
     # an H200 with TF32 on, fp32 parts missed their 1e-4 parity by 30-200 x)
     ort_options: tuple[tuple[str, str], ...] = ()
+    # its GroupQueryAttention refuses the q/k norms a `-e cuda` build fuses into it: the graphs of another device's
+    # export that it runs (`runs`) get them split out first (runtime/cpu_graph.py, a copy in the user's cache)
+    splits_qk_norm: bool = False
 
     @property
     def attentions(self) -> tuple[str, ...]:
@@ -89,11 +92,12 @@ class Provider:
 
 
 PROVIDERS: dict[str, Provider] = {p.name: p for p in (
-    # fp16 on cpu builds but ModelBuilder's fp16 decode step fails on the CPU EP (toolchain §2.4)
+    # fp16 on cpu builds but ModelBuilder's fp16 decode step fails on the CPU EP (toolchain §2.4). It runs cuda
+    # exports too (float16 activations, their fused q/k norms split out: docs/devices.md)
     Provider("cpu", "onnxruntime", "CPUExecutionProvider", "cpu",
              {"gqa": ("int4", "fp32"), "portable": ("int4", "fp16", "fp32")},
-             memory="cpu", offset_binding=True, runs=("cpu",), status=VERIFIED, install="onnxruntime",
-             int4_accuracy=4, int8_kv_cache=True, int8_gemm_route=True),
+             memory="cpu", offset_binding=True, runs=("cpu", "cuda"), status=VERIFIED, install="onnxruntime",
+             int4_accuracy=4, int8_kv_cache=True, int8_gemm_route=True, splits_qk_norm=True),
     Provider("cuda", "onnxruntime", "CUDAExecutionProvider", "cuda",
              {"gqa": ("int4", "fp16", "fp32"), "portable": ("int4", "fp16", "fp32")},
              memory="cuda", offset_binding=True, runs=("cuda",), status=BUILT_ONLY,

@@ -27,6 +27,7 @@ from ..generation.prompt import PromptTokens
 from ..manifest import Manifest, ManifestError, load_manifest
 from ..part_facts import FACTS
 from .checks import check_threads
+from .cpu_graph import default_provider, graph_for
 from .session import Part, open_part
 
 STATEFUL_CODEC = "audio_tokenizer_stream"
@@ -50,7 +51,7 @@ class ModelParts:
         self.manifest: Manifest = load_manifest(model_path, verify=verify)
         say_lacks(self.manifest)
         built_for = self.manifest.device
-        self.provider = provider or built_for
+        self.provider = provider or default_provider(self.manifest)  # cpu for a cuda folder without CUDA
         if self.provider not in providers.runners(built_for):
             raise ValueError(f"{model_path} was built for {self.manifest.execution_provider} "
                              f"(device {built_for}); run it with --provider {built_for}, or build a "
@@ -87,7 +88,8 @@ class ModelParts:
         if key not in self._sessions:
             with self._lock:
                 if key not in self._sessions:
-                    part = open_part(name, self.manifest.part_file(name), self.provider, self.threads, stateful)
+                    path = graph_for(self.manifest, name, self.provider)  # a cuda graph's CPU rewrite, cached
+                    part = open_part(name, path, self.provider, self.threads, stateful)
                     check_io(self.manifest, self.facts, name, part)
                     io = self.manifest.parts[name].get("io")
                     if io:  # another layout's names (foreign.py)
