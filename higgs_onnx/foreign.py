@@ -53,6 +53,22 @@ LACKS = ("no streaming codec (streams decode overlapping windows)",
 _DTYPES = {1: "float32", 10: "float16", 7: "int64", 6: "int32", 11: "float64", 16: "bfloat16"}
 
 
+# model facts such a folder cannot show (no graph or config holds them; the runtime reads none of them)
+UNKNOWN_FACTS = ("intermediate", "rope_theta", "semantic_sample_rate")
+
+
+def comparable(facts, manifest: Manifest) -> dict:
+    """A `ModelFacts` as a dict of what the export's manifest can know: for a foreign layout without the facts no
+    graph shows, and rms_eps at float32 (a graph attribute's precision)."""
+    import dataclasses
+
+    out = dataclasses.asdict(facts)
+    if manifest.data.get("layout") == LAYOUT:
+        out = {k: v for k, v in out.items() if k not in UNKNOWN_FACTS}
+        out["rms_eps"] = float(np.float32(out["rms_eps"]))
+    return out
+
+
 def is_foreign(folder: Path) -> bool:
     """Whether `folder` holds an export in the community layout: a manifest with `sub_models` and no schema version,
     or no manifest and the six parts by file name."""

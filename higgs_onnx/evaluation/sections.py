@@ -37,7 +37,7 @@ def parts(ev: EvalContext) -> dict:
             continue
         try:
             fig = check_part(part, ev.tts.manifest.part_file(part), ev.ref, entry["precision"], ev.tts.provider,
-                             seed=PARTS_SEED)
+                             seed=PARTS_SEED, part=ev.tts.parts.part(part))
         except Exception as e:  # a wrecked part (ORT refuses it, NaNs ...) is a failed row; the others still run
             fig = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         rows[part] = {"precision": entry["precision"], **fig}

@@ -146,11 +146,15 @@ class RenamedPart:
         self.input_types = {k: part.input_types[v] for k, v in self.ins.items()}
         self.output_names = [self.outs.get(n, n) for n in part.output_names]
 
+    def as_fed(self, wav: np.ndarray) -> np.ndarray:
+        """(B, T) samples as this encoder's graph gets them: padded with zeros to a multiple of the hop (what it was
+        exported for)."""
+        return np.pad(wav, ((0, 0), (0, -wav.shape[-1] % self.hop))) if self.rank == 3 else wav
+
     def __call__(self, **feeds: np.ndarray) -> dict[str, np.ndarray]:
-        if self.rank == 3:  # (B, T) -> (B, 1, T'), T' a multiple of the hop (what that encoder was exported for)
+        if self.rank == 3:  # (B, T) -> (B, 1, T')
             (k, wav), = feeds.items()
-            pad = -wav.shape[-1] % self.hop
-            feeds = {k: np.pad(wav, ((0, 0), (0, pad)))[:, None, :]}
+            feeds = {k: self.as_fed(wav)[:, None, :]}
         out = self.part(**{self.ins.get(k, k): v for k, v in feeds.items()})
         return {self.outs.get(k, k): v for k, v in out.items()}
 
