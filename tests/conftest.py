@@ -45,6 +45,22 @@ def part_cache(out_root: Path) -> Path:
         os.environ[PART_CACHE_ENV] = old
 
 
+@pytest.fixture(scope="session", autouse=True)
+def user_cache(out_root: Path) -> Path:
+    """The user's cache of higgs-onnx (`$HIGGS_CACHE`: derived manifests of community-layout folders, decoder graphs
+    rewritten for the CPU provider) in the session's folder, never in the home folder; inherited by subprocesses."""
+    from higgs_onnx.user_cache import CACHE_ENV
+
+    path = out_root / ".build" / "user-cache"
+    old = os.environ.get(CACHE_ENV)
+    os.environ[CACHE_ENV] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop(CACHE_ENV, None)
+    else:
+        os.environ[CACHE_ENV] = old
+
+
 @pytest.fixture(scope="session")
 def tiny_ckpt(out_root: Path) -> Path:
     """The tiny synthetic checkpoint, where `optimize.py --synthetic tiny --output <out_root>` keeps it: the CLI and
