@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("CI", "1")
 
 from higgs_onnx import providers  # noqa: E402
+from higgs_onnx.hub import cli_model_path, model_path_arg  # noqa: E402
 from higgs_onnx.manifest import load_manifest  # noqa: E402
 
 TEXT = "The quick brown fox jumps over the lazy dog while the speech synthesizer keeps talking."
@@ -661,7 +662,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--_torch", nargs=2, type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--_export", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--_stream", nargs=4, help=argparse.SUPPRESS)  # export seconds voice(0/1) one_shot(0/1)
-    ap.add_argument("--model-path", type=Path, help="an existing export folder to benchmark (default: the --preset "
+    ap.add_argument("--model-path", type=model_path_arg, help="an existing export folder, or a Hub reference "
+                    "hf://ORG/REPO/FOLDER[@REVISION], to benchmark (default: the --preset "
                     "synthetic export under --work, built if missing)")
     ap.add_argument("--batch", type=int, nargs="+", metavar="B", help="batched decoding only: the batch gain G(B) "
                     "for these requests per decoder call, e.g. --batch 1 2 4 8 (one process, --frames rows each)")
@@ -684,6 +686,11 @@ def main(argv: list[str] | None = None) -> int:
         check_threads(args.threads)
     except ValueError as e:
         ap.error(str(e))  # a usage error: exit 2 before anything is built
+    if args.model_path is not None:
+        try:
+            cli_model_path(args)  # hf://...: fetched once here; the child processes get the local folder
+        except ValueError as e:
+            ap.error(str(e))
     if args.model_path is not None and not (args.model_path / "manifest.json").is_file():
         ap.error(f"--model-path {args.model_path}: no manifest.json there (not an export folder)")
     if args._generation:

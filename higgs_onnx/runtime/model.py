@@ -93,6 +93,12 @@ class HiggsTTS:
         """The part's session, made on first use and checked against the manifest (`ModelParts.part`)."""
         return self.parts.part(name)
 
+    @property
+    def source(self):
+        """Where the folder came from when it was fetched from the Hub (`hub.HubExport`: repo, folder, revision,
+        the commit, the local path; str() reads "hf://... at commit abc123 -> /path"); None for a local folder."""
+        return self.parts.source
+
     def ran_on(self) -> dict[str, str]:
         """{part: the provider/device its session runs on} for the parts loaded so far (each was checked at load:
         a part that would fall back to another device is an error, never a silent fallback)."""

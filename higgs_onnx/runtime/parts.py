@@ -20,7 +20,7 @@ import threading
 
 import numpy as np
 
-from .. import providers
+from .. import hub, providers
 from ..checkpoint import ModelFacts
 from ..foreign import lacks
 from ..generation.prompt import PromptTokens
@@ -47,6 +47,7 @@ class ModelParts:
                  verify: bool = True):
         from tokenizers import Tokenizer
 
+        model_path, self.source = hub.local(model_path)  # hf://...: fetched once (docs/hub.md); source: its commit
         check_threads(threads)  # before the (slow) hashing of the model files
         self.manifest: Manifest = load_manifest(model_path, verify=verify)
         say_lacks(self.manifest)

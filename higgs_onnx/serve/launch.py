@@ -39,7 +39,8 @@ def is_loopback(host: str) -> bool:
 
 
 def voices_of(args: argparse.Namespace) -> Path:
-    """The saved voices' folder: --voices, by default the export's `voices/`."""
+    """The saved voices' folder: --voices, by default the export's `voices/` (for a Hub reference, `check_args` set
+    --voices to a folder in higgs-onnx's cache: `hub.voices_dir`)."""
     return args.voices if args.voices is not None else Path(args.model_path) / "voices"
 
 
