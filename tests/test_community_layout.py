@@ -1,0 +1,209 @@
+"""Exports in the community's Higgs ONNX layout run as they are (higgs_onnx/foreign.py): folders written from the
+tiny checkpoint by tests/community_layout.py, with our fp32 ModelBuilder decoder, and with float16 decoder I/O
+(a ModelBuilder cuda build, its Q/K norm apart or fused into the attention node)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from community_layout import write_community
+
+from higgs_onnx.foreign import LACKS, is_foreign
+from higgs_onnx.manifest import ManifestError, load_manifest
+from higgs_onnx.runtime.model import HiggsTTS
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO / "tests" / "data"
+PROMPTS = ("Hello there, how are you today?", "<|emotion:elation|>The quick brown fox jumps over the lazy dog.",
+           "Speech synthesis turns written words into sound.")
+
+
+@pytest.fixture(scope="module")
+def community(builds, tiny_ckpt, tmp_path_factory) -> dict[str, Path]:
+    """{"fp32", "fp16", "fused"}: read-only folders in the community layout (as a download in the Hub cache is)."""
+    root = tmp_path_factory.mktemp("community")
+    out = {"fp32": write_community(builds["fp32"], root / "cpu_fp32"),
+           "fp16": write_community(builds["fp32"], root / "cuda_fp16", decoder="fp16", ckpt=tiny_ckpt,
+                                   work=root / "work16"),
+           "fused": write_community(builds["fp32"], root / "cuda_fp16_fused", decoder="fp16", ckpt=tiny_ckpt,
+                                    fused_norm=True, work=root / "work16f")}
+    for folder in out.values():
+        _read_only(folder)
+    return out
+
+
+def _read_only(folder: Path) -> None:
+    for p in [*folder.rglob("*"), folder]:
+        p.chmod(p.stat().st_mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
+
+
+def _tree(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    for p in [*dst.rglob("*"), dst]:
+        p.chmod(p.stat().st_mode | stat.S_IWUSR)
+    return dst
+
+
+def test_fp32_greedy_codes_equal_our_export(community, tts):
+    theirs = HiggsTTS(community["fp32"])
+    assert theirs.backend.decoder_part == "llm_decoder" and not theirs.parts.has_stateful_codec
+    for text in PROMPTS:
+        ours = tts.generate(text, temperature=0, seed=1)
+        got = theirs.generate(text, temperature=0, seed=1)
+        assert got.codes.shape == ours.codes.shape and got.codes.shape[0] > 20
+        np.testing.assert_array_equal(got.codes, ours.codes)
+    assert theirs.facts.hop == tts.facts.hop and theirs.tokens == tts.tokens
+
+
+@pytest.mark.parametrize("kind", ["fp16", "fused"])
+def test_fp16_decoder_io_runs_to_the_end(community, kind):
+    tts = HiggsTTS(community[kind])
+    assert tts.provider == "cpu" and tts.parts.part("llm_decoder").input_types["inputs_embeds"] == np.float16
+    speech = tts.generate("Hello there from a float16 decoder.", seed=2)
+    assert speech.stats.stop_reason == "eoc" and speech.waveform.size == speech.stats.frames * tts.facts.hop
+    assert np.isfinite(speech.waveform).all() and np.abs(speech.waveform).max() > 0
+    ref = str(DATA / "ref_en_24k.wav")
+    clone = tts.generate("New words in a cloned voice.", ref_audio=ref, ref_text=(DATA / "ref_en_24k.txt").read_text(),
+                         seed=3)
+    assert clone.stats.reference_rows > 100 and clone.waveform.size > 0
+    chunks = list(tts.stream("Streamed while it is made.", seed=4))
+    assert len(chunks) >= 1 and sum(len(c.samples) for c in chunks) > 0
+
+
+def test_fp16_greedy_close_to_fp32(community, tts):
+    """The float16 decoder of the same checkpoint picks (nearly) the same greedy codes as our fp32 export."""
+    got = HiggsTTS(community["fp16"]).generate(PROMPTS[0], temperature=0, seed=1).codes
+    want = tts.generate(PROMPTS[0], temperature=0, seed=1).codes
+    n = min(len(got), len(want))
+    assert n > 20 and (got[:n] == want[:n]).mean() > 0.9
+
+
+def test_folder_never_written_and_manifest_cached(community, user_cache, caplog):
+    folder = community["fp32"]
+    before = _tree(folder)
+    HiggsTTS(folder).generate("Nothing is written beside the parts.", seed=5)
+    kept = list((user_cache / "adopted").glob("*/manifest.json"))
+    assert kept and _tree(folder) == before
+    mtimes = {p: p.stat().st_mtime_ns for p in kept}
+    with caplog.at_level(logging.INFO, logger="higgs_onnx.foreign"):
+        load_manifest(folder, verify=True)
+    assert not [r for r in caplog.records if "derived" in r.getMessage()]  # read back, not derived again
+    assert {p: p.stat().st_mtime_ns for p in kept} == mtimes
+
+
+def test_lacks_said_once_in_one_line(community, tmp_path, caplog):
+    folder = _copy(community["fp32"], tmp_path / "once")
+    with caplog.at_level(logging.WARNING):
+        HiggsTTS(folder)
+        HiggsTTS(folder)
+    lines = [r.getMessage() for r in caplog.records if "community-layout" in r.getMessage()]
+    assert len(lines) == 1 and "\n" not in lines[0] and all(lack in lines[0] for lack in LACKS)
+
+
+def test_parts_found_by_file_name_and_standalone_dir(community, tts, tmp_path):
+    bare = _copy(community["fp32"], tmp_path / "bare")
+    (bare / "manifest.json").unlink()
+    assert is_foreign(bare) and load_manifest(bare, verify=False).data["layout"] == "community"
+    older = _copy(community["fp32"], tmp_path / "older")
+    (older / "decoder").mkdir()
+    for name in ("llm_decoder.onnx", "llm_decoder.onnx.data", "genai_config.json"):
+        (older / name).rename(older / "decoder" / name)
+    data = json.loads((older / "manifest.json").read_text())
+    data["sub_models"]["llm_decoder"]["standalone_dir"] = "decoder"
+    (older / "manifest.json").write_text(json.dumps(data))
+    got = HiggsTTS(older).generate(PROMPTS[0], temperature=0, seed=1).codes
+    np.testing.assert_array_equal(got, tts.generate(PROMPTS[0], temperature=0, seed=1).codes)
+
+
+def _edit(path: Path, change) -> None:
+    model = onnx.load(str(path), load_external_data=False)
+    change(model.graph)
+    onnx.save(model, str(path))
+
+
+def test_unmappable_folders_name_the_part_and_io(community, tmp_path):
+    def extra_output(g):
+        g.output.append(onnx.helper.make_tensor_value_info("scores", onnx.TensorProto.FLOAT, None))
+        g.node.append(onnx.helper.make_node("Identity", [g.output[0].name], ["scores"]))
+
+    def renamed(g):
+        g.output[0].name = "probabilities"
+        g.output.append(onnx.helper.make_tensor_value_info("other", onnx.TensorProto.FLOAT, None))
+        g.node[-1].output[0] = "probabilities"
+        g.node.append(onnx.helper.make_node("Identity", ["probabilities"], ["other"]))
+
+    def position_ids(g):
+        g.input.append(onnx.helper.make_tensor_value_info("position_ids", onnx.TensorProto.INT64, ["b", "s"]))
+
+    cases = [("audio_heads.onnx", extra_output, "audio_heads: the graph's outputs ['scores']"),
+             ("audio_heads.onnx", renamed, "audio_heads: cannot match output 'logits'"),
+             ("llm_decoder.onnx", position_ids, "llm_decoder: the graph's inputs ['position_ids']")]
+    for i, (name, change, said) in enumerate(cases):
+        folder = _copy(community["fp32"], tmp_path / f"bad{i}")
+        _edit(folder / name, change)
+        with pytest.raises(ManifestError, match=said.replace("[", r"\[").replace("]", r"\]")):
+            load_manifest(folder, verify=False)
+    folder = _copy(community["fp32"], tmp_path / "missing")
+    (folder / "audio_heads.onnx").unlink()
+    with pytest.raises(ManifestError, match="has no audio_heads part"):
+        load_manifest(folder)
+
+
+def _run(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "CI": "1"})
+
+
+def test_cli_speaks_streams_clones_and_eval_passes(community, tiny_ckpt, tmp_path):
+    folder = community["fused"]
+    ref = ["--ref-audio", str(DATA / "ref_en_24k.wav"), "--ref-text", (DATA / "ref_en_24k.txt").read_text()]
+    for name, extra in (("plain", []), ("stream", ["--stream"]), ("clone", ref)):
+        r = _run("inference.py", "--model-path", str(folder), "--text", "The community layout speaks.",
+                 "--out", str(tmp_path / f"{name}.wav"), *extra)
+        assert r.returncode == 0, r.stderr
+        assert (tmp_path / f"{name}.wav").stat().st_size > 10_000 and "Traceback" not in r.stderr
+    for kind in ("fp32", "fp16"):
+        r = _run("eval.py", "--model-path", str(community[kind]), "--checkpoint", str(tiny_ckpt), "--no-plots",
+                 "--json", str(tmp_path / f"{kind}.json"))
+        report = json.loads((tmp_path / f"{kind}.json").read_text())
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        assert report["sections"]["greedy"] and all(c["ok"] for c in report["checks"])
+
+
+def test_server_batches_requests_on_a_community_folder(community, tmp_path):
+    from openai import OpenAI
+
+    from higgs_onnx.serve.process import ServerProcess
+
+    server = ServerProcess(community["fp16"], tmp_path / "voices", tmp_path / "server.log", "--max-batch", "2")
+    try:
+        client = OpenAI(base_url=server.url + "/v1", api_key="none")
+
+        def speak(i: int) -> bytes:
+            return client.audio.speech.create(model="tts-1", voice="default", input=f"Request number {i} here.",
+                                              response_format="wav").content
+
+        with ThreadPoolExecutor(3) as pool:
+            bodies = list(pool.map(speak, range(3)))
+        assert all(b[:4] == b"RIFF" and len(b) > 10_000 for b in bodies)
+    finally:
+        server.stop()
+    assert "community-layout export" in (tmp_path / "server.log").read_text()
