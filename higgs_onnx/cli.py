@@ -1,7 +1,8 @@
 """What every command shares: logging setup and turning errors into one clear line and an exit code.
 
 Exit codes: 0 success, 1 runtime failure (an output that could not be written: the message says where the audio
-was kept), 2 usage error (bad arguments, missing or invalid inputs, a request that breaks the contract), 130 Ctrl-C.
+was kept), 2 usage error (bad arguments, missing or invalid inputs, a request that breaks the contract, a package
+of an extra not installed: `extras`), 130 Ctrl-C.
 The full traceback is printed only with `--log-level DEBUG` (or LOG_LEVEL=DEBUG).
 """
 
@@ -13,6 +14,7 @@ import os
 import sys
 from collections.abc import Callable
 
+from .extras import as_missing
 from .generation.contract import NoAudioError
 from .outputs import OutputError
 
@@ -62,5 +64,9 @@ def run_main(fn: Callable[[argparse.Namespace], int], ap: argparse.ArgumentParse
     except Exception as e:  # noqa: BLE001 - the one place that turns any failure into a clear line
         if debug:
             raise
+        extra = as_missing(e)  # a package an extra installs is missing: which extra, in one line (exit 2)
+        if extra is not None:
+            print(extra.line(), file=sys.stderr)
+            return 2
         print(f"error: {type(e).__name__}: {e} (rerun with --log-level DEBUG for the full trace)", file=sys.stderr)
         return 1

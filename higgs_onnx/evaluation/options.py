@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,6 +119,8 @@ class Outputs:
 
 
 def require_matplotlib() -> None:
-    """The plots need matplotlib (checked before the evaluation; `plots` draws with it)."""
-    if importlib.util.find_spec("matplotlib") is None:
-        raise ModuleNotFoundError("matplotlib is not installed: pip install -r requirements.txt (or pass --no-plots)")
+    """The plots need matplotlib (checked before the evaluation; `plots` draws with it): MissingExtra names the
+    extra that has it."""
+    from ..extras import require
+
+    require("eval", "the plots (or pass --no-plots)", ("matplotlib",))

@@ -18,7 +18,10 @@ from . import BuildJob
 from .common import write_source
 
 log = logging.getLogger(__name__)
-ROOT = Path(__file__).resolve().parent.parent.parent  # holds user_script.py
+ROOT = Path(__file__).resolve().parent.parent.parent  # holds user_script.py (a checkout)
+# an installed wheel carries the top-level scripts inside the package (pyproject.toml: higgs_onnx._scripts)
+HOOKS = next((p for p in (Path(__file__).resolve().parent.parent / "_scripts" / "user_script.py",
+                          ROOT / "user_script.py") if p.is_file()), ROOT / "user_script.py")
 BUILD_VERSION = 2  # bump to invalidate every Olive part's stamp (2: external data)
 BITS = {"int4": 4, "int8": 8}
 
@@ -55,7 +58,7 @@ def build(part: str, job: BuildJob, opset: int = 17, fp16_in_torch: bool = False
                         external_data_name=f"{part}.onnx.data", size_threshold=1024)
     config = {
         "input_model": {"type": "PyTorchModel", "model_path": str(source),
-                        "model_script": str(ROOT / "user_script.py"), "model_loader": f"get_{part}_model",
+                        "model_script": str(HOOKS), "model_loader": f"get_{part}_model",
                         "dummy_inputs_func": f"get_{part}_dummy_inputs", "io_config": f"get_{part}_io_config"},
         "systems": {"local": {"type": "LocalSystem",  # parts other than the decoder are built (and run) on the CPU EP
                               "accelerators": [{"device": BUILD_PROVIDER.name,

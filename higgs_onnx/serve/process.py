@@ -17,15 +17,17 @@ REPO = Path(__file__).resolve().parents[2]
 
 class ServerProcess:
     """Start the server for `model` with its saved voices in `voices`, its log (stderr) in `log`, and the extra
-    command-line `args`; raises RuntimeError with the log's tail when it exits or is not ready within `timeout`."""
+    command-line `args`; raises RuntimeError with the log's tail when it exits or is not ready within `timeout`.
+    `python` and `cwd`: another interpreter (an installed package's venv) and where it starts."""
 
     def __init__(self, model: str | os.PathLike, voices: str | os.PathLike, log: str | os.PathLike, *args: str,
-                 timeout: float = 120.0):
+                 timeout: float = 120.0, python: str | os.PathLike = sys.executable, cwd: str | os.PathLike = REPO,
+                 env: dict[str, str] | None = None):
         self.log = Path(log)
-        cmd = [sys.executable, "-m", "higgs_onnx.serve", "--model-path", str(model), "--port", "0",
+        cmd = [str(python), "-m", "higgs_onnx.serve", "--model-path", str(model), "--port", "0",
                "--voices", str(voices), *args]
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=self.log.open("w"), text=True,
-                                     env={**os.environ, "CI": "1"})
+        self.proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=self.log.open("w"), text=True,
+                                     env={**(os.environ if env is None else env), "CI": "1"})
         lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=lambda: [lines.put(x) for x in self.proc.stdout], daemon=True).start()
         deadline = time.monotonic() + timeout
