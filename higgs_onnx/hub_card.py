@@ -36,11 +36,26 @@ def licence_of(manifest: dict) -> str:
     return "other"
 
 
+def synthetic_of(manifest: dict) -> str | None:
+    """The synthetic preset the export was built from (the manifest's source, or the checkpoint folder's
+    synthetic.json where it is still here), None for a real checkpoint."""
+    source = manifest.get("source") or {}
+    if source.get("synthetic"):
+        return str(source["synthetic"])
+    marker = Path(source["path"]) / "synthetic.json" if isinstance(source.get("path"), str) else None
+    if marker is not None and marker.is_file():
+        try:
+            return str(json.loads(marker.read_text()).get("preset") or "synthetic")
+        except (OSError, ValueError):
+            return "synthetic"
+    return None
+
+
 def card(repo_id: str, manifests: dict[str, dict], licence: str) -> str:
     """The model card for the exports `manifests` ({folder: manifest}) of `repo_id`."""
     sources = {m.get("source", {}).get("repo_id") or DEFAULT_REPO for m in manifests.values()}
     base = sorted(sources)[0]
-    synthetic = sorted({m["source"]["synthetic"] for m in manifests.values() if m.get("source", {}).get("synthetic")})
+    synthetic = sorted({s for m in manifests.values() if (s := synthetic_of(m))})
     tags = ["onnx", "text-to-speech", "higgs-audio", "higgs-onnx", "onnxruntime",
             *sorted({m.get("device", "") for m in manifests.values()} - {""}),
             *sorted({m.get("precision", "") for m in manifests.values()} - {""})]
@@ -84,7 +99,7 @@ def section(repo_id: str, name: str, m: dict) -> list[str]:
     decoder = m.get("decoder", {})
     out += gate_lines(decoder) + [""]
     src = m.get("source", {})
-    origin = f"synthetic {src['synthetic']}" if src.get("synthetic") else \
+    origin = f"synthetic {synthetic_of(m)}" if synthetic_of(m) else \
         f"{src.get('repo_id') or 'a local checkpoint'}" + (f"@{src['revision']}" if src.get("revision") else "")
     tools = ", ".join(f"{k} {v}" for k, v in (m.get("tools") or {}).items()
                       if k in ("onnxruntime", "onnxruntime-genai"))

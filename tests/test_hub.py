@@ -1,0 +1,288 @@
+"""Exports on the Hub (docs/hub.md): `hf://ORG/REPO/FOLDER@REVISION` at every door and `optimize.py --push-to-hub`,
+against a fake Hub on loopback (tests/fakehub.py: real HTTP, the endpoints huggingface_hub calls). The commands
+run as subprocesses with HF_ENDPOINT pointing at it, HF_HOME in a temporary folder: the network is what is
+replaced, nothing else. Uploads go over LFS (HF_HUB_DISABLE_XET=1: the fake Hub speaks no Xet).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from fakehub import FakeHub
+
+from higgs_onnx.hub import HubError, HubRef, model_path_arg, parse
+
+REPO = Path(__file__).resolve().parents[1]
+TOKEN = "hf_test_write_token"
+PARTS = ("text_embed", "audio_encoder", "audio_embed", "llm_decoder", "audio_heads", "audio_tokenizer")
+
+
+# -- the reference's syntax ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("ref, want", [
+    ("hf://org/repo/cpu_int4", HubRef("org/repo", "cpu_int4", None)),
+    ("hf://org/repo/cpu_int4@v1.2", HubRef("org/repo", "cpu_int4", "v1.2")),
+    ("hf://org/repo/a/b/cuda_fp16/", HubRef("org/repo", "a/b/cuda_fp16", None)),
+    ("hf://org/repo", HubRef("org/repo", "", None)),
+    ("hf://org/repo@refs/pr/3", HubRef("org/repo", "", "refs/pr/3")),
+    ("hf://onnx-community/higgs-audio-v3-tts-4b/cuda_int4@" + "a" * 40,
+     HubRef("onnx-community/higgs-audio-v3-tts-4b", "cuda_int4", "a" * 40)),
+])
+def test_parse(ref, want):
+    assert parse(ref) == want
+    assert parse(str(want)) == want  # str() writes the one form back
+
+
+@pytest.mark.parametrize("ref, says", [
+    ("hf://org/repo@v1/cpu_int4", "the revision goes at the end: hf://org/repo/cpu_int4@v1"),
+    ("hf://org", "expected hf://ORG/REPO/FOLDER@REVISION"),
+    ("hf:/org/repo/cpu_int4", "is not a Hub reference"),  # what Path("hf://...") folds it into
+    ("hf:org/repo", "is not a Hub reference"),
+    ("hf://org//cpu_int4", "expected hf://ORG/REPO"),
+    ("hf://org/re po/x", "'re po' is not a valid repo or folder name"),
+    ("hf://org/repo/../x", "'..' is not a valid"),
+    ("hf://org/repo/x@a@b", "is not a revision"),
+])
+def test_parse_refuses(ref, says):
+    with pytest.raises(HubError, match=re.escape(says)):
+        parse(ref)
+
+
+def test_model_path_arg_keeps_the_double_slash():
+    assert model_path_arg("hf://org/repo/cpu_int4") == "hf://org/repo/cpu_int4"
+    assert model_path_arg("onnx/cpu_int4") == Path("onnx/cpu_int4")
+
+
+# -- the fake Hub and the commands ---------------------------------------------------------------------------------
+def hub_env(hub: FakeHub, home: Path, token: str | None = TOKEN, **extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env.update(HF_ENDPOINT=hub.url, HF_HOME=str(home / "hf"), HIGGS_CACHE=str(home / "higgs"), HF_HUB_DISABLE_XET="1",
+               HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_DISABLE_PROGRESS_BARS="1", CI="1")
+    if token:
+        env["HF_TOKEN"] = token
+    env.update(extra)
+    return env
+
+
+def command(args: list[str], env: dict, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def one_line(r: subprocess.CompletedProcess) -> str:
+    """The command failed with exit 2 and one line on stderr, no traceback; returns it."""
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, (r.returncode, r.stderr[-3000:])
+    return lines[0]
+
+
+def fake_export(folder: Path, big: int = 4096) -> Path:
+    """A folder with an export's file names (not loadable: these tests end before the model loads)."""
+    folder.mkdir(parents=True)
+    for name in ("manifest.json", "tokenizer.json"):
+        (folder / name).write_text("{}")
+    for part in PARTS:
+        (folder / f"{part}.onnx").write_bytes(b"onnx")
+        (folder / f"{part}.onnx.data").write_bytes(bytes(big))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fakehub")
+    hub = FakeHub(tmp / "served", token=TOKEN)
+    src = tmp / "src"
+    for name in ("cpu_int4", "cuda_fp16"):
+        hub.add_folder("org/exports", fake_export(src / name), name)
+    broken = src / "broken"
+    broken.mkdir()
+    (broken / "manifest.json").write_text("{}")
+    (broken / "llm_decoder.onnx").write_bytes(b"onnx")
+    (broken / "llm_decoder.onnx.data").write_bytes(bytes(1 << 20))
+    hub.add_folder("org/exports", broken, "broken")
+    hub.add_folder("org/private", src / "cpu_int4", "cpu_int4", private=True)
+    hub.add_folder("org/gated", src / "cpu_int4", "cpu_int4", gated=True)
+    yield hub
+    hub.close()
+
+
+def speak(ref: str, env: dict, out: Path) -> subprocess.CompletedProcess:
+    return command(["inference.py", "--model-path", ref, "--text", "Hello there.", "--out", str(out)], env)
+
+
+@pytest.mark.parametrize("ref, token, says", [
+    ("hf://org/missing/cpu_int4", TOKEN, "no repo org/missing on http://127.0.0.1:"),
+    ("hf://org/exports/cpu_int8", TOKEN, "org/exports has no folder cpu_int8; exports there: cpu_int4, cuda_fp16"),
+    ("hf://org/exports/cpu_int4@v9", TOKEN, "org/exports has no revision 'v9'"),
+    ("hf://org/private/cpu_int4", None, "or it is private and no token with access was sent: set HF_TOKEN"),
+    ("hf://org/private/cpu_int4", "hf_wrong", "refused the token (401): set HF_TOKEN to a valid token"),
+    ("hf://org/gated/cpu_int4", None, "org/gated is gated: accept its terms"),
+    ("hf://org/exports@v1/cpu_int4", TOKEN, "the revision goes at the end"),
+])
+def test_refused_in_one_line(hub, tmp_path, ref, token, says):
+    line = one_line(speak(ref, hub_env(hub, tmp_path, token), tmp_path / "x.wav"))
+    assert says in line and line.startswith("error: "), line
+    assert not (tmp_path / "x.wav").exists()
+
+
+def test_not_an_export_is_refused_before_its_big_files(hub, tmp_path):
+    before = len(hub.requests)
+    line = one_line(speak("hf://org/exports/broken", hub_env(hub, tmp_path), tmp_path / "x.wav"))
+    assert "broken is not a higgs-onnx export (no tokenizer.json, text_embed.onnx" in line, line
+    assert "exports there: cpu_int4, cuda_fp16" in line
+    served = hub.requests[before:]
+    assert served and not [p for m, p in served if "/resolve/" in p]  # the listing only: no file fetched at all
+
+
+def test_offline_with_nothing_cached(hub, tmp_path):
+    line = one_line(speak("hf://org/exports/cpu_int4", hub_env(hub, tmp_path, HF_HUB_OFFLINE="1"), tmp_path / "x.wav"))
+    assert "HF_HUB_OFFLINE=1 and hf://org/exports/cpu_int4 is not in the cache" in line and "run once online" in line
+
+
+def test_a_token_lets_a_private_export_through(hub, tmp_path):
+    """The fetch succeeds (the folder is fetched, the commit named); the fake export then fails to load."""
+    r = speak("hf://org/private/cpu_int4", hub_env(hub, tmp_path), tmp_path / "x.wav")
+    commit = hub.repos["org/private"].branches["main"]
+    assert f"model: hf://org/private/cpu_int4@main at commit {commit[:12]} -> " in r.stderr, r.stderr[-2000:]
+    got = tmp_path / "hf" / "hub" / "models--org--private" / "snapshots" / commit / "cpu_int4"
+    assert sorted(p.name for p in got.iterdir()) == sorted(p.split("/")[1] for p in hub.files("org/private"))
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+
+
+# -- publishing the tiny export and running it from the Hub at every door --------------------------------------
+@pytest.fixture(scope="module")
+def published(builds, out_root, tmp_path_factory):
+    """The session's tiny int4 export pushed by `optimize.py --push-to-hub` (the build is up to date: the same
+    output root and crossover as `builds`) to a fresh fake Hub; (hub, home for HF_HOME/HIGGS_CACHE, push result)."""
+    from conftest import ROUTE_CROSSOVER
+
+    tmp = tmp_path_factory.mktemp("published")
+    hub = FakeHub(tmp / "served", token=TOKEN)
+    given = ["none" if v is None else str(v) for v in ROUTE_CROSSOVER]
+    r = command(["optimize.py", "--synthetic", "tiny", "--device", "cpu", "--precision", "int4", "--output",
+                 str(out_root), "--route-crossover", *given, "--push-to-hub", "org/tts"],
+                hub_env(hub, tmp, HIGGS_PART_CACHE=os.environ.get("HIGGS_PART_CACHE", "")))
+    yield hub, tmp, r
+    hub.close()
+
+
+def _same_files(a: Path, b: Path) -> None:
+    names = sorted(p.name for p in a.iterdir() if p.is_file())
+    assert names == sorted(p.name for p in b.iterdir() if p.is_file())
+    for n in names:
+        assert (a / n).read_bytes() == (b / n).read_bytes(), n
+
+
+@pytest.mark.slow
+def test_push_uploads_the_export_and_its_card(published, builds):
+    hub, _, r = published
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "up to date" in r.stdout and "pushed " in r.stdout and "hf://org/tts/cpu_int4" in r.stdout
+    files = hub.files("org/tts")
+    local = sorted(p.name for p in builds["int4"].iterdir() if p.is_file())
+    assert sorted(p for p in files if p != "README.md") == [f"cpu_int4/{n}" for n in local]
+    for n in local:
+        assert files[f"cpu_int4/{n}"] == (builds["int4"] / n).read_bytes(), n
+    assert [p for m, p in hub.requests if m == "PUT" and p.startswith("/_lfs/")]  # the parts went over LFS
+    card = files["README.md"].decode()
+    for want in ("library_name: onnxruntime", "pipeline_tag: text-to-speech", "base_model: bosonai/higgs-tts-3-4b",
+                 "license: other", "- onnx", "**Synthetic weights** (tiny)",
+                 "python inference.py --model-path hf://org/tts/cpu_int4 --text",
+                 "| llm_decoder | int4 | llm_decoder.onnx, llm_decoder.onnx.data",
+                 "- KV cache int8 (PER_CHANNEL): hidden cosine 0.9", "(gate >= 0.9",
+                 "- int8 route (int8-gemm) against fp32, worst prompt: int4: top-1",
+                 "route crossover: one-row calls from 64 positions, batched steps never; given at build"):
+        assert want in card, want
+
+
+@pytest.mark.slow
+def test_speak_from_the_hub_then_offline(published, builds, tmp_path):
+    import soundfile as sf
+
+    hub, home, _ = published
+    env = hub_env(hub, home)
+    commit = hub.repos["org/tts"].branches["main"]
+    r = speak("hf://org/tts/cpu_int4", env, tmp_path / "a.wav")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"model: hf://org/tts/cpu_int4@main at commit {commit[:12]} -> " in r.stderr
+    snapshot = home / "hf" / "hub" / "models--org--tts" / "snapshots" / commit
+    _same_files(snapshot / "cpu_int4", builds["int4"])
+    assert sorted(p.name for p in snapshot.iterdir()) == ["cpu_int4"]  # the folder only (not README.md)
+    audio, rate = sf.read(tmp_path / "a.wav")
+    assert rate == 24000 and len(audio) > 2400
+    served = len(hub.requests)
+    r = speak("hf://org/tts/cpu_int4", {**env, "HF_HUB_OFFLINE": "1"}, tmp_path / "b.wav")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"at commit {commit[:12]}" in r.stderr and len(hub.requests) == served  # the cache alone
+    assert (tmp_path / "b.wav").read_bytes() == (tmp_path / "a.wav").read_bytes()  # the same seed, the same bytes
+    line = one_line(speak("hf://org/tts/cpu_int8", env, tmp_path / "c.wav"))
+    assert "org/tts has no folder cpu_int8; exports there: cpu_int4" in line
+
+
+def _started(cmd: list[str], env: dict, ready: str, log: Path, timeout: float = 180) -> tuple[subprocess.Popen, str]:
+    import queue
+    import threading
+    import time
+
+    proc = subprocess.Popen([sys.executable, *cmd], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=log.open("w"),
+                            text=True)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            line = lines.get(timeout=0.2)
+        except queue.Empty:
+            continue
+        if ready in line:
+            return proc, line
+    proc.kill()
+    pytest.fail(f"{cmd[:2]} did not start:\n{log.read_text()[-3000:]}")
+
+
+@pytest.mark.slow
+def test_server_and_wyoming_from_the_hub(published, tmp_path):
+    import socket
+
+    import httpx2
+
+    hub, home, _ = published
+    env = hub_env(hub, home)
+    proc, line = _started(["-m", "higgs_onnx.serve", "--model-path", "hf://org/tts/cpu_int4", "--port", "0"], env,
+                          "http://", tmp_path / "serve.log")
+    try:
+        url = re.search(r"http://[^/\s]+", line).group(0)
+        r = httpx2.post(f"{url}/v1/audio/speech", json={"model": "higgs-tts-3", "voice": "default",
+                                                          "input": "Hello there.", "response_format": "wav"},
+                        timeout=300)
+        assert r.status_code == 200 and r.content[:4] == b"RIFF", r.text[:500]
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    assert "model: hf://org/tts/cpu_int4@main at commit" in (tmp_path / "serve.log").read_text()
+    assert (home / "higgs" / "voices" / "org--tts--cpu_int4").is_dir()  # the voices folder: ours, not the download
+    commit = hub.repos["org/tts"].branches["main"]
+    assert not (home / "hf" / "hub" / "models--org--tts" / "snapshots" / commit / "cpu_int4" / "voices").exists()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc, line = _started(["-m", "higgs_onnx.wyoming", "--model-path", "hf://org/tts/cpu_int4", "--uri",
+                           f"tcp://127.0.0.1:{port}"], env, "Wyoming server on", tmp_path / "wyoming.log")
+    proc.terminate()
+    proc.wait(60)
+    assert "voices: default" in line
+
+
+@pytest.mark.slow
+def test_corpus_and_eval_take_the_reference(published, tmp_path):
+    hub, home, _ = published
+    env = hub_env(hub, home)
+    r = command(["-m", "higgs_onnx.corpus", "--model-path", "hf://org/tts/cpu_int4", "--input",
+                 str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "out")], env)
+    assert "model: hf://org/tts/cpu_int4@main at commit" in r.stderr  # resolved on the driver, before Ray
+    assert r.returncode == 2 and "none.jsonl" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    line = one_line(command(["eval.py", "--model-path", "hf://org/tts/cuda_fp16"], env))
+    assert "org/tts has no folder cuda_fp16; exports there: cpu_int4" in line
