@@ -5,10 +5,11 @@ ModelBuilder's `-e cuda` build fuses Qwen3's per-head q_norm/k_norm into GroupQu
 `cpu_ready` moves each fused norm out in front of the attention node as standard steps the CPU EP runs
 (Reshape to [B, S, heads, head_dim] -> SimplifiedLayerNormalization over head_dim with the norm's weight -> Reshape
 back; a packed QKV query is Split into its Q, K and V heads first and Concat back), so RoPE, inside the attention
-node, still follows the norm as in Qwen3. The rewritten graph is written to the user's cache (never beside the
-original: the folder may be read-only), its external data files linked there under their own names; before it is
-kept, the rewrite of the first fused node is run as a one-node graph on the CPU EP and compared with a NumPy
-reference of the fused op (norm, rotary, grouped causal attention).
+node, still follows the norm as in Qwen3. Its int4 MatMulNBits get the CPU's accuracy level (4: int8 activations, as
+a cpu int4 export has them; a cuda build leaves 0). The rewritten graph is written to the user's cache (never beside
+the original: the folder may be read-only), its external data files hard-linked there under their own names (copied
+when the cache is on another filesystem). Before it is kept, the rewrite of the first fused node is run as a one-node
+graph on the CPU EP and compared with a NumPy reference of the fused op (norm, rotary, grouped causal attention).
 
     path = cpu_ready("onnx/cuda_int4/llm_decoder.onnx")   # the original path when nothing needs rewriting
 """
@@ -29,7 +30,7 @@ from ..user_cache import cache_dir
 log = logging.getLogger(__name__)
 
 CACHE_KIND = "cpu-graphs"
-REWRITE_VERSION = 1  # bump when the rewrite changes: the cache key holds it
+REWRITE_VERSION = 2  # bump when the rewrite changes: the cache key holds it
 MS = "com.microsoft"
 GQA = "GroupQueryAttention"
 Q_NORM, K_NORM = 14, 15  # GroupQueryAttention's q_norm_weight / k_norm_weight inputs (ORT 1.32's schema)
@@ -46,33 +47,39 @@ def is_fused(node) -> bool:
 
 
 def cpu_ready(graph_path: str | os.PathLike) -> Path:
-    """A path of the graph that the CPU EP can run: `graph_path` itself when it has no fused q/k norms, else the
-    rewritten graph in the user's cache (made once per graph file, data files and rewrite version; reused after).
-    ValueError (one line, naming the node) when a node has no CPU kernel at all."""
+    """A path of the graph that the CPU EP can run (and runs fast): `graph_path` itself when it has no fused q/k
+    norms and no int4 MatMulNBits below the CPU's accuracy level, else the rewritten graph in the user's cache (made
+    once per graph file, data files, rewrite and onnxruntime version; reused after). ValueError (one line, naming the
+    node) when a node has no CPU kernel at all."""
     import onnx
 
     path = Path(graph_path)
     raw = path.read_bytes()  # the graph only: its weights stay in the external data files
     model = onnx.load_from_string(raw)
     fused = [i for i, n in enumerate(model.graph.node) if is_fused(n)]
+    slow = [i for i, n in enumerate(model.graph.node) if below_cpu_accuracy(n)]
     check_kernels(model, path.name, skip=fused)
-    if not fused:
+    if not fused and not slow:
         return path
     locations = external_locations(model, path)
     folder = cache_dir(CACHE_KIND, cache_key(raw, path.parent, locations))
     out = folder / path.name
     if out.exists() and all((folder / loc).exists() for loc in locations):
         return out
-    from .cpu_graph_check import self_check
+    if fused:
+        from .cpu_graph_check import self_check
 
-    self_check(model.graph, model.graph.node[fused[0]])  # before the rewrite: it rewrites a copy of the node
+        self_check(model.graph, model.graph.node[fused[0]])  # before the rewrite: it rewrites a copy of the node
+    for i in slow:  # int8 activations on the CPU's int4 kernels, as a cpu int4 export has them
+        set_accuracy(model.graph.node[i], providers.BUILD_PROVIDER.int4_accuracy)
     unfuse(model, fused)
     for loc in locations:
         link_data(path.parent / loc, folder / loc)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     tmp.write_bytes(model.SerializeToString())
     os.replace(tmp, out)  # the graph last: its presence says the folder is complete
-    log.info("%s: %d fused q/k norm(s) moved out of GroupQueryAttention for the CPU EP -> %s", path, len(fused), out)
+    log.info("%s: %d fused q/k norm(s) moved out of GroupQueryAttention, %d MatMulNBits at accuracy level %d for the "
+             "CPU EP -> %s", path, len(fused), len(slow), providers.BUILD_PROVIDER.int4_accuracy, out)
     return out
 
 
@@ -101,6 +108,22 @@ def graph_for(manifest, name: str, provider: str) -> Path:
     if p.splits_qk_norm and manifest.device != p.name and path.suffix == ".onnx":
         return cpu_ready(path)
     return path
+
+
+def below_cpu_accuracy(node) -> bool:
+    """An int4 MatMulNBits below the CPU's accuracy level (a cuda build leaves it at 0: fp16 activations, measured
+    1.7-1.8x slower per decode step on the CPU than level 4; docs/devices.md)."""
+    if node.op_type != "MatMulNBits" or node.domain != MS:
+        return False
+    return attrs_of(node).get("accuracy_level", 0) < providers.BUILD_PROVIDER.int4_accuracy
+
+
+def set_accuracy(node, level: int) -> None:
+    from onnx import helper
+
+    keep = [a for a in node.attribute if a.name != "accuracy_level"]
+    del node.attribute[:]
+    node.attribute.extend([*keep, helper.make_attribute("accuracy_level", level)])
 
 
 def cpu_kernels() -> set[tuple[str, str]]:
@@ -164,9 +187,10 @@ def cache_key(raw: bytes, folder: Path, locations: list[str]) -> str:
     return h.hexdigest()[:32]
 
 
-def link_data(src: Path, dst: Path, modes: tuple[str, ...] = ("hard", "symlink", "copy")) -> str:
-    """`dst` made to reach `src`'s bytes: a hard link (same filesystem), else a symlink, else (last resort, logged)
-    a copy. Atomic (temp name + rename). Returns the mode used."""
+def link_data(src: Path, dst: Path, modes: tuple[str, ...] = ("hard", "copy")) -> str:
+    """`dst` made to reach `src`'s bytes: a hard link (same filesystem), else (logged) a copy. No symlink: ONNX Runtime
+    1.32 refuses external data whose real path leaves the graph's folder ("External data path escapes model
+    directory"). Atomic (temp name + rename). Returns the mode used."""
     src = src.resolve()
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
@@ -175,11 +199,10 @@ def link_data(src: Path, dst: Path, modes: tuple[str, ...] = ("hard", "symlink",
         try:
             if mode == "hard":
                 os.link(src, tmp)
-            elif mode == "symlink":
-                os.symlink(src, tmp)
             else:
-                log.warning("%s: copying %s into the cache (%.1f MB): neither a hard link nor a symlink could be "
-                            "made", dst.parent, src.name, src.stat().st_size / 1e6)
+                log.warning("%s: copying %s into the cache (%.1f MB): no hard link can be made there (another "
+                            "filesystem? set $HIGGS_CACHE to a folder on the model's)", dst.parent, src.name,
+                            src.stat().st_size / 1e6)
                 shutil.copyfile(src, tmp)
         except OSError:
             continue

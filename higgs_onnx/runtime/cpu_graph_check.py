@@ -65,14 +65,14 @@ def _mini_graph(node, a: dict, dtype: np.dtype, head_dim: int):
     ins += ["q_w" if has["q_w"] else "", "k_w" if has["k_w"] else ""]
     gqa = helper.make_node(GQA, ins, ["out", "present_key", "present_value"], "gqa", domain=MS,
                            **{k: v for k, v in a.items() if k in MODELED})
-    feeds_in = [x for x in qkv if x] + ["past_key", "past_value"]
+    f.update(seqlens_k=np.array([ROWS - 1], np.int32), total=np.array(ROWS, np.int32))
+    int32 = helper.np_dtype_to_tensor_dtype(np.dtype(np.int32))
     graph = helper.make_graph(
         [gqa], "gqa_check",
-        [helper.make_tensor_value_info(n, elem, None) for n in feeds_in],
+        [helper.make_tensor_value_info(n, elem, None) for n in [x for x in qkv if x] + ["past_key", "past_value"]]
+        + [helper.make_tensor_value_info(n, int32, None) for n in ("seqlens_k", "total")],
         [helper.make_tensor_value_info(n, elem, None) for n in ("out", "present_key", "present_value")],
-        [numpy_helper.from_array(np.array([ROWS - 1], np.int32), "seqlens_k"),
-         numpy_helper.from_array(np.array(ROWS, np.int32), "total")]
-        + [numpy_helper.from_array(f[n], n) for n in ("cos", "sin", "q_w", "k_w") if n in ("cos", "sin") or has[n]])
+        [numpy_helper.from_array(f[n], n) for n in ("cos", "sin", "q_w", "k_w") if n in ("cos", "sin") or has[n]])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(MS, 1)],
                               ir_version=10)
     if not has["q_w"]:
