@@ -22,6 +22,7 @@ from pathlib import Path
 
 from higgs_onnx.cli import add_log_level, run_main
 from higgs_onnx.evaluation.options import EvalOptions
+from higgs_onnx.hub import cli_model_path, model_path_arg
 from higgs_onnx.providers import PROVIDERS
 from higgs_onnx.runtime.backend import KV_LAYOUTS
 
@@ -29,7 +30,8 @@ from higgs_onnx.runtime.backend import KV_LAYOUTS
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model-path", type=Path, required=True)
+    ap.add_argument("--model-path", type=model_path_arg, required=True, help="an export folder, or a Hub reference "
+                    "hf://ORG/REPO/FOLDER[@REVISION] (docs/hub.md)")
     ap.add_argument("--checkpoint", help="reference checkpoint folder or repo id (default: the manifest's source)")
     ap.add_argument("--prompts", type=Path, help="text file, one prompt per line (default: 3 built-in prompts)")
     ap.add_argument("--runs", type=int, default=EvalOptions.runs, help="sampled runs per prompt (default %(default)s)")
@@ -71,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
     require("eval", "the eval report (its PyTorch reference)", ("torch", "transformers", "safetensors"))
     outputs = Outputs.resolve(args.json, args.markdown, args.plots, draw=not args.no_plots)
     outputs.check()  # every report target, before the (long) evaluation
+    cli_model_path(args)  # hf://...: fetched once
     options = EvalOptions(prompts=read_prompts(args.prompts) if args.prompts else EvalOptions.prompts,
                           runs=args.runs, max_rows=args.max_rows,
                           recordings=tuple(args.recordings) if args.recordings else EvalOptions.recordings,

@@ -26,6 +26,7 @@ from higgs_onnx.generation.blend import MODES
 from higgs_onnx.generation.codec_stream import CODEC_MODES, StreamOptions
 from higgs_onnx.generation.options import DEFAULT_MAX_ROWS, GenerationOptions
 from higgs_onnx.generation.prompt import check_text
+from higgs_onnx.hub import cli_model_path, model_path_arg
 from higgs_onnx.job.options import TEXT, Shape, SpeechOptions, add_text_flags, text_values
 from higgs_onnx.runtime.session import PROVIDERS, check_threads
 
@@ -36,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     d, so = GenerationOptions(), StreamOptions()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model-path", type=Path, required=True, help="an onnx/<device>_<precision> folder")
+    ap.add_argument("--model-path", type=model_path_arg, required=True, help="an onnx/<device>_<precision> folder, "
+                    "or a Hub reference hf://ORG/REPO/FOLDER[@REVISION] (docs/hub.md)")
     what = ap.add_mutually_exclusive_group(required=True)
     what.add_argument("--text", help="text to speak; control tags like <|emotion:elation|> are allowed")
     what.add_argument("--text-file", type=Path, help="a text file: with --out, the whole text as one recording "
@@ -370,6 +372,7 @@ def require_extras(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     args.options, args.stream_options = check_args(args)
     require_extras(args)
+    cli_model_path(args)  # hf://...: fetched once, before the model loads
     if args.asr_model is not None:  # before the model loads: a missing recogniser is known now
         from higgs_onnx.asr import Transcriber
 

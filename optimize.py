@@ -63,6 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="keep finished part builds in DIR, shared by every output root that names it (default: "
                          "$HIGGS_PART_CACHE, else OUTPUT/.build/parts)")
     ap.add_argument("--force", action="store_true", help="rebuild every step")
+    ap.add_argument("--push-to-hub", metavar="ORG/REPO", help="after the build (or when it is up to date), upload "
+                    "the export as the folder <device>_<precision> of this Hub repo (made if missing) with a model "
+                    "card README.md; needs HF_TOKEN with write access (docs/hub.md)")
+    ap.add_argument("--hub-revision", metavar="BRANCH", help="--push-to-hub: the branch to commit to (made from main "
+                    "if missing; default main)")
+    ap.add_argument("--private", action="store_true", help="--push-to-hub: make the repo private when it is created")
     add_log_level(ap)
     return ap
 
@@ -92,9 +98,23 @@ def parse_overrides(items: list[str]) -> dict[str, str]:
     return out
 
 
+def check_push_args(args: argparse.Namespace) -> None:
+    if args.push_to_hub is None:
+        for flag, value in (("--hub-revision", args.hub_revision), ("--private", args.private or None)):
+            if value is not None:
+                raise ValueError(f"{flag} is for --push-to-hub ORG/REPO")
+        return
+    from higgs_onnx.hub import parse
+
+    if args.push_to_hub.count("/") != 1:
+        raise ValueError(f"--push-to-hub takes ORG/REPO, got {args.push_to_hub!r}")
+    parse(f"hf://{args.push_to_hub}" + (f"@{args.hub_revision}" if args.hub_revision else ""))
+
+
 def run(args: argparse.Namespace) -> int:
     if args.device == "openvino":
         require("openvino", "--device openvino")
+    check_push_args(args)  # before the build: a malformed repo id is known now
     opts = ExportOptions(device=args.device, precision=args.precision, attention=args.attention,
                          part_precision=parse_overrides(args.part_precision), block_size=args.block_size,
                          accuracy_level=args.accuracy_level, components=tuple(args.components), force=args.force,
@@ -111,7 +131,11 @@ def run(args: argparse.Namespace) -> int:
         check_output_dir(part_cache_root(args.output / ".build", args.part_cache), cache_from)
     exporter = Exporter(args.model_dir or DEFAULT_REPO, args.output, opts, revision=args.revision,
                         token=os.environ.get("HF_TOKEN"), synthetic=args.synthetic, part_cache=args.part_cache)
-    exporter.run()
+    folder = exporter.run()
+    if args.push_to_hub:
+        from higgs_onnx.hub import push
+
+        push(folder, args.push_to_hub, revision=args.hub_revision, private=args.private)
     return 0
 
 

@@ -64,6 +64,7 @@ from pathlib import Path
 
 from .cli import add_log_level, run_main
 from .extras import require
+from .hub import cli_model_path, model_path_arg
 from .memory import peak_rss
 from .outputs import write_atomic
 from .ray_local import StopSignal, check_address, ray_temp_dir, stop_leftovers
@@ -389,7 +390,8 @@ class Worker:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m higgs_onnx.corpus", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model-path", type=Path, required=True, help="an onnx/<device>_<precision> export")
+    ap.add_argument("--model-path", type=model_path_arg, required=True, help="an onnx/<device>_<precision> export, "
+                    "or a Hub reference hf://ORG/REPO/FOLDER[@REVISION] (docs/hub.md)")
     ap.add_argument("--input", type=Path, required=True, help="JSONL (UTF-8), one {\"id\", \"text\", ...} per line")
     ap.add_argument("--out", type=Path, required=True, help="output folder (created; reruns resume it)")
     ap.add_argument("--workers", type=int, default=1, help="Ray actors, each with the model loaded (default 1)")
@@ -428,6 +430,7 @@ def run(args: argparse.Namespace) -> int:
 
     SpeechOptions.build({"retries": args.retries, "loudness": args.loudness}, "cli")  # the same bounds as everywhere
     check_address(args.address)
+    cli_model_path(args)  # hf://...: fetched once on the driver; the workers get the local folder
     load_manifest(args.model_path, verify=False)  # a missing or broken export: one line, before Ray starts
     rows = read_rows(args.input)
     if not rows:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from .cli import add_log_level, run_main
 from .extras import require, require_text
+from .hub import cli_model_path, model_path_arg
 from .job.options import SpeechOptions, add_text_flags, text_values
 from .job.run import SpeechJob
 from .runtime.model import HiggsTTS
@@ -22,12 +23,14 @@ from .serve.wyoming_server import DEFAULT_LANGUAGES, Announcement, WyomingServic
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m higgs_onnx.wyoming", description="A Wyoming TTS server for Home "
                                  "Assistant (docs/integrations.md)")
-    ap.add_argument("--model-path", type=Path, required=True, help="an onnx/<device>_<precision> folder")
+    ap.add_argument("--model-path", type=model_path_arg, required=True, help="an onnx/<device>_<precision> folder, "
+                    "or a Hub reference hf://ORG/REPO/FOLDER[@REVISION] (docs/hub.md)")
     ap.add_argument("--uri", default="tcp://127.0.0.1:10200", help="where to listen (default %(default)s; "
                     "tcp://0.0.0.0:10200 for Home Assistant on another machine)")
     ap.add_argument("--zeroconf", nargs="?", const="", metavar="NAME", help="announce the server over mDNS for "
                     "Home Assistant's discovery, as NAME (default: higgs-onnx-HOSTNAME); docs/integrations.md")
-    ap.add_argument("--voices", type=Path, help="folder of saved voices (default: MODEL_PATH/voices)")
+    ap.add_argument("--voices", type=Path, help="folder of saved voices (default: MODEL_PATH/voices; for a Hub "
+                    "reference, a folder in higgs-onnx's cache: docs/hub.md)")
     ap.add_argument("--default-voice", default="default", metavar="NAME", help="the voice when a request names none")
     ap.add_argument("--languages", default=",".join(DEFAULT_LANGUAGES), help="languages the voices are listed with "
                     "(Home Assistant offers a voice for these; default %(default)s)")
@@ -52,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
     if not languages:
         raise ValueError("--languages needs at least one language code, e.g. en")
 
+    cli_model_path(args, voices=True)  # hf://...: fetched once; its voices folder in our cache, not the download
     tts = HiggsTTS(args.model_path, threads=args.threads, verify=not args.no_verify)
     store = VoiceStore(args.voices or Path(args.model_path) / "voices", tts.model_id)
     service = WyomingService(tts, JobScheduler(tts, max_batch=args.max_batch), store, languages, args.default_voice,

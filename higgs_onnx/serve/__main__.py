@@ -29,6 +29,7 @@ from pathlib import Path
 
 from ..cli import add_log_level, run_main
 from ..extras import require, require_text
+from ..hub import cli_model_path, model_path_arg
 from ..job.options import SpeechOptions, add_text_flags, text_values
 from ..runtime.session import PROVIDERS
 from ..runtime.voice_cache import DEFAULT_VOICE_CACHE_BYTES
@@ -42,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m higgs_onnx.serve", description=__doc__.split("\n\n")[0],
                                  epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model-path", type=Path, required=True, help="an onnx/<device>_<precision> folder")
+    ap.add_argument("--model-path", type=model_path_arg, required=True, help="an onnx/<device>_<precision> folder, "
+                    "or a Hub reference hf://ORG/REPO/FOLDER[@REVISION] (docs/hub.md)")
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s: this machine "
                     "only; 0.0.0.0 exposes it to the network, use --api-key then)")
     ap.add_argument("--port", type=int, default=8000, help="TCP port (default %(default)s; 0 = any free port)")
@@ -51,8 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "HTTP 429 (default %(default)s)")
     ap.add_argument("--prefill-chunk", type=int, metavar="N", help="prompt positions prefilled per decoder step "
                     "while other requests decode (default: sized by time, about one decode step's worth)")
-    ap.add_argument("--voices", type=Path, help="folder of saved voices (default: MODEL_PATH/voices; a voice "
-                    "belongs to the export that made it); created if missing")
+    ap.add_argument("--voices", type=Path, help="folder of saved voices (default: MODEL_PATH/voices; for a Hub "
+                    "reference, a folder in higgs-onnx's cache, docs/hub.md; a voice belongs to the export that made "
+                    "it); created if missing")
     ap.add_argument("--default-voice", default="default", metavar="NAME", help="the voice for requests that name "
                     "none or one of OpenAI's (alloy, echo, nova, ...: what stock clients such as Open "
                     "WebUI send): a saved voice's name, or 'default' (zero-shot, the default)")
@@ -139,6 +142,7 @@ def check_args(args: argparse.Namespace) -> None:
     args.guard_options = GuardOptions.parse(args.guard) if args.guard else None
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key is empty; give a key, or leave the flag out for an open server")
+    cli_model_path(args, voices=True)  # hf://...: fetched once here (Ray replicas get the local folder)
     if not args.model_path.is_dir():
         raise FileNotFoundError(f"--model-path {args.model_path} is not a folder (expected an onnx/<device>_"
                                 f"<precision> export)")
