@@ -37,8 +37,8 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("CI", "1")
 
 from higgs_onnx import providers  # noqa: E402
+from higgs_onnx.exports import load_export  # noqa: E402
 from higgs_onnx.hub import cli_model_path, model_path_arg  # noqa: E402
-from higgs_onnx.manifest import load_manifest  # noqa: E402
 
 TEXT = "The quick brown fox jumps over the lazy dog while the speech synthesizer keeps talking."
 
@@ -227,7 +227,7 @@ def curve_main(args) -> int:
     from higgs_onnx.runtime.model import HiggsTTS
 
     _, export = resolve_export(args)
-    dtype = load_manifest(export, verify=False).kv_cache
+    dtype = load_export(export, verify=False).kv_cache
     out = {"export": str(export), "cpu": cpu_info(), "threads": args.threads, "curves": {}}
     with tempfile.TemporaryDirectory(prefix="higgs-curve-") as tmp:
         folders = {dtype: export}
@@ -717,7 +717,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.context_curve:
         return curve_main(args)
     if args.matmul:
-        f = load_manifest(resolve_export(args)[1], verify=False).model
+        f = load_export(resolve_export(args)[1], verify=False).model
         table = matmul_table(f["hidden"], f["intermediate"], args.threads)
         print(f"CPU: {cpu_line(cpu_info())}")
         print_matmul(table, f["hidden"], f["intermediate"], bandwidth_gbs(args.threads)[0])
@@ -732,11 +732,11 @@ def main(argv: list[str] | None = None) -> int:
     from higgs_onnx.runtime.model import HiggsTTS
 
     ckpt, export = resolve_export(args)
-    precision = load_manifest(export, verify=False).precision
+    precision = load_export(export, verify=False).precision
     out = {"preset": args.preset if args.model_path is None else None, "export": export.name,
            "precision": precision, "threads": args.threads, "cpus": os.cpu_count(), "cpu": cpu_info()}
     out["bandwidth_gbs"], out["bandwidth_probe"] = bandwidth_gbs(args.threads)
-    data = sum(f["size"] for f in load_manifest(export, verify=False).parts["llm_decoder"]["files"].values())
+    data = sum(f["size"] for f in load_export(export, verify=False).parts["llm_decoder"]["files"].values())
     out["decoder_weight_mb"] = data / 2**20
     out["floor_ms"] = data / (out["bandwidth_gbs"] * 1e9) * 1e3
     tts = HiggsTTS(export, threads=args.threads, verify=False)
@@ -815,7 +815,7 @@ def resolve_export(args) -> tuple[Path | None, Path]:
     still there), else the `--preset` synthetic export under `--work`, built if missing."""
     if args.model_path is None:
         return ensure_export(args.preset, args.precision, args.work / args.preset, args.device, args.attention)
-    source = load_manifest(args.model_path, verify=False).source.get("path")
+    source = load_export(args.model_path, verify=False).source.get("path")
     ckpt = Path(source) if isinstance(source, str) and (Path(source) / "config.json").is_file() else None
     return ckpt, args.model_path
 

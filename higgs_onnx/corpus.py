@@ -421,7 +421,7 @@ def check_out(out: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .manifest import load_manifest
+    from .exports import load_export
 
     require("ray", "the corpus command", ("ray",))
     if args.workers < 1 or args.batch < 1 or args.threads < 0:
@@ -431,7 +431,7 @@ def run(args: argparse.Namespace) -> int:
     SpeechOptions.build({"retries": args.retries, "loudness": args.loudness}, "cli")  # the same bounds as everywhere
     check_address(args.address)
     cli_model_path(args)  # hf://...: fetched once on the driver; the workers get the local folder
-    load_manifest(args.model_path, verify=False)  # a missing or broken export: one line, before Ray starts
+    load_export(args.model_path, verify=False)  # a missing or broken export: one line, before Ray starts
     rows = read_rows(args.input)
     if not rows:
         raise ValueError(f"{args.input} has no rows")

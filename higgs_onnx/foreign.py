@@ -1,7 +1,7 @@
 """Exports of this model in another layout, run as they are: the community's Higgs ONNX layout (the design card's six
 parts, e.g. `onnx-community/higgs-audio-v3-tts-4b`'s `cuda_int4/` and `cuda_fp16/` folders).
 
-    load_manifest("path/to/cuda_int4")   # manifest.load_manifest calls `adopt` for such a folder
+    load_export("path/to/cuda_int4")     # exports.load_export calls `adopt` for such a folder
 
 What that layout is (from the toolkit it came from and public drivers of it): a `manifest.json` of
 `{"device", "precision", "execution_provider", "sub_models": {part: {"filename": ..., ...}}}` (the decoder's entry also

@@ -33,10 +33,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2 if e.code else 0
     try:
         from .checkpoint import ModelFacts
+        from .exports import load_export
         from .generation.delay import read_code_rows
-        from .manifest import load_manifest
 
-        manifest = load_manifest(args.model_path, verify=False)
+        manifest = load_export(args.model_path, verify=False)
         f = ModelFacts.from_dict(manifest.model)
         rows = read_code_rows(args.codes, f.num_codebooks, f.codebook_vocab, "CODES")
         if not args.text.strip():

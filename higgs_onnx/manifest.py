@@ -214,20 +214,12 @@ def load_manifest(folder: str | os.PathLike, verify: bool = True) -> Manifest:
                                 f"--device cpu --precision int4")
     mf = folder / MANIFEST
     if not mf.is_file():
-        from .foreign import adopt, is_foreign
-
-        if is_foreign(folder):  # the six parts by file name, no manifest
-            return adopt(folder, verify)
         raise ManifestError(f"{folder} has no {MANIFEST}: not a finished export (rerun optimize.py to complete it)")
     try:
         data = json.loads(mf.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ManifestError(f"{mf} is corrupt ({e}); rebuild with optimize.py --force") from None
     if not isinstance(data, dict) or not isinstance(data.get("schema_version"), int):
-        from .foreign import adopt, is_foreign
-
-        if is_foreign(folder):  # the community's Higgs ONNX layout: run as it is (foreign.py)
-            return adopt(folder, verify)
         raise ManifestError(f"{mf} has no schema_version: not a higgs-onnx manifest (nor a Higgs ONNX export in the "
                             f"community layout: a manifest with sub_models)")
     if data["schema_version"] > SCHEMA_VERSION:

@@ -20,8 +20,9 @@ import onnx
 import pytest
 from community_layout import write_community
 
+from higgs_onnx.exports import load_export
 from higgs_onnx.foreign import LACKS, is_foreign
-from higgs_onnx.manifest import ManifestError, load_manifest
+from higgs_onnx.manifest import ManifestError
 from higgs_onnx.runtime.model import HiggsTTS
 
 pytestmark = pytest.mark.slow
@@ -104,7 +105,7 @@ def test_folder_never_written_and_manifest_cached(community, user_cache, caplog)
     assert kept and _tree(folder) == before
     mtimes = {p: p.stat().st_mtime_ns for p in kept}
     with caplog.at_level(logging.INFO, logger="higgs_onnx.foreign"):
-        load_manifest(folder, verify=True)
+        load_export(folder, verify=True)
     assert not [r for r in caplog.records if "derived" in r.getMessage()]  # read back, not derived again
     assert {p: p.stat().st_mtime_ns for p in kept} == mtimes
 
@@ -121,7 +122,7 @@ def test_lacks_said_once_in_one_line(community, tmp_path, caplog):
 def test_parts_found_by_file_name_and_standalone_dir(community, tts, tmp_path):
     bare = _copy(community["fp32"], tmp_path / "bare")
     (bare / "manifest.json").unlink()
-    assert is_foreign(bare) and load_manifest(bare, verify=False).data["layout"] == "community"
+    assert is_foreign(bare) and load_export(bare, verify=False).data["layout"] == "community"
     older = _copy(community["fp32"], tmp_path / "older")
     (older / "decoder").mkdir()
     for name in ("llm_decoder.onnx", "llm_decoder.onnx.data", "genai_config.json"):
@@ -160,11 +161,11 @@ def test_unmappable_folders_name_the_part_and_io(community, tmp_path):
         folder = _copy(community["fp32"], tmp_path / f"bad{i}")
         _edit(folder / name, change)
         with pytest.raises(ManifestError, match=said.replace("[", r"\[").replace("]", r"\]")):
-            load_manifest(folder, verify=False)
+            load_export(folder, verify=False)
     folder = _copy(community["fp32"], tmp_path / "missing")
     (folder / "audio_heads.onnx").unlink()
     with pytest.raises(ManifestError, match="has no audio_heads part"):
-        load_manifest(folder)
+        load_export(folder)
 
 
 def _run(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:

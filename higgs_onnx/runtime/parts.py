@@ -22,9 +22,10 @@ import numpy as np
 
 from .. import hub, providers
 from ..checkpoint import ModelFacts
+from ..exports import load_export
 from ..foreign import lacks
 from ..generation.prompt import PromptTokens
-from ..manifest import Manifest, ManifestError, load_manifest
+from ..manifest import Manifest, ManifestError
 from ..part_facts import FACTS
 from .checks import check_threads
 from .cpu_graph import default_provider, graph_for
@@ -49,7 +50,7 @@ class ModelParts:
 
         model_path, self.source = hub.local(model_path)  # hf://...: fetched once (docs/hub.md); source: its commit
         check_threads(threads)  # before the (slow) hashing of the model files
-        self.manifest: Manifest = load_manifest(model_path, verify=verify)
+        self.manifest: Manifest = load_export(model_path, verify=verify)
         say_lacks(self.manifest)
         built_for = self.manifest.device
         self.provider = provider or default_provider(self.manifest)  # cpu for a cuda folder without CUDA
