@@ -252,12 +252,33 @@ def voices_dir(export: HubExport) -> Path:
     return cache_dir("voices", key)
 
 
+def not_ours_to_write(folder: Path) -> bool:
+    """Whether saved voices must not go into `folder/voices`: a community-layout export (a download we never write
+    to, wherever it lies) or a folder this user cannot write."""
+    from .foreign import is_foreign
+
+    return folder.is_dir() and (is_foreign(folder) or not os.access(folder, os.W_OK))
+
+
+def local_voices_dir(folder: Path) -> Path:
+    """The default saved-voices folder for a local export we do not write to: in higgs-onnx's cache, one per folder
+    (keyed by its absolute path)."""
+    import hashlib
+
+    from .user_cache import cache_dir
+
+    where = str(folder.resolve())
+    return cache_dir("voices", f"{folder.name}-{hashlib.sha256(where.encode()).hexdigest()[:12]}")
+
+
 def cli_model_path(args, voices: bool = False) -> HubExport | None:
     """A command's --model-path resolved once, before any work: a Hub reference is fetched, `args.model_path`
     becomes its local folder and a line says where it came from (stderr); with `voices`, an unset `args.voices`
     becomes `voices_dir` (never inside the download)."""
     if not is_hub_ref(args.model_path):
         args.model_path = Path(args.model_path)
+        if voices and getattr(args, "voices", None) is None and not_ours_to_write(args.model_path):
+            args.voices = local_voices_dir(args.model_path)
         return None
     export = resolve_info(args.model_path)
     print(f"model: {export}", file=sys.stderr, flush=True)

@@ -30,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--zeroconf", nargs="?", const="", metavar="NAME", help="announce the server over mDNS for "
                     "Home Assistant's discovery, as NAME (default: higgs-onnx-HOSTNAME); docs/integrations.md")
     ap.add_argument("--voices", type=Path, help="folder of saved voices (default: MODEL_PATH/voices; for a Hub "
-                    "reference, a folder in higgs-onnx's cache: docs/hub.md)")
+                    "reference, a community-layout export or a folder you cannot write, a folder in higgs-onnx's "
+                    "cache: docs/hub.md)")
     ap.add_argument("--default-voice", default="default", metavar="NAME", help="the voice when a request names none")
     ap.add_argument("--languages", default=",".join(DEFAULT_LANGUAGES), help="languages the voices are listed with "
                     "(Home Assistant offers a voice for these; default %(default)s)")

@@ -208,3 +208,16 @@ def test_server_batches_requests_on_a_community_folder(community, tmp_path):
     finally:
         server.stop()
     assert "community-layout export" in (tmp_path / "server.log").read_text()
+
+
+def test_saved_voices_default_outside_the_folder(community, user_cache):
+    from argparse import Namespace
+
+    from higgs_onnx.hub import cli_model_path
+
+    args = Namespace(model_path=str(community["fp32"]), voices=None)
+    cli_model_path(args, voices=True)
+    assert args.voices.is_relative_to(user_cache / "voices") and args.voices.is_dir()
+    ours = Namespace(model_path=str(community["fp32"].parent), voices=None)  # a writable folder keeps MODEL_PATH/voices
+    cli_model_path(ours, voices=True)
+    assert ours.voices is None

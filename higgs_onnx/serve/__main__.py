@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefill-chunk", type=int, metavar="N", help="prompt positions prefilled per decoder step "
                     "while other requests decode (default: sized by time, about one decode step's worth)")
     ap.add_argument("--voices", type=Path, help="folder of saved voices (default: MODEL_PATH/voices; for a Hub "
-                    "reference, a folder in higgs-onnx's cache, docs/hub.md; a voice belongs to the export that made "
+                    "reference, a community-layout export or a folder you cannot write, a folder in higgs-onnx's "
+                    "cache, docs/hub.md; a voice belongs to the export that made "
                     "it); created if missing")
     ap.add_argument("--default-voice", default="default", metavar="NAME", help="the voice for requests that name "
                     "none or one of OpenAI's (alloy, echo, nova, ...: what stock clients such as Open "

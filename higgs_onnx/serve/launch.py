@@ -39,8 +39,8 @@ def is_loopback(host: str) -> bool:
 
 
 def voices_of(args: argparse.Namespace) -> Path:
-    """The saved voices' folder: --voices, by default the export's `voices/` (for a Hub reference, `check_args` set
-    --voices to a folder in higgs-onnx's cache: `hub.voices_dir`)."""
+    """The saved voices' folder: --voices, by default the export's `voices/` (for a Hub reference, a community-layout
+    export or a folder the user cannot write, `hub.cli_model_path` set --voices to a folder in higgs-onnx's cache)."""
     return args.voices if args.voices is not None else Path(args.model_path) / "voices"
 
 
