@@ -26,18 +26,16 @@ import numpy as np
 
 from .. import providers
 from ..user_cache import cache_dir
+from .cpu_graph_check import CPU_EP, DEFAULT_EPS, GQA, K_NORM, MS, Q_NORM, attrs_of, self_check
 
 log = logging.getLogger(__name__)
 
 CACHE_KIND = "cpu-graphs"
 REWRITE_VERSION = 2  # bump when the rewrite changes: the cache key holds it
-MS = "com.microsoft"
-GQA = "GroupQueryAttention"
-Q_NORM, K_NORM = 14, 15  # GroupQueryAttention's q_norm_weight / k_norm_weight inputs (ORT 1.32's schema)
 NORM_ATTRS = ("qk_norm_epsilon", "q_norm_epsilon", "k_norm_epsilon")
-DEFAULT_EPS = 1e-6  # the op's qk_norm_epsilon default
-CPU_EP = providers.BUILD_PROVIDER.ort_name
-SLOWER = "measured on the tiny model, slower per decode step than a cpu int4 export"  # the cost, in the warning
+# the cost the warning states, by the folder's precision: a decode step against a cpu int4 export's, measured on an
+# h1024 L8 synthetic model, 2 threads of an AVX2 EPYC (docs/devices.md, "A cuda folder on a machine without a GPU")
+SLOWER = {"int4": "about 1.2-1.3 x", "fp16": "about 3-4 x"}
 
 
 def is_fused(node) -> bool:
@@ -66,10 +64,8 @@ def cpu_ready(graph_path: str | os.PathLike) -> Path:
     out = folder / path.name
     if out.exists() and all((folder / loc).exists() for loc in locations):
         return out
-    if fused:
-        from .cpu_graph_check import self_check
-
-        self_check(model.graph, model.graph.node[fused[0]])  # before the rewrite: it rewrites a copy of the node
+    if fused:  # before the rewrite: the check rewrites a model of its own
+        self_check(model.graph, model.graph.node[fused[0]], unfuse)
     for i in slow:  # int8 activations on the CPU's int4 kernels, as a cpu int4 export has them
         set_accuracy(model.graph.node[i], providers.BUILD_PROVIDER.int4_accuracy)
     unfuse(model, fused)
@@ -94,9 +90,10 @@ def default_provider(manifest) -> str:
     inputs = manifest.parts.get("llm_decoder", {}).get("inputs", [])
     half = any(x.get("dtype") == "float16" for x in inputs)
     log.warning("%s is a %s export and this onnxruntime has no %s: running it on the %s provider (%sfused q/k norms "
-                "split out: %s) - build a faster one with `python optimize.py --device %s --precision int4` or fetch "
-                "a %s folder", manifest.folder, built.name, built.ort_name, host.name,
-                "float16 activations and KV cache, " if half else "", SLOWER, host.name, host.name)
+                "split out: %s slower per decode step than a %s int4 export) - build one with `python optimize.py "
+                "--device %s --precision int4` or fetch a %s folder", manifest.folder, built.name, built.ort_name,
+                host.name, "float16 activations and KV cache, " if half else "",
+                SLOWER.get(manifest.precision, "measurably"), host.name, host.name, host.name)
     return host.name
 
 
@@ -112,7 +109,7 @@ def graph_for(manifest, name: str, provider: str) -> Path:
 
 def below_cpu_accuracy(node) -> bool:
     """An int4 MatMulNBits below the CPU's accuracy level (a cuda build leaves it at 0: fp16 activations, measured
-    1.7-1.8x slower per decode step on the CPU than level 4; docs/devices.md)."""
+    about 2 x slower per decode step on the CPU than level 4; docs/devices.md)."""
     if node.op_type != "MatMulNBits" or node.domain != MS:
         return False
     return attrs_of(node).get("accuracy_level", 0) < providers.BUILD_PROVIDER.int4_accuracy
@@ -212,12 +209,6 @@ def link_data(src: Path, dst: Path, modes: tuple[str, ...] = ("hard", "copy")) -
 
 
 # -- the rewrite ------------------------------------------------------------------------------------------------
-def attrs_of(node) -> dict:
-    from onnx import helper
-
-    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
-
-
 def unfuse(model, fused) -> None:
     """The fused nodes' (indices into the graph's nodes) Q/K norms moved in front of them, in place; each node loses
     its norm inputs and attributes."""

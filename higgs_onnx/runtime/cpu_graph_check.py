@@ -1,13 +1,20 @@
-"""The rewrite of a fused GroupQueryAttention node (`cpu_graph.unfuse`), checked where it can be: the fused node cannot
-run on the CPU EP, so its rewrite runs as a one-node graph there (random Q/K/V, random norm weights, the node's
-geometry and attributes) against a NumPy reference of what the fused op computes: per-head RMS norm with the weight,
-then rotary embedding, then grouped causal attention; the output and the cache rows it writes are compared."""
+"""The rewrite of a fused GroupQueryAttention node (`cpu_graph.unfuse`, passed in), checked where it can be: the
+fused node cannot run on the CPU EP, so its rewrite runs as a one-node graph there (random Q/K/V, random norm
+weights, the node's geometry and attributes) against a NumPy reference of what the fused op computes: per-head RMS
+norm with the weight, then rotary embedding, then grouped causal attention; the output and the cache rows it writes
+are compared. The op's input slots and defaults are defined here (ORT 1.32's contrib schema)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from .cpu_graph import CPU_EP, DEFAULT_EPS, GQA, K_NORM, MS, Q_NORM, attrs_of, unfuse
+from .. import providers
+
+MS = "com.microsoft"
+GQA = "GroupQueryAttention"
+Q_NORM, K_NORM = 14, 15  # GroupQueryAttention's q_norm_weight / k_norm_weight inputs (ORT 1.32's schema)
+DEFAULT_EPS = 1e-6  # the op's qk_norm_epsilon default
+CPU_EP = providers.BUILD_PROVIDER.ort_name
 
 ROWS = 5  # prefill rows of the check
 MODELED = ("num_heads", "kv_num_heads", "scale", "do_rotary", "rotary_interleaved", "softcap", "local_window_size",
@@ -15,9 +22,16 @@ MODELED = ("num_heads", "kv_num_heads", "scale", "do_rotary", "rotary_interleave
 TOLERANCE = {np.dtype(np.float32): 1e-4, np.dtype(np.float16): 1e-2}  # max abs error / max abs value
 
 
-def self_check(graph, node) -> float:
-    """The relative error of the rewrite of `node` (of `graph`) against the reference; RuntimeError above the
-    tolerance of the node's float type, ValueError if its norm weights are not initializers of the graph."""
+def attrs_of(node) -> dict:
+    from onnx import helper
+
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def self_check(graph, node, rewrite) -> float:
+    """The relative error of `rewrite(model, [0])` (in place: `cpu_graph.unfuse`) of `node` (of `graph`) as a
+    one-node model against the reference; RuntimeError above the tolerance of the node's float type, ValueError if
+    its norm weights are not initializers of the graph."""
     import onnxruntime as ort
 
     a = attrs_of(node)
@@ -31,7 +45,7 @@ def self_check(graph, node) -> float:
     head_dim = int(weights[names[0]].dims[-1])
     inputs, mini = _mini_graph(node, a, dtype, head_dim)
     ref = reference(inputs, a, head_dim)
-    unfuse(mini, [0])
+    rewrite(mini, [0])
     sess = ort.InferenceSession(mini.SerializeToString(), providers=[CPU_EP])
     feeds = {k: v for k, v in inputs.items() if k in {i.name for i in sess.get_inputs()}}
     got = dict(zip(("out", "present_key"), sess.run(["out", "present_key"], feeds), strict=True))
