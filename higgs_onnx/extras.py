@@ -54,6 +54,22 @@ TEXT_OPTIONS = {"normalize": ("num2words", "cn2an"), "markdown": ("markdown_it",
                 "ssml": ("defusedxml",)}
 
 
+# a speech job's fields whose work an extra does, and the modules it imports: job/options.py refuses such a field
+# by name at every door (a server's request too) when its extra is missing, before any work
+FIELD_EXTRAS = {**{name: ("text", modules) for name, modules in TEXT_OPTIONS.items()},
+                "caption_level": ("asr", ("pocketsphinx",)), "loudness": ("loudness", ("pyloudnorm",))}
+
+
+def field_missing(name: str, label: str) -> MissingExtra | None:
+    """The MissingExtra of the job field `name` (a value that asks for its work: the caller knows) named `label`, or
+    None when its packages are installed or it needs none."""
+    if name not in FIELD_EXTRAS:
+        return None
+    extra, modules = FIELD_EXTRAS[name]
+    absent = missing(extra, modules)
+    return MissingExtra(extra, label, absent) if absent else None
+
+
 class MissingExtra(Exception):
     """`what` needs `extra`, whose `missing` distributions are not installed. str(): the one line, without the
     `higgs-onnx: ` a command puts before it (`line`)."""

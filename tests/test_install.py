@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -205,6 +206,18 @@ def test_server_extra_serves_speech(server_venv, builds, tmp_path):
         with urllib.request.urlopen(req, timeout=120) as resp:
             assert resp.status == 200 and resp.headers["Content-Type"].startswith("audio/wav")
             audio = resp.read()
+        # a request asking for work of an extra this install lacks: refused by name, before any work
+        for field, value, extra in (("normalize", "en", "text"), ("ssml", True, "text"),
+                                    ("caption_level", "word", "asr"), ("loudness", -16, "loudness")):
+            bad = json.dumps({"model": "tts-1", "input": "It costs 5 dollars.", "voice": "alloy",
+                              field: value}).encode()
+            req = urllib.request.Request(f"{server.url}/v1/audio/speech", data=bad,
+                                         headers={"Content-Type": "application/json"})
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(req, timeout=60)
+            err = json.loads(e.value.read())["error"]
+            assert e.value.code == 400 and err["param"] == field, err
+            assert f"needs extra packages: pip install 'higgs-onnx[{extra}]'" in err["message"], err
     finally:
         server.stop()
     (tmp_path / "speech.wav").write_bytes(audio)

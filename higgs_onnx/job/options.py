@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..extras import field_missing
 from ..generation.blend import MODES
 from ..generation.options import GenerationOptions
 from ..guard import MAX_RETRIES
@@ -352,6 +353,11 @@ class SpeechOptions:
         for name, value in got.items():  # the type first: one sentence for a wrong type at every door
             check_kind(name, value, OPTIONS[name].label(door))
         changes, text = _checked(got, CHECKS, door), _checked(got, TEXT_CHECKS, door)
+        for name, value in got.items():  # work an extra does, asked for where it is not installed
+            if not _is_default(name, value) and (name != "loudness" or value is not None):
+                lack = field_missing(name, OPTIONS[name].label(door))
+                if lack:
+                    raise OptionError(str(lack), name, "unsupported_parameter")
         if "lexicon" in text and base.text.lexicon is not None:  # a job's words over the door's (a server's) own
             text["lexicon"] = base.text.lexicon.over(text["lexicon"].entries)
         if text:
