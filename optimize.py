@@ -112,8 +112,10 @@ def check_push_args(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.device == "openvino":
-        require("openvino", "--device openvino")
+    from higgs_onnx import providers
+
+    if providers.get(args.device).ort_name is None:  # the OpenVINO runtime builds its IR
+        require("openvino", f"--device {args.device}")
     check_push_args(args)  # before the build: a malformed repo id is known now
     opts = ExportOptions(device=args.device, precision=args.precision, attention=args.attention,
                          part_precision=parse_overrides(args.part_precision), block_size=args.block_size,

@@ -251,9 +251,11 @@ def _hop(path: Path, codebooks: int) -> int:
     """Samples per codec frame, measured: the decoder's output for two frames of code 0, halved."""
     import onnxruntime as ort
 
+    from . import providers
+
     so = ort.SessionOptions()
     so.log_severity_level = 3
-    sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    sess = ort.InferenceSession(str(path), so, providers=[providers.BUILD_PROVIDER.ort_name])
     name = sess.get_inputs()[0].name
     wav = sess.run(None, {name: np.zeros((1, codebooks, 2), np.int64)})[0]
     return int(wav.shape[-1]) // 2
@@ -332,9 +334,12 @@ def derive(folder: Path, theirs: dict, files: dict[str, str]) -> dict:
         raise ManifestError(f"{folder}: tokenizer.json: {e}") from None
     import dataclasses
 
+    from . import providers
+
+    device = _device(theirs)
     return {"schema_version": SCHEMA_VERSION, "format": "higgs-onnx", "layout": LAYOUT,
-            "device": _device(theirs), "precision": str(theirs.get("precision", "unknown")),
-            "execution_provider": str(theirs.get("execution_provider", "CPUExecutionProvider")),
+            "device": device, "precision": str(theirs.get("precision", "unknown")),
+            "execution_provider": str(theirs.get("execution_provider") or providers.get(device).ort_name),
             "decoder": {**DEFAULT_DECODER, "route": {"kind": "none"}}, "model": facts,
             "tokens": dataclasses.asdict(tokens), "tokenizer": tok_name, "genai_config": genai_name,
             "parts": parts, "subfolders": [sub] if sub else [],
