@@ -223,3 +223,56 @@ def test_server_extra_serves_speech(server_venv, builds, tmp_path):
     (tmp_path / "speech.wav").write_bytes(audio)
     info = sf.info(tmp_path / "speech.wav")
     assert audio[:4] == b"RIFF" and info.samplerate == 24000 and info.frames > 2400
+
+
+# -- (a) an export served by the (fake) Hub, (b) a folder in the community layout: in the fresh venvs ---------------
+@pytest.fixture(scope="module")
+def hub_and_community(builds, tiny_ckpt, tmp_path_factory) -> tuple[dict[str, str], str, Path]:
+    """(the environment that points huggingface_hub at a fake Hub on loopback holding the tiny int4 export as
+    `org/tts/cpu_int4`, its reference, a community-layout folder with float16 decoder I/O and fused norms)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from community_layout import write_community
+    from fakehub import FakeHub
+
+    tmp = tmp_path_factory.mktemp("hubinstall")
+    hub = FakeHub(tmp / "served")
+    hub.add_folder("org/tts", builds["int4"], "cpu_int4")
+    community = write_community(builds["fp32"], tmp / "cuda_fp16", decoder="fp16", ckpt=tiny_ckpt,
+                                fused_norm=True, work=tmp / "work")
+    env = {**clean_env(), "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp / "hf"), "HF_HUB_DISABLE_XET": "1",
+           "HIGGS_CACHE": str(tmp / "higgs")}
+    yield env, "hf://org/tts/cpu_int4", community
+    hub.close()
+
+
+def test_base_install_speaks_from_the_hub_and_a_community_folder(base, hub_and_community, tmp_path):
+    """zero-shot, --stream, a clone, a saved voice: an hf:// reference (fetched once, then offline from the cache)
+    and a community-layout folder, in the base venv, with no torch (or other heavy module) imported."""
+    env, ref, community = hub_and_community
+    for name, model, extra in (("hub", ref, {}), ("offline", ref, {"HF_HUB_OFFLINE": "1"}),
+                               ("community", community, {})):
+        result = speak_and_list(base[0], model, tmp_path / name, tmp_path, {**env, **extra})
+        assert result["imported"] == [], name
+
+
+def test_server_extra_serves_the_hub_and_a_community_folder(server_venv, hub_and_community, tmp_path):
+    """POST /v1/audio/speech: a wav, a streamed pcm body and a clone (Boson's ref_audio), from both."""
+    import base64
+
+    env, ref, community = hub_and_community
+    clip = base64.b64encode((DATA / "ref_en_24k.wav").read_bytes()).decode()
+    for name, model in (("hub", ref), ("community", community)):
+        server = ServerProcess(model, tmp_path / f"voices-{name}", tmp_path / f"{name}.log", python=server_venv,
+                               cwd=tmp_path, env=env)
+        try:
+            for fields, kind in (({"response_format": "wav"}, "audio/wav"), ({"response_format": "pcm"}, "audio/pcm"),
+                                 ({"response_format": "wav", "ref_audio": clip,
+                                   "ref_text": (DATA / "ref_en_24k.txt").read_text().strip()}, "audio/wav")):
+                body = json.dumps({"model": "tts-1", "input": "Hello from an export I did not build.", **fields})
+                req = urllib.request.Request(f"{server.url}/v1/audio/speech", data=body.encode(),
+                                             headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=120) as resp:
+                    assert resp.status == 200 and resp.headers["Content-Type"].startswith(kind), (name, fields)
+                    assert len(resp.read()) > 4800, (name, kind)
+        finally:
+            server.stop()
