@@ -240,7 +240,23 @@ def local(model_path: str | os.PathLike) -> tuple[Path, HubExport | None]:
         export = resolve_info(str(model_path))
         return export.path, export
     path = Path(model_path)
-    return path, _RESOLVED.get(str(path.resolve()))
+    return path, _RESOLVED.get(str(path.resolve())) or origin_of(path)
+
+
+def origin_of(folder: Path) -> HubExport | None:
+    """The Hub export a local folder is, read from its place in huggingface_hub's cache
+    (`models--ORG--REPO/snapshots/<commit>/<folder>`; a repo id never holds `--`): repo, folder and commit (the
+    revision is then the commit); None for a folder elsewhere (a process that fetched it knows more: `_RESOLVED`)."""
+    parts = Path(os.path.abspath(folder)).parts
+    if "snapshots" not in parts:
+        return None
+    i = len(parts) - 1 - parts[::-1].index("snapshots")
+    if i < 1 or i + 1 >= len(parts) or not parts[i - 1].startswith("models--"):
+        return None
+    repo, commit = parts[i - 1][len("models--"):].replace("--", "/"), parts[i + 1]
+    if not re.fullmatch(r"[0-9a-f]{40}", commit):
+        return None
+    return HubExport(Path(folder), repo, "/".join(parts[i + 2:]), commit, commit)
 
 
 def voices_dir(export: HubExport) -> Path:

@@ -259,6 +259,9 @@ def test_server_and_wyoming_from_the_hub(published, tmp_path):
                                                           "input": "Hello there.", "response_format": "wav"},
                         timeout=300)
         assert r.status_code == 200 and r.content[:4] == b"RIFF", r.text[:500]
+        source = httpx2.get(f"{url}/health", timeout=30).json()["source"]  # where the model came from
+        assert source == {"repo_id": "org/tts", "folder": "cpu_int4", "revision": "main",
+                          "commit": hub.repos["org/tts"].branches["main"]}
     finally:
         proc.terminate()
         proc.wait(60)
@@ -286,3 +289,14 @@ def test_corpus_and_eval_take_the_reference(published, tmp_path):
     assert r.returncode == 2 and "none.jsonl" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
     line = one_line(command(["eval.py", "--model-path", "hf://org/tts/cuda_fp16"], env))
     assert "org/tts has no folder cuda_fp16; exports there: cpu_int4" in line
+
+
+def test_origin_read_from_the_hub_cache_path(tmp_path):
+    """A process handed the local folder (a Ray replica) still knows the repo, folder and commit it is."""
+    from higgs_onnx.hub import origin_of
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    got = origin_of(tmp_path / "hub" / "models--org--my-repo" / "snapshots" / commit / "a" / "cpu_int4")
+    assert (got.repo_id, got.folder, got.commit) == ("org/my-repo", "a/cpu_int4", commit)
+    assert origin_of(tmp_path / "cpu_int4") is None
+    assert origin_of(tmp_path / "models--org--x" / "snapshots" / "main" / "cpu_int4") is None

@@ -56,7 +56,9 @@ class EvalContext:
 
     def meta(self) -> dict:
         o, m = self.options, self.tts.manifest.data
-        return {"model_path": str(self.tts.manifest.folder), "precision": self.precision, "device": m["device"],
+        hub = self.tts.source  # an export fetched from the Hub: where, at which commit
+        return {"model_path": str(self.tts.manifest.folder), **({"source": str(hub)} if hub else {}),
+                "precision": self.precision, "device": m["device"],
                 "provider": self.tts.provider,
                 "checkpoint": str(self.ref.folder), "gates": self.gates, "prompts": list(o.prompts), "runs": o.runs,
                 "max_rows": o.max_rows, "recordings": [Path(p).name for p in o.recordings], "route": self.route(),

@@ -75,13 +75,17 @@ def routers(svc: SpeechService) -> tuple[APIRouter, APIRouter]:
         return {"object": "list", "data": [{"id": t, "category": t[2:-2].split(":")[0], "name": t[2:-2].split(":")[1]}
                                            for t in tags]}
 
+    hub = svc.tts.source  # an export fetched from the Hub: its repo, folder and commit
+    source = {"repo_id": hub.repo_id, "folder": hub.folder, "revision": hub.revision, "commit": hub.commit} if hub \
+        else None
+
     @root.get("/health")
     async def health():
         """Liveness, the request limits (context and slot positions, default max_rows, sizes, timeouts), the
         scheduler's counters and how often each client guard fired; under Ray Serve, the answering replica (its id
         and process)."""
         return {"status": "ok", "model": svc.model_id, "models": svc.models, "sample_rate": svc.sample_rate,
-                "limits": limits,
+                **({"source": source} if source else {}), "limits": limits,
                 "scheduler": svc.scheduler.stats(), "guards": dict(COUNTERS),
                 "voice_cache": svc.tts.voices.stats(),
                 "uptime_s": round(time.time() - svc.started, 1),
