@@ -8,6 +8,7 @@ Usage:
     python eval.py --model-path onnx/cpu_int4 --teacher-codes rows.npy   # code rows from another implementation
     python eval.py --model-path onnx/cpu_fp32 --threshold greedy_near_tie=none eoc_rate=0.9
     python eval.py --model-path onnx/openvino_int4 --provider openvino --kv-cache host   # another runtime route
+    python eval.py --model-path hf://ORG/REPO/cpu_int4 --runtime-only   # no PyTorch, no checkpoint: does it run here?
 
 Both reports are written whatever failed; the exit code says pass (0) or fail (1). The report targets are checked
 before anything is loaded. eval.py runs from any folder: the manifest records the checkpoint's absolute path (older
@@ -44,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="logit tolerance for --teacher-codes (default %(default)s)")
     ap.add_argument("--threshold", nargs="+", default=[], metavar="GATE=VALUE",
                     help="override gates (VALUE 'none' switches one off): teacher_top1, teacher_cosine, "
-                         "greedy_near_tie, eoc_rate")
+                         "greedy_near_tie, eoc_rate; with --runtime-only: stream_snr_db, batch_identical, "
+                         "batch_first_difference, step_graph_equal, route_slack, clean_takes")
     ap.add_argument("--json", type=Path, help="write the report as JSON")
     ap.add_argument("--markdown", type=Path, help="write the report as Markdown")
     ap.add_argument("--plots", type=Path, metavar="DIR",
@@ -62,16 +64,41 @@ def build_parser() -> argparse.ArgumentParser:
                     "auto (its measured crossover), off (the int4 graph for every call) or on (every call of two or "
                     "more rows); default: $HIGGS_ROUTE, else auto (docs/building.md, the int8 prefill route)")
     ap.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the model files")
+    ap.add_argument("--runtime-only", action="store_true",
+                    help="check the export against itself, without PyTorch or the checkpoint: parts load, "
+                         "determinism, stream vs one-shot, batched vs alone, step graph vs parts, int8 route vs "
+                         "int4, the guard (docs/evaluation.md, Without PyTorch)")
     add_log_level(ap)
     return ap
 
 
+# flags only the sections with the PyTorch reference read: refused with --runtime-only
+REFERENCE_FLAGS = (("checkpoint", "--checkpoint"), ("recordings", "--recordings"), ("plots", "--plots"))
+
+
+def check_runtime_only(args: argparse.Namespace) -> None:
+    """--runtime-only runs no reference: a flag for the reference's sections is refused in one line; otherwise
+    the reference's packages must be installed, and their absence points at --runtime-only."""
+    from higgs_onnx.extras import MissingExtra, require
+
+    if args.runtime_only:
+        given = [flag for name, flag in REFERENCE_FLAGS if getattr(args, name)]
+        if given:
+            raise ValueError(f"--runtime-only checks the export without the PyTorch reference: drop {given[0]} (or "
+                             f"drop --runtime-only for the full report)")
+        return
+    try:
+        require("eval", "the eval report (its PyTorch reference)", ("torch", "transformers", "safetensors"))
+    except MissingExtra as e:
+        e.args = (f"{e}; or check the export without it: eval.py --runtime-only",)
+        raise
+
+
 def run(args: argparse.Namespace) -> int:
     from higgs_onnx.evaluation import Outputs, evaluate, parse_thresholds, read_prompts
-    from higgs_onnx.extras import require
 
-    require("eval", "the eval report (its PyTorch reference)", ("torch", "transformers", "safetensors"))
-    outputs = Outputs.resolve(args.json, args.markdown, args.plots, draw=not args.no_plots)
+    check_runtime_only(args)
+    outputs = Outputs.resolve(args.json, args.markdown, args.plots, draw=not (args.no_plots or args.runtime_only))
     outputs.check()  # every report target, before the (long) evaluation
     cli_model_path(args)  # hf://...: fetched once
     options = EvalOptions(prompts=read_prompts(args.prompts) if args.prompts else EvalOptions.prompts,
@@ -79,9 +106,14 @@ def run(args: argparse.Namespace) -> int:
                           recordings=tuple(args.recordings) if args.recordings else EvalOptions.recordings,
                           teacher_codes=args.teacher_codes, tolerance=args.tolerance,
                           gates=parse_thresholds(args.threshold))
-    report, md = evaluate(args.model_path, args.checkpoint, options, outputs, verify=not args.no_verify,
-                          provider=args.provider, kv_cache=args.kv_cache, step_graph=not args.parts_apart,
-                          route=args.route)
+    kw = {"verify": not args.no_verify, "provider": args.provider, "kv_cache": args.kv_cache,
+          "step_graph": not args.parts_apart, "route": args.route}
+    if args.runtime_only:
+        from higgs_onnx.evaluation.runtime_only import evaluate_runtime
+
+        report, md = evaluate_runtime(args.model_path, options, outputs, **kw)
+    else:
+        report, md = evaluate(args.model_path, args.checkpoint, options, outputs, **kw)
     print("\n" + md)
     if report.failures:
         print(f"FAILED: {len(report.failures)} check(s); first: {report.failures[0]}", file=sys.stderr)

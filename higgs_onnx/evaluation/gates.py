@@ -32,10 +32,30 @@ GATES: dict[str, dict[str, float | None]] = {
 }
 
 
-def gates_for(precision: str, overrides: tuple[tuple[str, float | None], ...] = ()) -> dict[str, float | None]:
-    if precision not in GATES:
-        raise ValueError(f"no eval gates for precision {precision!r}; known: {', '.join(GATES)}")
-    return {**GATES[precision], **dict(overrides)}
+# The runtime-only report's gates (eval.py --runtime-only: the export against itself, no reference). Every figure is
+# ONNX against ONNX on this machine. stream_snr_db: streamed audio vs the one-shot decode of the same codes, either
+# codec (measured: stateful 102 dB tiny / 83.4 dB 4b, windows inf tiny / 85.3 dB 4b; a broken stream is < 31 dB).
+# batch_identical / batch_first_difference: the requests whose rows batched equal their rows alone, and the row a
+# request may first differ at (fp32: every row, exact; int4/fp16: the batched kernels round by the batch, a greedy
+# near-tie may flip late; rows that mixed differ from the first rows, tests/test_batching.py). step_graph_equal:
+# share of codes equal between the step graph and the parts apart (exact at every precision: the same kernels).
+# route_slack: the int8 route's distance from int4 within this factor of the build's triangle bound (see
+# `_int8_route`). clean_takes: the guard's share of good takes among all the report made.
+RUNTIME_GATES: dict[str, dict[str, float | None]] = {
+    p: {"stream_snr_db": 60.0, "batch_identical": 1.0 if p == "fp32" else 0.5,
+        "batch_first_difference": float("inf") if p == "fp32" else 30.0, "step_graph_equal": 1.0,
+        "route_slack": 1.25, "clean_takes": 0.5} for p in GATES}
+GATE_NAMES = (*GATES["fp32"], *RUNTIME_GATES["fp32"])  # what --threshold may name
+
+
+def gates_for(precision: str, overrides: tuple[tuple[str, float | None], ...] = (),
+              runtime_only: bool = False) -> dict[str, float | None]:
+    """The gates of an export's precision (`runtime_only`: those of the report without the reference), with the
+    --threshold `overrides` (each of the other table's names is accepted and unused)."""
+    table = RUNTIME_GATES if runtime_only else GATES
+    if precision not in table:
+        raise ValueError(f"no eval gates for precision {precision!r}; known: {', '.join(table)}")
+    return {**table[precision], **{k: v for k, v in overrides if k in table[precision]}}
 
 
 @dataclass(frozen=True)
@@ -131,9 +151,82 @@ def _route(fig: dict, gates: dict) -> list[Check]:
             for name in ("hidden_distance", "logit_distance")]
 
 
+# -- the runtime-only report (evaluation/runtime_only.py): the export against itself ------------------------------
+
+
+def _load(figs: dict, gates: dict) -> list[Check]:
+    return [Check("load", f"part {part}", bool(fig["ok"]), f"part {part} loads on {fig.get('ran_on', '-')}, its I/O "
+                  f"as the manifest says" if fig["ok"] else f"part {part} does not load: {fig['error']}")
+            for part, fig in figs.items()]
+
+
+def _determinism(fig: dict, gates: dict) -> list[Check]:
+    return [Check("determinism", "same seed, same codes", p["codes_equal"],
+                  f"'{p['prompt'][:40]}' seed {fig['seed']} twice: {p['rows']} rows, codes "
+                  + ("identical" if p["codes_equal"] else "DIFFER")) for p in fig["prompts"]]
+
+
+def _streaming(fig: dict, gates: dict) -> list[Check]:
+    out, limit = [], gates["stream_snr_db"]
+    for kind, c in fig["codecs"].items():
+        out.append(Check("streaming", f"{kind}: codes", c["codes_equal"], f"stream ({kind} codec) vs one-shot, seed "
+                         f"{fig['seed']}: codes " + ("identical" if c["codes_equal"] else "DIFFER")))
+        if limit is not None:
+            out.append(Check("streaming", "stream_snr_db", c["snr_db"] >= limit, f"stream ({kind} codec) vs the "
+                             f"one-shot decode: SNR {c['snr_db']:.1f} dB, need >= {limit:g}", c["snr_db"], limit))
+    return out
+
+
+def _batching(fig: dict, gates: dict) -> list[Check]:
+    n = len(fig["requests"])
+    out = [Check("batching", "batched", fig["widest"] >= 2, f"{n} requests on {fig['slots']} slots: widest batch "
+                 f"{fig['widest']} (need >= 2)", fig["widest"], 2)]
+    share, limit = fig["identical"], gates["batch_identical"]
+    if limit is not None:
+        out.append(Check("batching", "batch_identical", share >= limit, f"batched vs alone: {round(share * n)}/{n} "
+                         f"requests with identical rows, need >= {limit:.0%}", share, limit))
+    first, limit = fig["first_difference"], gates["batch_first_difference"]
+    if limit is not None:
+        worst = float("inf") if first is None else first
+        out.append(Check("batching", "batch_first_difference", worst >= limit, f"batched vs alone: first differing "
+                         f"row {first if first is not None else 'none'}, need "
+                         + ("none" if limit == float("inf") else f">= {limit:g}"), worst, limit))
+    return out
+
+
+def _step_graph(fig: dict, gates: dict) -> list[Check]:
+    limit = gates["step_graph_equal"]
+    if limit is None:
+        return []
+    return [Check("step_graph", "step_graph_equal", r["equal"] >= limit, f"step graph vs the parts apart, {r['run']}: "
+                  f"{r['equal']:.1%} of codes equal (rows {r['rows'][0]} / {r['rows'][1]}), need >= {limit:.0%}",
+                  r["equal"], limit) for r in fig["runs"]]
+
+
+def _int8_route(fig: dict, gates: dict) -> list[Check]:
+    """The angle between the two routes' prefill hidden states is at most the sum of each route's angle to fp32 that
+    the build measured on the same prompts (a triangle inequality), times `route_slack` for another CPU's rounding."""
+    slack = gates["route_slack"]
+    if slack is None:
+        return []
+    return [Check("int8_route", "route_slack", p["angle"] <= slack * p["bound"], f"int8 vs int4 route, "
+                  f"'{p['prompt']}' prefill: angle {p['angle']:.3e} rad, bound {p['bound']:.3e} x {slack:g}",
+                  p["angle"], slack * p["bound"]) for p in fig["prompts"] if p.get("bound") is not None]
+
+
+def _takes(fig: dict, gates: dict) -> list[Check]:
+    limit = gates["clean_takes"]
+    if limit is None or not fig["takes"]:
+        return []
+    return [Check("takes", "clean_takes", fig["clean"] >= limit, f"the guard's verdicts: {fig['good']}/{fig['takes']} "
+                  f"takes good, need >= {limit:.0%}", fig["clean"], limit)]
+
+
 GATED: dict[str, Callable[[dict, dict], list[Check]]] = {
     "parts": _parts, "decoder_steps": _decoder_steps, "teacher_forced": _teacher_forced, "greedy": _greedy,
-    "sampled": _sampled, "kv_cache": _kv_cache, "route": _route}
+    "sampled": _sampled, "kv_cache": _kv_cache, "route": _route,
+    "load": _load, "determinism": _determinism, "streaming": _streaming, "batching": _batching,
+    "step_graph": _step_graph, "int8_route": _int8_route, "takes": _takes}
 
 
 def apply_gates(sections: dict[str, dict], gates: dict[str, float | None]) -> list[Check]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .gates import GATES
+from .gates import GATE_NAMES
 
 DEFAULT_PROMPTS = ("Hello there, how are you today?",
                    "<|emotion:elation|>The quick brown fox jumps over the lazy dog.",
@@ -45,8 +45,8 @@ class EvalOptions:
         if not (self.tolerance == self.tolerance and 0 < self.tolerance < float("inf")):  # NaN fails the first test
             raise ValueError(f"--tolerance must be a finite number > 0, got {self.tolerance}")
         for key, _ in self.gates:
-            if key not in GATES["fp32"]:
-                raise ValueError(f"unknown gate {key!r}; gates: {', '.join(GATES['fp32'])}")
+            if key not in GATE_NAMES:
+                raise ValueError(f"unknown gate {key!r}; gates: {', '.join(GATE_NAMES)}")
 
 
 def parse_thresholds(items: list[str]) -> tuple[tuple[str, float | None], ...]:
@@ -54,8 +54,8 @@ def parse_thresholds(items: list[str]) -> tuple[tuple[str, float | None], ...]:
     out = []
     for item in items:
         key, sep, value = item.partition("=")
-        if not sep or key not in GATES["fp32"]:
-            raise ValueError(f"--threshold expects GATE=VALUE with GATE in {', '.join(GATES['fp32'])}, got {item!r}")
+        if not sep or key not in GATE_NAMES:
+            raise ValueError(f"--threshold expects GATE=VALUE with GATE in {', '.join(GATE_NAMES)}, got {item!r}")
         try:
             out.append((key, None if value.lower() == "none" else float(value)))
         except ValueError:

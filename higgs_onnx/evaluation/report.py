@@ -189,6 +189,67 @@ def _route(s: dict, m: dict) -> list[str]:
     return lines
 
 
+def _load(s: dict, m: dict) -> list[str]:
+    lines = ["| part | ran on | inputs | outputs | ok |", "|---|---|---|---|---|"]
+    for part, fig in s.items():
+        if fig["ok"]:
+            lines.append(f"| {part} | {fig['ran_on']} | {len(fig['inputs'])} | {len(fig['outputs'])} | yes |")
+        else:
+            lines.append(f"| {part} | - | {_cell(fig['error'][:160])} | | NO |")
+    return lines
+
+
+def _determinism(s: dict, m: dict) -> list[str]:
+    lines = [f"Each prompt twice at seed {s['seed']}.", "", "| prompt | rows | stop | codes | waveform |",
+             "|---|---|---|---|---|"]
+    return lines + [f"| {_cell(p['prompt'][:40])} | {p['rows']} | {p['stop']} | "
+                    f"{'identical' if p['codes_equal'] else 'DIFFER'} | "
+                    f"{'identical' if p['waveform_equal'] else 'differs'} |" for p in s["prompts"]]
+
+
+def _streaming(s: dict, m: dict) -> list[str]:
+    lines = [f"`{s['prompt'][:40]}` at seed {s['seed']}, streamed against its one-shot take.", "",
+             "| codec | chunks | codes | SNR vs one-shot | max abs / peak | first audio |", "|---|---|---|---|---|---|"]
+    for kind, c in s["codecs"].items():
+        rel = "-" if c["max_abs_rel"] is None else f"{c['max_abs_rel']:.2e}"
+        lines.append(f"| {kind} | {c['chunks']} | {'identical' if c['codes_equal'] else 'DIFFER'} | "
+                     f"{c['snr_db']:.1f} dB | {rel} | {c['first_audio_s'] * 1e3:.0f} ms |")
+    return lines
+
+
+def _batching(s: dict, m: dict) -> list[str]:
+    lines = [f"{len(s['requests'])} requests on {s['slots']} slots (widest batch {s['widest']}), the int8 route off, "
+             "against each alone.", "", "| prompt | seed | rows alone / batched | first difference |",
+             "|---|---|---|---|"]
+    return lines + [f"| {_cell(r['prompt'][:40])} | {r['seed']} | {r['rows'][0]} / {r['rows'][1]} | "
+                    f"{'none' if r['first_difference'] is None else r['first_difference']} |" for r in s["requests"]]
+
+
+def _step_graph(s: dict, m: dict) -> list[str]:
+    lines = [f"`{s['prompt'][:40]}` on `{s['this']}` and on `{s['other']}` (a second load), the int8 route off.", "",
+             "| run | rows | codes equal | first difference |", "|---|---|---|---|"]
+    return lines + [f"| {r['run']} | {r['rows'][0]} / {r['rows'][1]} | {r['equal']:.1%} | "
+                    f"{'none' if r['first_difference'] is None else r['first_difference']} |" for r in s["runs"]]
+
+
+def _int8_route(s: dict, m: dict) -> list[str]:
+    lines = ["The two routes' prefill hidden states: their angle, and the bound the build's measurements give (each "
+             "route's angle to fp32 summed).", "", "| prompt | positions | angle (rad) | bound |", "|---|---|---|---|"]
+    lines += [f"| {p['prompt']} | {p['positions']} | {p['angle']:.3e} | {_g(p['bound']) or '-'} |"
+              for p in s["prompts"]]
+    first = "-" if s["greedy_first_difference"] is None else s["greedy_first_difference"]
+    return lines + ["", f"Greedy rows with the prompt prefilled on each route: {s['greedy_equal']:.1%} equal (rows "
+                    f"{s['greedy_rows'][0]} / {s['greedy_rows'][1]}, first difference: {first})."]
+
+
+def _takes(s: dict, m: dict) -> list[str]:
+    verdicts = ", ".join(f"{k} {v}" for k, v in s["verdicts"].items()) or "none judged"
+    first = "-" if s["first_audio_s"] is None else f"{s['first_audio_s'] * 1e3:.0f} ms"
+    rtf = "-" if s["rtf"] is None else f"{s['rtf']:.3f}"
+    return [f"{s['takes']} takes judged by the guard: {verdicts}. Decoder loop {s['rows_per_s']:.1f} rows/s, mean "
+            f"RTF {rtf}, first audio of a stream {first} (figures, not gated)."]
+
+
 RENDER: dict[str, tuple[str, Callable[[dict, dict], list[str]]]] = {
     "parts": ("Parts", _parts), "decoder_steps": ("Decoder steps", _decoder_steps),
     "encoder": ("Encoder on recordings", _encoder), "greedy": ("Greedy free-running", _greedy),
@@ -198,6 +259,10 @@ RENDER: dict[str, tuple[str, Callable[[dict, dict], list[str]]]] = {
     "teacher_codes": ("Teacher codes", _teacher_codes), "intelligibility": ("Intelligibility", _intelligibility),
     "quality": ("Quality (DNSMOS)", _quality),
     "kv_cache": ("int8 KV cache", _kv_cache), "route": ("Decoder routes: int4 and the int8 GEMM", _route),
+    "load": ("Parts load", _load), "determinism": ("Determinism", _determinism),
+    "streaming": ("Streaming vs one-shot", _streaming), "batching": ("Batched vs alone", _batching),
+    "step_graph": ("Step graph vs the parts apart", _step_graph), "int8_route": ("int8 route vs int4", _int8_route),
+    "takes": ("Takes: the guard and speed", _takes),
 }
 
 
@@ -229,8 +294,10 @@ def to_markdown(report: Report, plots: dict[str, str] | None = None) -> str:
     """`plots`: section name -> link to its PNG (relative to where the Markdown is read)."""
     m, plots = report.meta, plots or {}
     failed = len(report.failures)
-    lines = [f"# Parity report: `{m['model_path']}` ({m['precision']})", "",
-             f"Reference: `{m['checkpoint']}` (PyTorch). Result: **{'PASS' if report.passed else 'FAIL'}** "
+    title, ref = (("Runtime report", "Reference: none (`--runtime-only`: the export against itself, here).")
+                  if m.get("runtime_only") else ("Parity report", f"Reference: `{m['checkpoint']}` (PyTorch)."))
+    lines = [f"# {title}: `{m['model_path']}` ({m['precision']})", "",
+             f"{ref} Result: **{'PASS' if report.passed else 'FAIL'}** "
              f"({len(report.checks) - failed} of {len(report.checks)} checks passed).", "",
              f"Provider: `{m.get('provider', m.get('device', '-'))}`; the parts ran on "
              f"{', '.join(sorted(set(m.get('ran_on', {}).values()))) or '-'}. {_route(m.get('route'))}", "",

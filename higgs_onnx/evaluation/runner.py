@@ -162,7 +162,7 @@ def manifest_checkpoint(manifest) -> str:
         return repo
     where = ", ".join(map(str, tried)) or "none recorded"
     raise FileNotFoundError(f"the checkpoint {manifest.folder} was built from is not found (looked in {where}); "
-                            f"pass it with --checkpoint DIR")
+                            f"pass it with --checkpoint DIR, or check the export without it: --runtime-only")
 
 
 def _write(path: Path, text: str) -> None:
