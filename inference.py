@@ -370,8 +370,8 @@ def require_extras(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    require_extras(args)  # an option whose extra is missing: the one line, before its bounds are checked
     args.options, args.stream_options = check_args(args)
-    require_extras(args)
     cli_model_path(args)  # hf://...: fetched once, before the model loads
     if args.asr_model is not None:  # before the model loads: a missing recogniser is known now
         from higgs_onnx.asr import Transcriber

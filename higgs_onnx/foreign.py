@@ -5,9 +5,9 @@ parts, e.g. `onnx-community/higgs-audio-v3-tts-4b`'s `cuda_int4/` and `cuda_fp16
 
 What that layout is (from the toolkit it came from and public drivers of it): a `manifest.json` of
 `{"device", "precision", "execution_provider", "sub_models": {part: {"filename": ..., ...}}}` (the decoder's entry also
-has `num_layers`, `num_kv_heads`; older ones a `standalone_dir` holding the decoder), or no manifest at all and the
-parts by file name; ModelBuilder's decoder (float16 activations and KV cache in the cuda builds) and its
-`genai_config.json`; `tokenizer.json`. Their I/O differs from ours in names (`inputs_embeds`, `audio_embeds`,
+has `num_layers`, `num_kv_heads`; older ones a `standalone_dir` holding the decoder; a part it does not list is
+found by its file name `<part>.onnx`); ModelBuilder's decoder (float16 activations and KV cache in the cuda builds)
+and its `genai_config.json`; `tokenizer.json`. Their I/O differs from ours in names (`inputs_embeds`, `audio_embeds`,
 `audio_logits`, `codes`, `input_values`) and in the encoder's input ([B, 1, T], T a multiple of the hop).
 
 `adopt` maps each part's graph I/O to ours by name, alias, then the one I/O left (never by position among several),
@@ -70,16 +70,16 @@ def comparable(facts, manifest: Manifest) -> dict:
 
 
 def is_foreign(folder: Path) -> bool:
-    """Whether `folder` holds an export in the community layout: a manifest with `sub_models` and no schema version,
-    or no manifest and the six parts by file name."""
+    """Whether `folder` holds an export in the community layout: a manifest with `sub_models` and no schema version
+    (a folder with no manifest is an unfinished export of ours: refused as such)."""
     mf = folder / MANIFEST
-    if mf.is_file():
-        try:
-            data = json.loads(mf.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-            return False
-        return isinstance(data, dict) and "schema_version" not in data and isinstance(data.get("sub_models"), dict)
-    return all((folder / f"{p}.onnx").is_file() for p in SIX)
+    if not mf.is_file():
+        return False
+    try:
+        data = json.loads(mf.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(data, dict) and "schema_version" not in data and isinstance(data.get("sub_models"), dict)
 
 
 class ForeignManifest(Manifest):
@@ -138,8 +138,6 @@ def lacks(manifest: Manifest) -> str | None:
 
 def _their_manifest(folder: Path) -> dict:
     mf = folder / MANIFEST
-    if not mf.is_file():
-        return {}
     data = json.loads(mf.read_text(encoding="utf-8"))
     subs = data.get("sub_models")
     if not all(isinstance(e, dict) for e in subs.values()):

@@ -179,7 +179,7 @@ MODEL_ROWS = [
         bytes(b ^ 0xFF if i == 100 else b for i, b in enumerate((d / "audio_heads.onnx").read_bytes()))),
      "does not match its sha256"),
     ("built for another EP", lambda d: edit_manifest(d, lambda m: m.update(
-        device="cuda", execution_provider="CUDAExecutionProvider")), "built for CUDAExecutionProvider"),
+        device="dml", execution_provider="DmlExecutionProvider")), "built for DmlExecutionProvider"),
     ("entry outside the folder", lambda d: edit_manifest(d, escape), "not a plain file name inside the model folder"),
 ]
 

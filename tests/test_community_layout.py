@@ -120,9 +120,12 @@ def test_lacks_said_once_in_one_line(community, tmp_path, caplog):
 
 
 def test_parts_found_by_file_name_and_standalone_dir(community, tts, tmp_path):
-    bare = _copy(community["fp32"], tmp_path / "bare")
-    (bare / "manifest.json").unlink()
+    bare = _copy(community["fp32"], tmp_path / "bare")  # a manifest that lists no part: each found by file name
+    (bare / "manifest.json").write_text(json.dumps({"device": "cpu", "sub_models": {}}))
     assert is_foreign(bare) and load_export(bare, verify=False).data["layout"] == "community"
+    (bare / "manifest.json").unlink()  # no manifest at all: an unfinished export, not adopted
+    with pytest.raises(ManifestError, match="has no manifest.json"):
+        load_export(bare)
     older = _copy(community["fp32"], tmp_path / "older")
     (older / "decoder").mkdir()
     for name in ("llm_decoder.onnx", "llm_decoder.onnx.data", "genai_config.json"):
