@@ -184,12 +184,16 @@ def test_cli_speaks_streams_clones_and_eval_passes(community, tiny_ckpt, tmp_pat
                  "--out", str(tmp_path / f"{name}.wav"), *extra)
         assert r.returncode == 0, r.stderr
         assert (tmp_path / f"{name}.wav").stat().st_size > 10_000 and "Traceback" not in r.stderr
-    for kind in ("fp32", "fp16"):
-        r = _run("eval.py", "--model-path", str(community[kind]), "--checkpoint", str(tiny_ckpt), "--no-plots",
-                 "--json", str(tmp_path / f"{kind}.json"))
-        report = json.loads((tmp_path / f"{kind}.json").read_text())
-        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-        assert report["sections"]["greedy"] and all(c["ok"] for c in report["checks"])
+    # the full report against the reference at fp32 (the runtime-only report on such a folder: test_eval_runtime.py)
+    r = _run("eval.py", "--model-path", str(community["fp32"]), "--checkpoint", str(tiny_ckpt), "--no-plots",
+             "--json", str(tmp_path / "fp32.json"))
+    report = json.loads((tmp_path / "fp32.json").read_text())
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert report["sections"]["greedy"] and all(c["ok"] for c in report["checks"])
+    assert {c["section"] for c in report["checks"]} >= {"parts", "decoder_steps", "greedy", "teacher_forced"}
+    r = _run("eval.py", "--model-path", str(community["fp16"]), "--runtime-only", "--json", str(tmp_path / "16.json"))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert all(c["ok"] for c in json.loads((tmp_path / "16.json").read_text())["checks"])
 
 
 def test_server_batches_requests_on_a_community_folder(community, tmp_path):
