@@ -100,8 +100,8 @@ def test_a_fused_graph_is_rewritten_once_into_the_cache(tmp_path, cache):
     finally:
         readonly(src.parent, False)
     assert tree_state(src.parent) == before
-    assert out.parent.parent == cache and sorted(p.name for p in out.parent.iterdir()) == ["model.onnx",
-                                                                                           "model.onnx.data"]
+    assert out.parent.parent == cache and sorted(p.name for p in out.parent.iterdir()) == [
+        cpu_graph.STAMP, "model.onnx", "model.onnx.data"]
     assert os.path.samefile(out.parent / "model.onnx.data", src.parent / "model.onnx.data")  # linked, not copied
     rewritten = onnx.load(out, load_external_data=False)
     assert not any(is_fused(n) for n in rewritten.graph.node)
@@ -122,6 +122,85 @@ def test_a_changed_data_file_gets_a_new_rewrite(tmp_path, cache):
     data = src.parent / "model.onnx.data"
     os.utime(data, ns=(data.stat().st_atime_ns, data.stat().st_mtime_ns + 10**9))
     assert cpu_ready(src) != first
+
+
+def entry_files(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+def test_a_damaged_entry_is_rebuilt_with_one_warning(tmp_path, cache, caplog):
+    """A truncated cached graph, a data link replaced by a short file, a copy made by someone else, a lost stamp:
+    each is found by the entry's stamp and rebuilt (one warning line), and the rebuilt graph runs."""
+    src = save_graph(tmp_path / "folder", fused_node(False))
+    out = cpu_ready(src)
+    sound, data = out.read_bytes(), out.parent / "model.onnx.data"
+    feeds = dict(np.load(src.parent / "feeds.npz"))
+
+    def damage_and_rerun(damage, says: str) -> None:
+        damage()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger=cpu_graph.__name__):
+            assert cpu_ready(src) == out
+        said = [r.getMessage() for r in caplog.records]
+        assert len(said) == 1 and "is damaged" in said[0] and says in said[0] and "rebuilding it" in said[0], said
+        assert "\n" not in said[0] and out.read_bytes() == sound and os.path.samefile(data, src.parent / data.name)
+        assert entry_files(out.parent) == [cpu_graph.STAMP, "model.onnx", "model.onnx.data"]
+        sess = ort.InferenceSession(str(out), providers=[CPU])
+        assert np.isfinite(sess.run(["out"], {i.name: feeds[i.name] for i in sess.get_inputs()})[0]).all()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger=cpu_graph.__name__):
+            assert cpu_ready(src) == out and not caplog.records  # sound again: reused silently
+
+    def truncate():
+        with open(out, "r+b") as f:
+            f.truncate(100)
+
+    def short_data():
+        data.unlink()
+        data.write_bytes(b"\0" * 100)
+
+    def same_size_copy():
+        data.unlink()
+        data.write_bytes((src.parent / "model.onnx.data").read_bytes())
+
+    damage_and_rerun(truncate, "model.onnx is 100 bytes and does not match its sha256")
+    damage_and_rerun(short_data, "model.onnx.data is 100 bytes")
+    damage_and_rerun(same_size_copy, "model.onnx.data is no longer a link to")
+    damage_and_rerun(lambda: (out.parent / cpu_graph.STAMP).unlink(), "no stamp")
+    damage_and_rerun(lambda: (out.parent / cpu_graph.STAMP).write_text("{"), "unreadable")
+
+
+def test_relinking_the_same_file_leaves_no_temp_file(tmp_path, cache):
+    """The cached graph removed and rebuilt: its data file is already the original's hard link, so nothing is
+    renamed onto it (a rename of one link of a file onto another does nothing and would leave the temp name)."""
+    src = save_graph(tmp_path / "folder", fused_node(True))
+    out = cpu_ready(src)
+    for _ in range(2):
+        out.unlink()
+        assert cpu_ready(src) == out
+        assert entry_files(out.parent) == [cpu_graph.STAMP, "model.onnx", "model.onnx.data"]
+    data = out.parent / "model.onnx.data"
+    assert link_data(src.parent / "model.onnx.data", data) == "hard"  # called directly as well
+    assert os.path.samefile(data, src.parent / "model.onnx.data")
+    assert entry_files(out.parent) == [cpu_graph.STAMP, "model.onnx", "model.onnx.data"]
+
+
+def test_an_unwritable_cache_is_one_line(tmp_path, monkeypatch):
+    """$HIGGS_CACHE naming a file, or a folder that cannot be made: CacheError (a ValueError), one line naming the
+    cache, $HIGGS_CACHE and the fix; nothing written beside the original."""
+    from higgs_onnx.user_cache import CacheError
+
+    src = save_graph(tmp_path / "folder", fused_node(False))
+    before = tree_state(src.parent)
+    (tmp_path / "file").write_text("x")
+    for root, says in ((tmp_path / "file", f"{tmp_path / 'file'} is not a folder"),
+                       (Path("/proc/higgs-cache"), "no such file or directory: /proc/higgs-cache")):
+        monkeypatch.setenv("HIGGS_CACHE", str(root))
+        with pytest.raises(CacheError) as e:
+            cpu_ready(src)
+        assert str(e.value) == (f"higgs-onnx's cache {root} ($HIGGS_CACHE) cannot be written: {says}; set "
+                                f"$HIGGS_CACHE to a folder you can write (e.g. HIGGS_CACHE=/tmp/higgs-cache)")
+    assert tree_state(src.parent) == before
 
 
 def test_weights_are_hard_linked_or_copied_never_symlinked(tmp_path):

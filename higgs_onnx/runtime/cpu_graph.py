@@ -8,15 +8,19 @@ back; a packed QKV query is Split into its Q, K and V heads first and Concat bac
 node, still follows the norm as in Qwen3. Its int4 MatMulNBits get the CPU's accuracy level (4: int8 activations, as
 a cpu int4 export has them; a cuda build leaves 0). The rewritten graph is written to the user's cache (never beside
 the original: the folder may be read-only), its external data files hard-linked there under their own names (copied
-when the cache is on another filesystem). Before it is kept, the rewrite of the first fused node is run as a one-node
-graph on the CPU EP and compared with a NumPy reference of the fused op (norm, rotary, grouped causal attention).
+when the cache is on another filesystem), and last a stamp (`entry.json`: the graph's size and sha256, each data
+file's size and inode) that is checked each time the entry is reused: a damaged entry is rebuilt. Before it is
+kept, the rewrite of the first fused node is run as a one-node graph on the CPU EP and compared with a NumPy
+reference of the fused op (norm, rotary, grouped causal attention).
 
     path = cpu_ready("onnx/cuda_int4/llm_decoder.onnx")   # the original path when nothing needs rewriting
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -25,13 +29,15 @@ from pathlib import Path
 import numpy as np
 
 from .. import providers
-from ..user_cache import cache_dir
+from ..user_cache import cache_dir, cache_writes
 from .cpu_graph_check import CPU_EP, DEFAULT_EPS, GQA, K_NORM, MS, Q_NORM, attrs_of, self_check
 
 log = logging.getLogger(__name__)
 
 CACHE_KIND = "cpu-graphs"
-REWRITE_VERSION = 2  # bump when the rewrite changes: the cache key holds it
+REWRITE_VERSION = 3  # bump when the rewrite or the entry changes: the cache key holds it (3: the stamp)
+STAMP = "entry.json"  # an entry's last file: what its graph and data files must be (`entry_damage`)
+UNWRITABLE = (errno.EROFS, errno.EACCES, errno.ENOSPC, errno.EDQUOT)  # a copy would fail as the link did
 NORM_ATTRS = ("qk_norm_epsilon", "q_norm_epsilon", "k_norm_epsilon")
 # the cost the warning states, by the folder's precision: a decode step against a cpu int4 export's, measured on an
 # h1024 L8 synthetic model, 2 threads of an AVX2 EPYC (docs/devices.md, "A cuda folder on a machine without a GPU")
@@ -47,8 +53,9 @@ def is_fused(node) -> bool:
 def cpu_ready(graph_path: str | os.PathLike) -> Path:
     """A path of the graph that the CPU EP can run (and runs fast): `graph_path` itself when it has no fused q/k
     norms and no int4 MatMulNBits below the CPU's accuracy level, else the rewritten graph in the user's cache (made
-    once per graph file, data files, rewrite and onnxruntime version; reused after). ValueError (one line, naming the
-    node) when a node has no CPU kernel at all."""
+    once per graph file, data files, rewrite and onnxruntime version; reused while its stamp holds, rebuilt with one
+    warning line when damaged). ValueError (one line, naming the node) when a node has no CPU kernel at all;
+    `user_cache.CacheError` when the cache cannot be written."""
     import onnx
 
     path = Path(graph_path)
@@ -60,23 +67,78 @@ def cpu_ready(graph_path: str | os.PathLike) -> Path:
     if not fused and not slow:
         return path
     locations = external_locations(model, path)
-    folder = cache_dir(CACHE_KIND, cache_key(raw, path.parent, locations))
-    out = folder / path.name
-    if out.exists() and all((folder / loc).exists() for loc in locations):
-        return out
+    key = cache_key(raw, path.parent, locations)
+    folder = cache_dir(CACHE_KIND, key, make=False)  # a sound entry is read, even from a read-only cache
+    damage = entry_damage(folder, path, locations)
+    if damage is None:
+        return folder / path.name
+    if damage:
+        log.warning("%s: the cached CPU rewrite in %s is damaged (%s): rebuilding it", path, folder, damage)
     if fused:  # before the rewrite: the check rewrites a model of its own
         self_check(model.graph, model.graph.node[fused[0]], unfuse)
     for i in slow:  # int8 activations on the CPU's int4 kernels, as a cpu int4 export has them
         set_accuracy(model.graph.node[i], providers.BUILD_PROVIDER.int4_accuracy)
     unfuse(model, fused)
-    for loc in locations:
-        link_data(path.parent / loc, folder / loc)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(model.SerializeToString())
-    os.replace(tmp, out)  # the graph last: its presence says the folder is complete
+    out = write_entry(cache_dir(CACHE_KIND, key), path, model.SerializeToString(), locations)
     log.info("%s: %d fused q/k norm(s) moved out of GroupQueryAttention, %d MatMulNBits at accuracy level %d for the "
              "CPU EP -> %s", path, len(fused), len(slow), providers.BUILD_PROVIDER.int4_accuracy, out)
     return out
+
+
+def write_entry(folder: Path, path: Path, graph: bytes, locations: list[str]) -> Path:
+    """The cache entry of `path`'s rewrite (`graph`, serialized) in `folder`: its data files linked, the graph, then
+    the stamp (`STAMP`: what the entry holds; its presence says the entry is complete). Returns the graph's path."""
+    out = folder / path.name
+    with cache_writes(folder):
+        (folder / STAMP).unlink(missing_ok=True)  # an entry being rebuilt is not complete
+        data = {}
+        for loc in locations:
+            mode = link_data(path.parent / loc, folder / loc)
+            st = os.lstat(folder / loc)
+            data[loc] = {"mode": mode, "size": st.st_size, "ino": st.st_ino, "dev": st.st_dev,
+                         "mtime_ns": st.st_mtime_ns}
+        _write_atomic(out, graph)
+        stamp = {"graph": {"size": len(graph), "sha256": hashlib.sha256(graph).hexdigest()}, "data": data}
+        _write_atomic(folder / STAMP, json.dumps(stamp, indent=1).encode())
+    return out
+
+
+def entry_damage(folder: Path, path: Path, locations: list[str]) -> str | None:
+    """None when `folder` holds a sound rewrite of `path` (its stamp's graph size and sha256; each data file the
+    original's size and, linked, the original's inode, copied, the copy's inode and mtime); "" when there is no entry
+    yet; else what is wrong, in a few words."""
+    try:
+        stamp = json.loads((folder / STAMP).read_text(encoding="utf-8"))
+        graph, data = stamp["graph"], stamp["data"]
+    except FileNotFoundError:
+        return "no stamp: an unfinished build" if folder.is_dir() and any(folder.iterdir()) else ""
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"its {STAMP} is unreadable"
+    try:
+        body = (folder / path.name).read_bytes()
+    except OSError:
+        return f"{path.name} is missing"
+    if len(body) != graph.get("size") or hashlib.sha256(body).hexdigest() != graph.get("sha256"):
+        return f"{path.name} is {len(body)} bytes and does not match its sha256"
+    for loc in locations:
+        kept = data.get(loc) or {}
+        try:
+            st, src = os.lstat(folder / loc), (path.parent / loc).stat()
+        except OSError:
+            return f"{loc} is missing"
+        if st.st_size != src.st_size:
+            return f"{loc} is {st.st_size} bytes, the original {src.st_size}"
+        hard = kept.get("mode") == "hard"
+        want = (src.st_ino, src.st_dev) if hard else (kept.get("ino"), kept.get("dev"), kept.get("mtime_ns"))
+        if ((st.st_ino, st.st_dev) if hard else (st.st_ino, st.st_dev, st.st_mtime_ns)) != want:
+            return f"{loc} is no longer {'a link to' if hard else 'the copy it made of'} {path.parent / loc}"
+    return None
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
 
 
 def default_provider(manifest) -> str:
@@ -187,10 +249,15 @@ def cache_key(raw: bytes, folder: Path, locations: list[str]) -> str:
 def link_data(src: Path, dst: Path, modes: tuple[str, ...] = ("hard", "copy")) -> str:
     """`dst` made to reach `src`'s bytes: a hard link (same filesystem), else (logged) a copy. No symlink: ONNX Runtime
     1.32 refuses external data whose real path leaves the graph's folder ("External data path escapes model
-    directory"). Atomic (temp name + rename). Returns the mode used."""
+    directory"). Atomic (temp name + rename); a `dst` that is already a hard link of `src` is kept as it is (renaming
+    one link of a file onto another is a no-op that would leave the temp name behind). Returns the mode used. The
+    OSError of a cache that cannot be written (read-only, full, not ours) is raised as it is, without a copy."""
     src = src.resolve()
     dst.parent.mkdir(parents=True, exist_ok=True)
+    if "hard" in modes and _same_file(src, dst):
+        return "hard"
     tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
+    error: OSError | None = None
     for mode in modes:
         tmp.unlink(missing_ok=True)
         try:
@@ -201,11 +268,25 @@ def link_data(src: Path, dst: Path, modes: tuple[str, ...] = ("hard", "copy")) -
                             "filesystem? set $HIGGS_CACHE to a folder on the model's)", dst.parent, src.name,
                             src.stat().st_size / 1e6)
                 shutil.copyfile(src, tmp)
-        except OSError:
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            if e.errno in UNWRITABLE:
+                raise
+            error = e
             continue
         os.replace(tmp, dst)
+        tmp.unlink(missing_ok=True)  # still there if another process linked dst to the same file meanwhile
         return mode
-    raise OSError(f"cannot link or copy {src} to {dst}")
+    raise error or OSError(f"cannot link or copy {src} to {dst}")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """`b` (not followed if a link) is the file `a` is."""
+    try:
+        sa, sb = a.stat(), os.lstat(b)
+    except OSError:
+        return False
+    return (sa.st_ino, sa.st_dev) == (sb.st_ino, sb.st_dev)
 
 
 # -- the rewrite ------------------------------------------------------------------------------------------------
