@@ -28,7 +28,15 @@ from pathlib import Path
 
 import numpy as np
 
-from .manifest import DEFAULT_DECODER, MANIFEST, SCHEMA_VERSION, Manifest, ManifestError, sha256_file
+from .manifest import (
+    DEFAULT_DECODER,
+    MANIFEST,
+    SCHEMA_VERSION,
+    Manifest,
+    ManifestError,
+    not_its_sha256,
+    sha256_file,
+)
 from .outputs import write_atomic
 
 log = logging.getLogger(__name__)
@@ -77,7 +85,7 @@ def is_foreign(folder: Path) -> bool:
         return False
     try:
         data = json.loads(mf.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         return False
     return isinstance(data, dict) and "schema_version" not in data and isinstance(data.get("sub_models"), dict)
 
@@ -124,8 +132,7 @@ def adopt(folder: str | os.PathLike, verify: bool = True) -> ForeignManifest:
             if not path.is_file() or path.stat().st_size != meta["size"]:
                 raise ManifestError(f"{folder}: {part}'s file {name} changed while it was read (run again)")
             if verify and sha256_file(path) != meta["sha256"]:
-                raise ManifestError(f"{part}: file {name} does not match its sha256 (corrupt or modified; pass "
-                                    f"--no-verify to skip this check)")
+                raise not_its_sha256(path.parent, part, name, path)
     return manifest
 
 
@@ -142,6 +149,9 @@ def _their_manifest(folder: Path) -> dict:
     subs = data.get("sub_models")
     if not all(isinstance(e, dict) for e in subs.values()):
         raise ManifestError(f"{mf}: sub_models entries must be objects")
+    for key in ("device", "precision", "execution_provider"):
+        if data.get(key) is not None and not isinstance(data[key], str):
+            raise ManifestError(f"{mf}: {key} must be a string, got {data[key]!r:.40}")
     return data
 
 
@@ -167,10 +177,17 @@ def _part_files(folder: Path, theirs: dict) -> dict[str, str]:
 
 
 def _cache_key(folder: Path, theirs: dict, files: dict[str, str]) -> str:
-    """A hash of what the derived manifest depends on: the layout's manifest, every file's name, size and mtime."""
+    """A hash of what the derived manifest depends on: the layout's manifest and the name, size and mtime of each
+    file the parts use (a graph, its weights beside it, the configs); other files (notes, voices) are not in it."""
     h = hashlib.sha256(f"v{ADOPT_VERSION}\n{folder.resolve()}\n".encode())
     h.update(json.dumps(theirs, sort_keys=True).encode())
-    for p in sorted(folder.rglob("*")):
+    used = set()
+    for name in files.values():
+        sub = (folder / name).parent
+        used |= {p for p in sub.iterdir() if p.name.startswith(Path(name).name)}
+        used |= {sub / c for c in ("genai_config.json", "tokenizer.json")}
+    used.add(folder / "tokenizer.json")
+    for p in sorted(used):
         if p.is_file():
             st = p.stat()
             h.update(f"{p.relative_to(folder)}:{st.st_size}:{st.st_mtime_ns}\n".encode())
@@ -218,8 +235,10 @@ def _data_files(graph, folder: Path, name: str) -> list[str]:
     locs = {d.value for t in graph.graph.initializer if t.data_location == 1 for d in t.external_data
             if d.key == "location"}
     for loc in locs:
-        if os.path.basename(loc) != loc:
+        if os.path.basename(loc) != loc or loc in (".", ".."):
             raise ManifestError(f"{folder / name}: external data {loc!r} is not a file beside the graph")
+        if not (folder / sub / loc).is_file():
+            raise ManifestError(f"{folder}: {name}'s weights file {loc} is missing (an incomplete download?)")
     return [name] + sorted(f"{sub}/{loc}" if sub else loc for loc in locs)
 
 
@@ -245,18 +264,105 @@ def _decoder_entry(graph, io: tuple[list, list], layers: int) -> None:
         raise ManifestError("llm_decoder: no GroupQueryAttention node: not a decoder this runtime can drive")
 
 
-def _hop(path: Path, codebooks: int) -> int:
-    """Samples per codec frame, measured: the decoder's output for two frames of code 0, halved."""
+def _count(data: dict, key: str, where: str, default: int | None = None) -> int:
+    """A positive integer field of a config; one error naming the file and the field otherwise."""
+    value = data.get(key, default)
+    if type(value) is not int or value <= 0:
+        raise ManifestError(f"{where}: {key} must be a positive integer, got {value!r:.40}")
+    return value
+
+
+def _genai(folder: Path, name: str) -> tuple[dict, tuple[int, int, int, int, int]]:
+    """ModelBuilder's genai_config.json: its model section and (layers, heads, KV heads, head size, hidden size)."""
+    try:
+        genai = json.loads((folder / name).read_text(encoding="utf-8"))["model"]
+        dec = genai["decoder"]
+        if not isinstance(genai, dict) or not isinstance(dec, dict):
+            raise TypeError
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        raise ManifestError(f"{folder}: {name} (ModelBuilder's decoder config) is missing or malformed") from None
+    keys = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_size", "hidden_size")
+    return genai, tuple(_count(dec, k, f"{folder / name}: decoder") for k in keys)
+
+
+def _decoder_agrees(graph, io: tuple[list, list], genai_name: str, **want: int) -> None:
+    """genai_config.json must describe the decoder graph beside it: its attention nodes' heads and KV heads, its
+    cache's KV heads and head size, its embedding width."""
+    got: dict[str, set] = {k: set() for k in want}
+    for node in graph.graph.node:
+        if node.op_type == "GroupQueryAttention":
+            attrs = {a.name: a.i for a in node.attribute}
+            got["heads"].add(attrs.get("num_heads"))
+            got["kv_heads"].add(attrs.get("kv_num_heads"))
+    shapes = {x["name"]: x["shape"] for x in io[0]}
+    past = shapes.get("past_key_values.0.key", [])
+    for key, dims in (("kv_heads", past[1:2]), ("head_dim", past[3:4]), ("hidden", shapes["inputs_embeds"][-1:])):
+        got[key].update(d for d in dims if isinstance(d, int))
+    for key, value in want.items():
+        if got[key] - {None, value}:
+            raise ManifestError(f"llm_decoder: {genai_name} says {key} {value}, the decoder graph has "
+                                f"{sorted(got[key] - {None})}")
+
+
+def _session(path: Path):
     import onnxruntime as ort
 
     from . import providers
 
     so = ort.SessionOptions()
     so.log_severity_level = 3
-    sess = ort.InferenceSession(str(path), so, providers=[providers.BUILD_PROVIDER.ort_name])
-    name = sess.get_inputs()[0].name
-    wav = sess.run(None, {name: np.zeros((1, codebooks, 2), np.int64)})[0]
-    return int(wav.shape[-1]) // 2
+    return ort.InferenceSession(str(path), so, providers=[providers.BUILD_PROVIDER.ort_name])
+
+
+def _run(part: str, path: Path, entry: dict, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """One run of a small part on fixed inputs (our names in, ours out); an error names the part and its file."""
+    ins = entry["io"]["inputs"]
+    types = {x["name"]: x["dtype"] for x in entry["inputs"]}
+    kinds = {"float16": np.float16, "float32": np.float32, "int64": np.int64, "int32": np.int32}
+    theirs = {ins[k]: np.asarray(v, kinds.get(types[ins[k]], v.dtype)) for k, v in feeds.items()}
+    try:
+        out = _session(path).run(None, theirs)
+    except Exception as e:  # noqa: BLE001 - ORT's InvalidArgument/Fail ... : the graph is not this part
+        first = str(e).strip().splitlines()[0][:200]
+        raise ManifestError(f"{part}: {path.name} does not run as the {part} part ({first})") from None
+    names = {v: k for k, v in entry["io"]["outputs"].items()}
+    sess_out = [x["name"] for x in entry["outputs"]]
+    return {names.get(n, n): v for n, v in zip(sess_out, out, strict=False)}
+
+
+def _expect(part: str, what: str, got, want) -> None:
+    if tuple(got) != tuple(want):
+        raise ManifestError(f"{part}: {what} is {list(got)} where the graphs' declared shapes and genai_config.json "
+                            f"say {list(want)}: not the {part} of this export")
+
+
+def smoke(folder: Path, files: dict[str, str], parts: dict, facts: dict) -> int:
+    """Each small part run once on fixed inputs, its output's shape checked against what the others say (a part
+    swapped for another's graph, or a head that lies about its vocabulary, is refused by name); returns the codec's
+    hop, measured: samples per frame of the audio tokenizer."""
+    n, v, d = facts["num_codebooks"], facts["codebook_vocab"], facts["hidden"]
+    run = {p: (lambda feeds, p=p: _run(p, folder / files[p], parts[p], feeds)) for p in OURS}
+    emb = run["text_embed"]({"input_ids": np.array([[0, 1]], np.int64)})["embeddings"]
+    _expect("text_embed", "its output's shape", emb.shape, (1, 2, d))
+    codes = np.stack([np.zeros((1, n)), np.full((1, n), v - 1)], axis=1).astype(np.int64)  # code 0, then EOC
+    _expect("audio_embed", "its output's shape", run["audio_embed"]({"audio_codes": codes})["embeddings"].shape,
+            (1, 2, d))
+    logits = run["audio_heads"]({"hidden_states": np.zeros((1, 2, d), np.float32)})["logits"]
+    _expect("audio_heads", "its output's shape", logits.shape, (1, 2, n, v))
+    wav = run["audio_tokenizer"]({"audio_codes": np.zeros((1, n, 2), np.int64)})["waveform"]
+    if wav.ndim != 3 or wav.shape[:2] != (1, 1) or wav.shape[-1] < 2 or wav.shape[-1] % 2:
+        raise ManifestError(f"audio_tokenizer: two frames gave a waveform of shape {list(wav.shape)}: not a codec")
+    hop = wav.shape[-1] // 2
+    rank = parts["audio_encoder"]["io"].get("input_rank", 2)
+    samples = np.zeros((1, 1, 2 * hop) if rank == 3 else (1, 2 * hop), np.float32)
+    got = run["audio_encoder"]({"waveform": samples})["audio_codes"]
+    if got.ndim != 3 or got.shape[:2] != (1, n) or not np.issubdtype(got.dtype, np.integer) or \
+            got.min() < 0 or got.max() >= v - 2:
+        span = f", codes {got.min()}..{got.max()}" if got.size and np.issubdtype(got.dtype, np.integer) else ""
+        raise ManifestError(f"audio_encoder: {2 * hop} samples gave codes of shape {list(got.shape)} ({got.dtype}"
+                            f"{span}) where the heads say {n} codebooks of {v - 2} codes: the encoder and the heads "
+                            f"are not of one model")
+    return hop
 
 
 def _device(theirs: dict) -> str:
@@ -264,16 +370,16 @@ def _device(theirs: dict) -> str:
     from . import providers
 
     device = theirs.get("device")
-    if device in providers.PROVIDERS:
+    if isinstance(device, str) and device in providers.PROVIDERS:
         return device
     ep = theirs.get("execution_provider")
     by_ep = {p.ort_name: p.name for p in providers.PROVIDERS.values() if p.ort_name}
-    if ep in by_ep:
+    if isinstance(ep, str) and ep in by_ep:
         return by_ep[ep]
     if device is None and ep is None:
         return "cpu"
-    raise ManifestError(f"{MANIFEST}: device {device!r} / execution provider {ep!r} is not one this runtime knows "
-                        f"({', '.join(providers.PROVIDERS)})")
+    raise ManifestError(f"{MANIFEST}: device {device!r:.40} / execution provider {ep!r:.60} is not one this runtime "
+                        f"knows ({', '.join(providers.PROVIDERS)})")
 
 
 def derive(folder: Path, theirs: dict, files: dict[str, str]) -> dict:
@@ -284,14 +390,7 @@ def derive(folder: Path, theirs: dict, files: dict[str, str]) -> dict:
 
     sub = files["llm_decoder"].rpartition("/")[0]
     genai_name = f"{sub}/genai_config.json" if sub else "genai_config.json"
-    try:
-        genai = json.loads((folder / genai_name).read_text())["model"]
-        dec = genai["decoder"]
-        layers, heads, kv, hd = (int(dec[k]) for k in ("num_hidden_layers", "num_attention_heads",
-                                                          "num_key_value_heads", "head_size"))
-        hidden = int(dec["hidden_size"])
-    except (OSError, ValueError, KeyError, TypeError):
-        raise ManifestError(f"{folder}: {genai_name} (ModelBuilder's decoder config) is missing or malformed") from None
+    genai, (layers, heads, kv, hd, hidden) = _genai(folder, genai_name)
     parts, graphs = {}, {}
     for part, name in files.items():
         g = graphs[part] = _graph(folder / name)
@@ -303,6 +402,7 @@ def derive(folder: Path, theirs: dict, files: dict[str, str]) -> dict:
                                              for f in _data_files(g, folder, name)}}
         if part == "llm_decoder":
             _decoder_entry(g, io, layers)
+            _decoder_agrees(g, io, genai_name, heads=heads, kv_heads=kv, head_dim=hd, hidden=hidden)
             entry["files"][genai_name] = {"size": (folder / genai_name).stat().st_size,
                                           "sha256": sha256_file(folder / genai_name)}
         else:
@@ -319,13 +419,17 @@ def derive(folder: Path, theirs: dict, files: dict[str, str]) -> dict:
     eps = next((a.f for n in graphs["llm_decoder"].graph.node if "LayerNormalization" in n.op_type
                 for a in n.attribute if a.name == "epsilon"), 1e-6)
     facts = {"hidden": hidden, "intermediate": 0, "layers": layers, "heads": heads, "kv_heads": kv, "head_dim": hd,
-             "vocab_size": int(genai.get("vocab_size", 0)), "max_positions": int(genai.get("context_length", 4096)),
+             "vocab_size": _count(genai, "vocab_size", genai_name, 0),
+             "max_positions": _count(genai, "context_length", genai_name, 4096),
              "rope_theta": CARD_FACTS["rope_theta"], "rms_eps": float(eps), "num_codebooks": codebooks,
              "codebook_vocab": vocab, "boc": vocab - 2, "eoc": vocab - 1, "placeholder": CARD_FACTS["placeholder"],
              "codebook_size": vocab - 2, "sample_rate": CARD_FACTS["sample_rate"],
              "semantic_sample_rate": CARD_FACTS["semantic_sample_rate"],
-             "hop": _hop(folder / files["audio_tokenizer"], codebooks), "num_quantizers": codebooks}
+             "hop": 0, "num_quantizers": codebooks}
+    facts["hop"] = smoke(folder, files, parts, facts)
     tok_name = "tokenizer.json" if (folder / "tokenizer.json").is_file() else (f"{sub}/tokenizer.json" if sub else "")
+    if not tok_name or not (folder / tok_name).is_file():
+        raise ManifestError(f"{folder} has no tokenizer.json (a file): not a complete Higgs ONNX export")
     try:
         tokens = PromptTokens.from_tokenizer(Tokenizer.from_file(str(folder / tok_name)), facts["placeholder"])
     except Exception as e:  # noqa: BLE001 - tokenizers raises bare Exceptions; PromptTokens a ValueError

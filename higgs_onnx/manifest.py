@@ -217,8 +217,8 @@ def load_manifest(folder: str | os.PathLike, verify: bool = True) -> Manifest:
         raise ManifestError(f"{folder} has no {MANIFEST}: not a finished export (rerun optimize.py to complete it)")
     try:
         data = json.loads(mf.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ManifestError(f"{mf} is corrupt ({e}); rebuild with optimize.py --force") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ManifestError(f"{mf} is corrupt ({str(e)[:120]}); rebuild with optimize.py --force") from None
     if not isinstance(data, dict) or not isinstance(data.get("schema_version"), int):
         raise ManifestError(f"{mf} has no schema_version: not a higgs-onnx manifest (nor a Higgs ONNX export in the "
                             f"community layout: a manifest with sub_models)")
@@ -238,9 +238,18 @@ def load_manifest(folder: str | os.PathLike, verify: bool = True) -> Manifest:
                 raise ManifestError(f"{part}: file {name} is {path.stat().st_size} bytes, the manifest says "
                                     f"{meta['size']} (truncated or replaced?)")
             if verify and sha256_file(path) != meta["sha256"]:
-                raise ManifestError(f"{part}: file {name} does not match its sha256 in the manifest (corrupt or "
-                                    f"modified; rebuild, or pass --no-verify to skip this check)")
+                raise not_its_sha256(folder, part, name, path)
     return Manifest(folder=folder, data=data)
+
+
+def not_its_sha256(folder: Path, part: str, name: str, path: Path) -> ManifestError:
+    """The error for a file whose content is not the sha256 its manifest records: a download in the Hub cache is
+    fetched anew once deleted (never run with --no-verify); a folder of one's own is rebuilt."""
+    if path.is_symlink() and hub_blob(folder, path):
+        return ManifestError(f"{part}: file {name} is a corrupt download (its content does not match its sha256): "
+                             f"delete {path.resolve()} and run the same command again to fetch it anew")
+    return ManifestError(f"{part}: file {name} does not match its sha256 in the manifest (corrupt or modified; "
+                         f"rebuild, or pass --no-verify to skip this check)")
 
 
 def rebuild_hint(data: dict) -> str:

@@ -228,3 +228,87 @@ def test_saved_voices_default_outside_the_folder(community, user_cache):
     ours = Namespace(model_path=str(community["fp32"].parent), voices=None)  # a writable folder keeps MODEL_PATH/voices
     cli_model_path(ours, voices=True)
     assert ours.voices is None
+
+
+def _swap(folder: Path, a: str, b: str) -> None:
+    for ext in ("", ".data"):
+        (folder / f"{a}.onnx{ext}").rename(folder / f"tmp{ext}")
+        (folder / f"{b}.onnx{ext}").rename(folder / f"{a}.onnx{ext}")
+        (folder / f"tmp{ext}").rename(folder / f"{b}.onnx{ext}")
+    for name in (a, b):  # each graph names its own weights file: point it at the file it now sits beside
+        _edit(folder / f"{name}.onnx", lambda g, name=name: [d.__setattr__("value", f"{name}.onnx.data")
+                                                             for t in g.initializer for d in t.external_data
+                                                             if d.key == "location"])
+
+
+def _genai(folder: Path, **changes) -> None:
+    cfg = json.loads((folder / "genai_config.json").read_text())
+    cfg["model"]["decoder"].update(changes)
+    (folder / "genai_config.json").write_text(json.dumps(cfg))
+
+
+def _manifest(folder: Path, **changes) -> None:
+    data = json.loads((folder / "manifest.json").read_text())
+    (folder / "manifest.json").write_text(json.dumps({**data, **changes}))
+
+
+HOSTILE = [  # (what is done to a copy of the fp32 folder, what the one line says)
+    (lambda d: _swap(d, "text_embed", "audio_embed"), "text_embed: text_embed.onnx does not run as the text_embed"),
+    (lambda d: _swap(d, "audio_tokenizer", "audio_encoder"), "does not run as the audio_tokenizer part"),
+    (lambda d: _edit(d / "audio_heads.onnx", lambda g: g.output[0].type.tensor_type.shape.dim[-1].__setattr__(
+        "dim_value", 100)), "audio_heads: its output's shape is [1, 2, 8, 1026] where"),
+    (lambda d: _genai(d, num_attention_heads=7), "llm_decoder: genai_config.json says heads 7"),
+    (lambda d: _genai(d, hidden_size=12), "llm_decoder: genai_config.json says hidden 12"),
+    (lambda d: _genai(d, head_size="16"), "head_size must be a positive integer"),
+    (lambda d: (d / "audio_heads.onnx.data").unlink(), "weights file audio_heads.onnx.data is missing"),
+    (lambda d: (d / "tokenizer.json").unlink(), "has no tokenizer.json"),
+    (lambda d: _manifest(d, device=["cpu"]), "device must be a string"),
+    (lambda d: _manifest(d, device="tpu", execution_provider="TPUExecutionProvider"), "is not one this runtime"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(HOSTILE)))
+def test_hostile_folders_refused_in_one_line_before_work(community, tmp_path, case):
+    change, says = HOSTILE[case]
+    folder = _copy(community["fp32"], tmp_path / "hostile")
+    change(folder)
+    r = _run("inference.py", "--model-path", str(folder), "--text", "Hello there.", "--out", str(tmp_path / "x.wav"))
+    lines = [x for x in r.stderr.splitlines() if "community-layout export:" not in x]
+    assert r.returncode == 2 and len(lines) == 1 and says in lines[0], r.stderr[-2000:]
+    assert not (tmp_path / "x.wav").exists()
+
+
+def test_unrelated_files_do_not_derive_the_manifest_again(community, tmp_path, user_cache):
+    folder = _copy(community["fp32"], tmp_path / "notes")
+    load_export(folder, verify=False)
+    before = set((user_cache / "adopted").iterdir())
+    (folder / "notes.txt").write_text("mine")
+    (folder / "voices").mkdir()
+    load_export(folder, verify=False)
+    assert set((user_cache / "adopted").iterdir()) == before
+
+
+def _as_hub_download(src: Path, cache: Path) -> Path:
+    """`src` laid out as huggingface_hub keeps a download: blobs named by their sha256, the snapshot's links."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = cache / "models--org--tts"
+    snap = repo / "snapshots" / commit / src.name
+    (repo / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for p in src.iterdir():
+        sha = hashlib.sha256(p.read_bytes()).hexdigest()
+        shutil.copyfile(p, repo / "blobs" / sha)
+        (snap / p.name).symlink_to(os.path.relpath(repo / "blobs" / sha, snap))
+    return snap
+
+
+@pytest.mark.parametrize("layout", ["ours", "community"])
+def test_a_corrupt_download_says_delete_and_fetch_again(community, builds, tmp_path, layout):
+    snap = _as_hub_download(builds["fp32"] if layout == "ours" else community["fp32"], tmp_path / "hub")
+    load_export(snap)  # the download as fetched loads
+    blob = (snap / "audio_heads.onnx.data").resolve()
+    data = bytearray(blob.read_bytes())
+    data[100] ^= 0xFF  # same size, other bytes: what a bad transfer leaves
+    blob.write_bytes(bytes(data))
+    with pytest.raises(ManifestError, match=f"is a corrupt download .*delete {blob}"):
+        load_export(snap)

@@ -300,7 +300,8 @@ class CodecWorker:
                     handle.result = speech
             except Exception as e:  # noqa: BLE001 - this request fails (its slot is freed at the next step)
                 if not isinstance(e, NoAudioError):
-                    log.exception("request %d failed in the codec", handle.id)
+                    log.error("request %d failed in the codec: %s", handle.id, e,  # the caller says it too
+                              exc_info=log.isEnabledFor(logging.DEBUG))
                 handle._end(e)
                 handle.sched._poke()
                 continue
@@ -620,7 +621,8 @@ class Scheduler:
         try:
             n = self.engine.prefill(h.request, limit)
         except Exception as e:  # noqa: BLE001 - this request fails (its slot is back), the others go on
-            log.exception("request %d failed in prefill", h.id)
+            log.error("request %d failed in prefill: %s", h.id, e,  # the caller says it too: a traceback at DEBUG
+                      exc_info=log.isEnabledFor(logging.DEBUG))
             self._running.remove(h)
             h._end(e)
             return
@@ -641,7 +643,7 @@ class Scheduler:
         try:
             self.engine.step([h.request for h in live], keep)
         except Exception as e:  # noqa: BLE001 - a failed step fails its batch; the scheduler goes on
-            log.exception("decoder step failed")
+            log.error("decoder step failed: %s", e, exc_info=log.isEnabledFor(logging.DEBUG))  # its callers say it
             for h in live:
                 self._running.remove(h)
                 h.request.release()
