@@ -2,7 +2,8 @@
 
 Exit codes: 0 success, 1 runtime failure (an output that could not be written: the message says where the audio
 was kept), 2 usage error (bad arguments, missing or invalid inputs, a request that breaks the contract, a package
-of an extra not installed: `extras`), 130 Ctrl-C.
+of an extra not installed: `extras`, an execution provider this machine's runtime lacks or would not run a part
+on: `ProviderError`, a user cache that cannot be written: `user_cache.CacheError`), 130 Ctrl-C.
 The full traceback is printed only with `--log-level DEBUG` (or LOG_LEVEL=DEBUG).
 """
 
@@ -17,9 +18,10 @@ from collections.abc import Callable
 from .extras import as_missing
 from .generation.contract import NoAudioError
 from .outputs import OutputError
+from .runtime.checks import ProviderError
 
 USAGE_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
-                PermissionError)
+                PermissionError, ProviderError)
 
 
 def add_log_level(ap: argparse.ArgumentParser) -> None:

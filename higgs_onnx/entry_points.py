@@ -7,7 +7,8 @@ command in a checkout.
 
 The top-level scripts live beside the package in a checkout; a wheel carries them inside it as `higgs_onnx._scripts`
 (pyproject.toml's package-dir), so `script` finds them in either place. A command whose extra is not installed says
-so in one line and exits 2 (`extras`).
+so in one line and exits 2 (`extras`); its --help works without the extra (higgs-onnx-build's from optimize.py's
+docstring, its options once the extra is installed).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from .extras import installed_or_exit
+from .extras import MissingExtra, installed_or_exit, missing
 
 SCRIPTS = f"{__package__}._scripts"
 CHECKOUT = Path(__file__).resolve().parent.parent  # where a checkout keeps inference.py, eval.py, optimize.py
@@ -54,9 +55,30 @@ def speak() -> int:
 
 
 def build() -> int:
+    if asks_help(sys.argv[1:]) and missing("export"):  # the options' defaults come from modules that need torch
+        return script_help("optimize", "higgs-onnx-build", "export")
     with installed_or_exit("export", "building an export"):
         module = script("optimize")
     return module.main()
+
+
+def asks_help(argv: list[str]) -> bool:
+    """Whether argparse would print the help for `argv` (-h or --help before a `--`)."""
+    args = argv[:argv.index("--")] if "--" in argv else argv
+    return any(a in ("-h", "--help") for a in args)
+
+
+def script_help(name: str, prog: str, extra: str) -> int:
+    """The help a script's parser cannot give without `extra`: its docstring (read, not run) and one line naming the
+    extra that lists every option. Exit 0, as --help is."""
+    import ast
+
+    spec = importlib.util.find_spec(f"{SCRIPTS}.{name}") if importlib.util.find_spec(SCRIPTS) else None
+    path = Path(spec.origin) if spec and spec.origin else CHECKOUT / f"{name}.py"
+    doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
+    print(f"usage: {prog} [options]\n\n{doc.replace(f'python {name}.py', prog)}\n\n"
+          f"{MissingExtra(extra, f'Listing every option ({prog} --help)', missing(extra))}")
+    return 0
 
 
 def evaluate() -> int:

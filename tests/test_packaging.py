@@ -186,6 +186,65 @@ def test_run_main_turns_a_missing_extra_into_exit_2(capsys):
     assert run_main(other, ap, []) == 1  # not an extra's module: the generic one-line error
 
 
+def test_run_main_turns_provider_and_cache_errors_into_exit_2(capsys):
+    """An execution provider this onnxruntime lacks and a cache that cannot be written are environment errors:
+    their own line, exit 2, no "rerun with --log-level DEBUG" tail."""
+    import argparse
+
+    from higgs_onnx.runtime.checks import ProviderError
+    from higgs_onnx.user_cache import cache_error
+
+    ap = argparse.ArgumentParser(prog="t")
+    ap.add_argument("--log-level", default="WARNING")
+    line = "llm_step: execution provider CUDAExecutionProvider is not available; install onnxruntime-gpu"
+    for error, said in ((ProviderError(line), line), (cache_error("read-only file system: /x"), None)):
+        def fails(_args, error=error):
+            raise error
+
+        assert run_main(fails, ap, []) == 2
+        err = capsys.readouterr().err
+        assert err == f"error: {said or error}\n" and "--log-level DEBUG" not in err
+
+
+# extras' modules made unimportable, as in a base install (tests/test_install.py checks a real one)
+BASE_ONLY = """
+import importlib.abc, importlib.util, sys
+from higgs_onnx.extras import EXTRAS
+hidden = {m for e in EXTRAS.values() for m in e.modules}
+class Hide(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in hidden:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, Hide())
+find = importlib.util.find_spec
+importlib.util.find_spec = lambda name, *a: None if name.split(".")[0] in hidden else find(name, *a)
+fn, sys.argv = sys.argv[1], sys.argv[1:]
+from higgs_onnx import entry_points
+sys.exit(getattr(entry_points, fn)())
+"""
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_every_console_scripts_help_needs_no_extra(flag):
+    """--help (-h) of each console script prints its help and exits 0 where no extra is installed (higgs-onnx-build
+    from optimize.py's docstring and the line naming the extra its options need); without it the extra's line."""
+    import sys
+
+    for name, target in PROJECT["scripts"].items():
+        fn = target.partition(":")[2]
+        r = subprocess.run([sys.executable, "-c", BASE_ONLY, fn, flag], cwd=ROOT, capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0 and r.stderr == "", (name, r.returncode, r.stderr[-2000:])
+        assert r.stdout.startswith("usage: ") and len(r.stdout.splitlines()) > 5, (name, r.stdout[:500])
+        if name == "higgs-onnx-build":
+            assert "higgs-onnx-build --synthetic tiny --device cpu --precision int4" in r.stdout
+            assert r.stdout.splitlines()[-1].startswith("Listing every option (higgs-onnx-build --help) needs extra "
+                                                        "packages: pip install 'higgs-onnx[export]' (missing: torch")
+    r = subprocess.run([sys.executable, "-c", BASE_ONLY, "build", "--synthetic", "tiny"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.startswith("higgs-onnx: building an export needs extra packages: ")
+
+
 def test_needs_and_installed_or_exit(capsys):
     with pytest.raises(extras.MissingExtra) as e, extras.needs("text", "--markdown"):
         raise ModuleNotFoundError("No module named 'markdown_it'", name="markdown_it")

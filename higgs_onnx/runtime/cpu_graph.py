@@ -107,11 +107,11 @@ def entry_damage(folder: Path, path: Path, locations: list[str]) -> str | None:
     """None when `folder` holds a sound rewrite of `path` (its stamp's graph size and sha256; each data file the
     original's size and, linked, the original's inode, copied, the copy's inode and mtime); "" when there is no entry
     yet; else what is wrong, in a few words."""
+    if not (folder / STAMP).is_file():
+        return "no stamp: an unfinished build" if folder.is_dir() and any(folder.iterdir()) else ""
     try:
         stamp = json.loads((folder / STAMP).read_text(encoding="utf-8"))
         graph, data = stamp["graph"], stamp["data"]
-    except FileNotFoundError:
-        return "no stamp: an unfinished build" if folder.is_dir() and any(folder.iterdir()) else ""
     except (OSError, ValueError, KeyError, TypeError):
         return f"its {STAMP} is unreadable"
     try:
