@@ -366,3 +366,22 @@ def test_the_rewrite_is_cached_and_the_folder_left_untouched(cuda_builds, user_c
     assert tree_state(folder) == before
     graphs = {Path(p).name for p in first if p.endswith(".onnx")}
     assert graphs == {"llm_decoder.onnx", "llm_step.onnx"}  # the parts with GroupQueryAttention; the rest as built
+
+
+@pytest.mark.slow
+def test_provider_cuda_without_its_ep_is_one_line_exit_2(cuda_builds, tmp_path):
+    """inference.py --provider cuda where onnxruntime has no CUDA EP: the ProviderError's line, exit 2 (an
+    environment error: no "rerun with --log-level DEBUG" tail), no output."""
+    import subprocess
+    import sys
+
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("this onnxruntime has the CUDA EP: --provider cuda runs")
+    r = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "inference.py"), "--model-path",
+                        str(cuda_builds["int4"]), "--provider", "cuda", "--text", "Hi.", "--out",
+                        str(tmp_path / "o.wav"), "--no-verify"], capture_output=True, text=True, timeout=300)
+    lines = r.stderr.splitlines()
+    assert r.returncode == 2 and len(lines) == 1, (r.returncode, r.stderr[-2000:])
+    assert lines[0].startswith("error: ") and ": execution provider CUDAExecutionProvider is not available" in lines[0]
+    assert "install onnxruntime-gpu" in lines[0] and "--log-level DEBUG" not in lines[0]
+    assert not (tmp_path / "o.wav").exists()
