@@ -104,11 +104,25 @@ def check_push_args(args: argparse.Namespace) -> None:
             if value is not None:
                 raise ValueError(f"{flag} is for --push-to-hub ORG/REPO")
         return
-    from higgs_onnx.hub import parse
+    from higgs_onnx.hub import HubError, parse
 
     if args.push_to_hub.count("/") != 1:
         raise ValueError(f"--push-to-hub takes ORG/REPO, got {args.push_to_hub!r}")
-    parse(f"hf://{args.push_to_hub}" + (f"@{args.hub_revision}" if args.hub_revision else ""))
+    try:
+        parse(f"hf://{args.push_to_hub}")
+    except HubError:
+        raise ValueError(f"--push-to-hub {args.push_to_hub[:120]!r} is not a repo id: ORG/REPO, each letters, digits, "
+                         "'-', '_', '.' (at most 96; no '--' or '..', no '.git' at the end)") from None
+    rev = args.hub_revision
+    if rev is not None:
+        try:
+            parse(f"hf://{args.push_to_hub}@{rev}")
+            ok = "/" not in rev
+        except HubError:
+            ok = False
+        if not ok:
+            raise ValueError(f"--hub-revision {rev[:120]!r} is not a branch name an hf:// reference can name: letters, "
+                             "digits, '-', '_', '.' (no '/', no '..', not starting with '.')")
 
 
 def run(args: argparse.Namespace) -> int:

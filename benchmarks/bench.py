@@ -679,6 +679,9 @@ def main(argv: list[str] | None = None) -> int:
                     "peak RSS (benchmarks/routes.py)")
     ap.add_argument("--skip-stream", action="store_true", help="skip the streaming figures (TTFA, 10 s / 60 s)")
     ap.add_argument("--long-seconds", type=float, default=60.0, help="the long line of the memory check")
+    from higgs_onnx.cli import one_line_errors
+
+    one_line_errors(ap)  # a usage error is one line, not the usage block
     args = ap.parse_args(argv)
     from higgs_onnx.runtime.session import check_threads
 

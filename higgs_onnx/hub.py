@@ -12,7 +12,6 @@ model (`manifest.json`, `tokenizer.json` and the six parts); every failure is on
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -73,6 +72,9 @@ def parse(ref: str) -> HubRef:
     if not isinstance(ref, str) or not ref.startswith(SCHEME):
         raise HubError(f"{ref!r} is not a Hub reference: write {SYNTAX}")
     body, at, revision = ref[len(SCHEME):].partition("@")
+    if at and (".." in revision or revision.endswith((".", ".lock", "/")) or
+               any(seg.startswith(".") for seg in revision.split("/"))):  # git's ref rules; a path out of the URL
+        raise HubError(f"{ref}: {revision!r} is not a revision (a branch, tag or commit; refs/pr/N): {SYNTAX}")
     if at and ("@" in revision or not _REVISION.fullmatch(revision)):
         if "/" in revision and not revision.startswith("refs/"):
             head = body.strip("/")
@@ -85,12 +87,24 @@ def parse(ref: str) -> HubRef:
     for i, name in enumerate(parts):
         if not _NAME.fullmatch(name) or ".." in name or (i < 2 and "--" in name):
             raise HubError(f"{ref}: {name!r} is not a valid repo or folder name ({SYNTAX})")
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(f"{parts[0]}/{parts[1]}")
+    except HFValidationError:
+        shown = ref if len(ref) <= 120 else f"{ref[:60]}… ({len(ref)} characters)"
+        raise HubError(f"{shown}: not a valid repo id (ORG and REPO: letters, digits, '-', '_', '.', at most 96 "
+                       f"characters each; no '--' or '..', no '.git' at the end): {SYNTAX}") from None
     return HubRef(f"{parts[0]}/{parts[1]}", "/".join(parts[2:]), revision if at else None)
 
 
 def model_path_arg(value: str) -> str | Path:
     """argparse `type=` for --model-path: a Hub reference stays a string (a Path would fold `hf://` into `hf:/`),
     anything else is a Path."""
+    if not value.strip():
+        import argparse
+
+        raise argparse.ArgumentTypeError("an empty path: give an export folder or a Hub reference hf://ORG/REPO/FOLDER")
     return value if is_hub_ref(value) else Path(value)
 
 
@@ -112,36 +126,38 @@ def resolve_info(ref: str | HubRef, *, token: str | None = None, progress: bool 
     r = parse(ref) if isinstance(ref, str) else ref
     from huggingface_hub import HfApi
 
+    from . import hub_fetch as hf
+
+    hf.quiet_hub_logging()
     api = HfApi(token=token)
     with _errors(r):
-        rev = api.resolve_revision(r.repo_id, revision=r.revision, token=token)
-        files = _listing(api, r, rev)
-    wanted = check_folder(r, files)
-    with _errors(r):
-        from huggingface_hub import snapshot_download
-
-        root = snapshot_download(r.repo_id, revision=rev, allow_patterns=wanted, token=token,
-                                 tqdm_class=None if progress else _Quiet)
+        rev, cause = hf.resolve(api, r, token, offline())
+    cached_only = cause is not None
+    with _errors(r, cause):
+        lfs = hf.listing(api, r, rev, cached_only)
+        files = sorted(lfs)
+        tqdm_class = None if progress else _Quiet
+        wanted = None
+        prefix = f"{r.folder}/" if r.folder else ""
+        if r.folder not in export_folders(files) and prefix + "manifest.json" in files:  # another layout?
+            root = hf.fetch(r, rev, [prefix + "manifest.json"], lfs, token=token, cached_only=cached_only,
+                            tqdm_class=tqdm_class)
+            wanted = hf.community_files(r, files, hf.read_manifest(root / prefix / "manifest.json"))
+        wanted = wanted or check_folder(r, files)
+        root = hf.fetch(r, rev, wanted, lfs, token=token, cached_only=cached_only, tqdm_class=tqdm_class)
     path = Path(root, *r.folder.split("/")) if r.folder else Path(root)
-    missing = [f for f in EXPORT_FILES if not (path / f).is_file()]
+    missing = [f[len(prefix):] for f in wanted if not (root / f).is_file()]
     if missing:
         raise HubError(f"{r}: the download left {', '.join(missing)} missing in {path}; run it again")
     export = HubExport(path, r.repo_id, r.folder, r.revision or "main", rev.resolved)
+    if cause:
+        from huggingface_hub import constants
+
+        print(f"warning: cannot reach {constants.ENDPOINT} ({cause}): used {r} from the cache (as HF_HUB_OFFLINE=1 "
+              f"would)", file=sys.stderr, flush=True)
     _RESOLVED[str(path.resolve())] = export
     log.info("%s", export)
     return export
-
-
-def _listing(api, r: HubRef, rev) -> list[str]:
-    """The repo's file paths at `rev` (online: the Hub's tree; offline: the tree the cache kept)."""
-    if offline():
-        from huggingface_hub import get_cached_repo_tree
-
-        return [f.path for f in get_cached_repo_tree(r.repo_id, revision=rev.resolved)]
-    from huggingface_hub.hf_api import RepoFile
-
-    return [f.path for f in api.list_repo_tree(r.repo_id, recursive=True, revision=rev.resolved)
-            if isinstance(f, RepoFile)]
 
 
 def export_folders(files: list[str]) -> list[str]:
@@ -182,8 +198,8 @@ class _Quiet:  # a tqdm class for progress=False, made on first use (tqdm is hug
 class _errors:
     """huggingface_hub's exceptions (and a Hub out of reach) as one HubError line for `r`."""
 
-    def __init__(self, r: HubRef):
-        self.r = r
+    def __init__(self, r: HubRef, cause: str | None = None):
+        self.r, self.cause = r, cause  # cause: why the Hub was not reached (the cache used instead)
 
     def __enter__(self):
         return self
@@ -191,13 +207,13 @@ class _errors:
     def __exit__(self, kind, e, tb):
         if e is None or isinstance(e, HubError):
             return False
-        message = hub_error_line(self.r, e)
+        message = hub_error_line(self.r, e, self.cause)
         if message is None:
             return False
         raise HubError(message) from None
 
 
-def hub_error_line(r: HubRef, e: BaseException) -> str | None:
+def hub_error_line(r: HubRef, e: BaseException, cause: str | None = None) -> str | None:
     """The one line for what huggingface_hub raised, None for an exception that is not about the Hub."""
     from huggingface_hub import constants, errors
 
@@ -218,8 +234,11 @@ def hub_error_line(r: HubRef, e: BaseException) -> str | None:
     if isinstance(e, errors.HfHubHTTPError) and e.response is not None and e.response.status_code in (401, 403):
         return (f"{r}: {endpoint} refused the token ({e.response.status_code}): set HF_TOKEN to a valid token "
                 f"with read access to {r.repo_id}")
-    if isinstance(e, (errors.HfHubHTTPError, errors.LocalEntryNotFoundError, errors.RevisionResolutionError,
-                      errors.IncompleteSnapshotError)) or _is_network(e):
+    if isinstance(e, (errors.LocalEntryNotFoundError, errors.CachedRepoTreeNotFoundError)):
+        return f"{r}: cannot fetch it from {endpoint} ({cause or 'unreachable'}) and it is not complete in the " \
+            "cache: check the network"
+    if isinstance(e, (errors.HfHubHTTPError, errors.RevisionResolutionError, errors.IncompleteSnapshotError)) or \
+            _is_network(e):
         cause = str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__
         return (f"{r}: cannot fetch it from {endpoint} ({cause}); check the network, or set HF_HUB_OFFLINE=1 to "
                 f"use the cache")
@@ -236,6 +255,9 @@ def _is_network(e: BaseException) -> bool:
 def local(model_path: str | os.PathLike) -> tuple[Path, HubExport | None]:
     """(the local folder, where it came from): a Hub reference fetched, a local path as it is (with its Hub origin
     when this process fetched it)."""
+    if isinstance(model_path, os.PathLike) and os.fspath(model_path).startswith("hf:/"):
+        raise HubError(f"{model_path}: a Path folds hf:// into hf:/: pass the Hub reference as a string: "
+                       f"'hf://{os.fspath(model_path)[4:].lstrip('/')}'")
     if is_hub_ref(model_path):
         export = resolve_info(str(model_path))
         return export.path, export
@@ -315,9 +337,22 @@ def push(folder: str | os.PathLike, repo_id: str, *, revision: str | None = None
     if missing:
         raise HubError(f"{folder} is not an export folder (no {', '.join(missing)}): build it with optimize.py")
     ref = parse(f"hf://{repo_id}/{folder.name}" + (f"@{revision}" if revision else ""))
-    manifest = json.loads((folder / "manifest.json").read_text())
+    from .hub_fetch import quiet_hub_logging, read_manifest
+
+    manifest = read_manifest(str(folder / "manifest.json"))
+    if manifest is None:
+        raise HubError(f"{folder}/manifest.json is not a JSON object: rebuild the export with optimize.py")
+    if "schema_version" not in manifest:
+        raise HubError(f"{folder} is not a higgs-onnx export (its manifest.json has no schema_version): only exports "
+                       f"built by optimize.py are pushed")
     from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
     from huggingface_hub.hf_api import RepoFile
+
+    quiet_hub_logging()
+    here = sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))  # flat, as fetched
+    size = sum(p.stat().st_size for p in here)
+    print(f"pushing {folder} to {ref}: {len(here)} files, {size / (1 << 20):.1f} MB (Ctrl-C stops it; nothing is "
+          f"committed until the end)", flush=True)
 
     api = HfApi(token=token)
     with _write_errors(ref):
@@ -329,7 +364,6 @@ def push(folder: str | os.PathLike, repo_id: str, *, revision: str | None = None
         manifests = {d: _remote_manifest(repo_id, d, revision, token) for d in export_folders(remote)
                      if d and d != folder.name}
     manifests[folder.name] = manifest
-    here = sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))  # flat, as fetched
     ops = [CommitOperationAdd(f"{folder.name}/{p.name}", str(p)) for p in here]
     names = {p.name for p in here}
     ops += [CommitOperationDelete(f) for f in remote
@@ -349,8 +383,9 @@ def push(folder: str | os.PathLike, repo_id: str, *, revision: str | None = None
 def _remote_manifest(repo_id: str, folder: str, revision: str | None, token: str | None) -> dict:
     from huggingface_hub import hf_hub_download
 
-    return json.loads(Path(hf_hub_download(repo_id, f"{folder}/manifest.json", revision=revision,
-                                           token=token)).read_text())
+    from .hub_fetch import read_manifest
+
+    return read_manifest(hf_hub_download(repo_id, f"{folder}/manifest.json", revision=revision, token=token)) or {}
 
 
 class _write_errors:
@@ -369,6 +404,12 @@ class _write_errors:
         if isinstance(e, errors.RepositoryNotFoundError) or status in (401, 403):
             raise HubError(f"{self.ref}: the Hub refused to write to {self.ref.repo_id} ({status}): set HF_TOKEN to a "
                            f"token with write access to {self.ref.repo_id.split('/')[0]}") from None
+        from .hub_fetch import unreachable
+
+        if unreachable(e) or isinstance(e, errors.HfHubHTTPError):
+            cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise HubError(f"{self.ref}: the upload to {self.ref.repo_id} failed ({cause}); nothing was committed: "
+                           f"run again") from None
         line = hub_error_line(self.ref, e)
         if line is None:
             return False

@@ -46,9 +46,11 @@ class Repo:
 
 
 class HubError(Exception):
-    def __init__(self, status: int, code: str | None = None, message: str | None = None, commit: str | None = None):
+    def __init__(self, status: int, code: str | None = None, message: str | None = None, commit: str | None = None,
+                 extra: dict | None = None):
         super().__init__(message or code or str(status))
         self.status, self.code, self.message, self.commit = status, code, message, commit
+        self.extra = extra or {}  # more fields of the JSON body (the Hub's 409 on a repo that exists has its url)
 
 
 class FakeHub:
@@ -207,7 +209,7 @@ def _handler(hub: FakeHub):
                 self._answer(method, url.path, parse_qs(url.query), body)
             except HubError as e:
                 headers = {"X-Error-Code": e.code, "X-Error-Message": e.message, "X-Repo-Commit": e.commit}
-                self._send(e.status, json.dumps({"error": e.message or e.code}).encode(),
+                self._send(e.status, json.dumps({"error": e.message or e.code, **e.extra}).encode(),
                            {k: v for k, v in headers.items() if v}, "application/json")
 
         def do_GET(self) -> None:  # noqa: N802 - http.server's names
@@ -299,7 +301,8 @@ def _handler(hub: FakeHub):
             repo_id = f"{payload['organization']}/{payload['name']}" if payload.get("organization") \
                 else payload["name"]
             if repo_id in hub.repos:
-                raise HubError(409, message="You already created this model repo")
+                raise HubError(409, message="You already created this model repo",
+                               extra={"url": f"{hub.url}/{repo_id}"})
             hub.create(repo_id, private=payload.get("private") is True or payload.get("visibility") == "private")
             self._json({"url": f"{hub.url}/{repo_id}", "name": repo_id})
 
@@ -351,5 +354,95 @@ def _handler(hub: FakeHub):
             sha = hub.commit(repo_id, changes, revision, summary)
             self._json({"commitUrl": f"{hub.url}/{repo_id}/commit/{sha}", "commitOid": sha,
                         "pullRequestUrl": None})
+
+    return Handler
+
+
+class BadProxy:
+    """A misbehaving Hub in front of a FakeHub, on loopback: `mode` (settable while it runs) is "ok" (forwarded as
+    is), "stall" (a `.data` file's GET sends half its bytes, then nothing), "lie" (every `.data` GET answers its
+    bytes flipped), "lie-once" (the first `.data` GET only), "500" (every request answers 500), "stall-write" (a
+    POST or PUT never answers). `url` is what HF_ENDPOINT is set to; `seen` counts the `.data` GETs."""
+
+    def __init__(self, hub: FakeHub, mode: str = "ok"):
+        self.hub, self.mode, self.seen = hub, mode, 0
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), _proxy_handler(self))
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.stop = threading.Event()
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _proxy_handler(proxy: BadProxy):
+    import http.client
+
+    up = urlsplit(proxy.hub.url)
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args) -> None:
+            pass
+
+        def _status(self, status: int) -> None:
+            body = b'{"error": "internal error"}'
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def _go(self, method: str) -> None:
+            mode = proxy.mode
+            n = int(self.headers.get("Content-Length") or 0)
+            body = self.rfile.read(n) if n else None
+            data_get = method == "GET" and "/resolve/" in self.path and self.path.endswith(".data")
+            if mode == "500":
+                return self._status(500)
+            if mode == "stall-write" and method in ("POST", "PUT"):
+                proxy.stop.wait()
+                return
+            c = http.client.HTTPConnection(up.hostname, up.port, timeout=60)
+            c.request(method, self.path, body=body,
+                      headers={k: v for k, v in self.headers.items() if k.lower() != "host"})
+            r = c.getresponse()
+            data = r.read()
+            c.close()
+            if data_get:
+                proxy.seen += 1
+                if mode == "lie" or (mode == "lie-once" and proxy.seen == 1):
+                    data = bytes(b ^ 1 for b in data)
+            self.send_response(r.status)
+            for k, v in r.getheaders():
+                if k.lower() not in ("content-length", "transfer-encoding", "connection"):
+                    self.send_header(k, v.replace(proxy.hub.url, proxy.url))
+            self.send_header("Content-Length", r.getheader("Content-Length") if method == "HEAD" else str(len(data)))
+            self.end_headers()
+            if method == "HEAD":
+                return
+            if data_get and mode == "stall":
+                self.wfile.write(data[: len(data) // 2])
+                self.wfile.flush()
+                proxy.stop.wait()
+                self.close_connection = True
+                return
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:  # noqa: N802
+            self._go("GET")
+
+        def do_HEAD(self) -> None:  # noqa: N802
+            self._go("HEAD")
+
+        def do_POST(self) -> None:  # noqa: N802
+            self._go("POST")
+
+        def do_PUT(self) -> None:  # noqa: N802
+            self._go("PUT")
 
     return Handler

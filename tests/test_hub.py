@@ -6,6 +6,7 @@ replaced, nothing else. Uploads go over LFS (HF_HUB_DISABLE_XET=1: the fake Hub 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -46,6 +47,12 @@ def test_parse(ref, want):
     ("hf://org/re po/x", "'re po' is not a valid repo or folder name"),
     ("hf://org/repo/../x", "'..' is not a valid"),
     ("hf://org/repo/x@a@b", "is not a revision"),
+    ("hf://org/repo/x@..", "'..' is not a revision"),
+    ("hf://org/repo/x@.", "'.' is not a revision"),
+    ("hf://org/repo/x@../main", "'../main' is not a revision"),
+    ("hf://org/repo/x@refs/pr/..", "is not a revision"),
+    ("hf://org/repo.git/x", "hf://org/repo.git/x: not a valid repo id"),
+    ("hf://org/" + "r" * 2000 + "/x", "(2011 characters): not a valid repo id"),
 ])
 def test_parse_refuses(ref, says):
     with pytest.raises(HubError, match=re.escape(says)):
@@ -53,8 +60,19 @@ def test_parse_refuses(ref, says):
 
 
 def test_model_path_arg_keeps_the_double_slash():
+    import argparse
+
     assert model_path_arg("hf://org/repo/cpu_int4") == "hf://org/repo/cpu_int4"
     assert model_path_arg("onnx/cpu_int4") == Path("onnx/cpu_int4")
+    with pytest.raises(argparse.ArgumentTypeError, match="an empty path"):
+        model_path_arg("")
+
+
+def test_a_path_that_folded_a_reference_is_told_to_be_a_string():
+    from higgs_onnx.hub import local
+
+    with pytest.raises(HubError, match=re.escape("pass the Hub reference as a string: 'hf://org/repo/cpu_int4'")):
+        local(Path("hf://org/repo/cpu_int4"))
 
 
 # -- the fake Hub and the commands ---------------------------------------------------------------------------------
@@ -134,7 +152,8 @@ def test_not_an_export_is_refused_before_its_big_files(hub, tmp_path):
     assert "broken is not a higgs-onnx export (no tokenizer.json, text_embed.onnx" in line, line
     assert "exports there: cpu_int4, cuda_fp16" in line
     served = hub.requests[before:]
-    assert served and not [p for m, p in served if "/resolve/" in p]  # the listing only: no file fetched at all
+    fetched = [p for m, p in served if "/resolve/" in p]  # the listing and the (small) manifest: which layout?
+    assert served and fetched and all(p.endswith("/broken/manifest.json") for p in fetched), fetched
 
 
 def test_offline_with_nothing_cached(hub, tmp_path):
@@ -300,3 +319,152 @@ def test_origin_read_from_the_hub_cache_path(tmp_path):
     assert (got.repo_id, got.folder, got.commit) == ("org/my-repo", "a/cpu_int4", commit)
     assert origin_of(tmp_path / "cpu_int4") is None
     assert origin_of(tmp_path / "models--org--x" / "snapshots" / "main" / "cpu_int4") is None
+
+
+# -- a Hub that misbehaves (tests/fakehub.py's BadProxy in front of the fake Hub) ------------------------------------
+@pytest.fixture()
+def bad(hub):
+    from fakehub import BadProxy
+
+    proxy = BadProxy(hub)
+    yield proxy
+    proxy.close()
+
+
+def _blobs(home: Path) -> dict[str, bytes]:
+    folder = home / "hf" / "hub" / "models--org--exports" / "blobs"
+    return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()} if folder.is_dir() else {}
+
+
+def test_ctrl_c_stops_a_stalled_download_and_the_rerun_finishes(hub, bad, tmp_path):
+    import signal
+    import time
+
+    bad.mode = "stall"
+    env = hub_env(hub, tmp_path, HF_ENDPOINT=bad.url)
+    cmd = [sys.executable, "inference.py", "--model-path", "hf://org/exports/cpu_int4", "--text", "Hi.", "--out",
+           str(tmp_path / "x.wav")]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while bad.seen == 0 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    assert bad.seen >= 1, "the download never reached a .data file"
+    time.sleep(0.5)
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and time.monotonic() - sent < 10, (proc.returncode, err[-2000:])
+    assert err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err, err[-2000:]
+    bad.mode = "ok"
+    r = speak("hf://org/exports/cpu_int4", env, tmp_path / "x.wav")
+    assert "model: hf://org/exports/cpu_int4@main at commit" in r.stderr, r.stderr[-2000:]
+    assert set(_blobs(tmp_path).values()) == {data for f, data in hub.files("org/exports").items()
+                                              if f.startswith("cpu_int4/")}
+
+
+def test_a_corrupt_download_never_stays_in_the_cache(hub, bad, tmp_path):
+    """Bytes flipped on every try: one line, and no corrupt blob left; flipped once: fetched again, silently."""
+    bad.mode = "lie"
+    env = hub_env(hub, tmp_path, HF_ENDPOINT=bad.url)
+    line = one_line(speak("hf://org/exports/cpu_int4", env, tmp_path / "x.wav"))
+    assert "the Hub served a corrupt cpu_int4/" in line and ".onnx.data (sha256 " in line, line
+    assert "removed from the cache; run again" in line
+    import hashlib
+
+    assert all(hashlib.sha256(b).hexdigest() == name or len(name) != 64 for name, b in _blobs(tmp_path).items())
+    bad.mode, bad.seen = "lie-once", 0
+    r = speak("hf://org/exports/cpu_int4", env, tmp_path / "x.wav")
+    assert "model: hf://org/exports/cpu_int4@main at commit" in r.stderr, r.stderr
+    assert "served a corrupt" not in r.stderr, r.stderr
+    commit = hub.repos["org/exports"].branches["main"]
+    got = tmp_path / "hf" / "hub" / "models--org--exports" / "snapshots" / commit / "cpu_int4"
+    for f, data in hub.files("org/exports").items():
+        if f.startswith("cpu_int4/"):
+            assert (got / f.split("/")[1]).read_bytes() == data, f
+
+
+def test_an_unreachable_hub_falls_back_to_the_cache_in_one_line(hub, bad, tmp_path):
+    import time
+
+    env = hub_env(hub, tmp_path)
+    r = speak("hf://org/exports/cpu_int4", env, tmp_path / "x.wav")
+    assert "model: hf://org/exports/cpu_int4@main" in r.stderr, r.stderr[-2000:]
+    served = len(hub.requests)
+    t = time.monotonic()
+    r = speak("hf://org/exports/cpu_int4", {**env, "HF_ENDPOINT": "http://127.0.0.1:1"}, tmp_path / "x.wav")
+    lines = r.stderr.strip().splitlines()
+    assert time.monotonic() - t < 15 and len(hub.requests) == served, r.stderr
+    assert lines[0].startswith("warning: cannot reach http://127.0.0.1:1 (") and \
+        "used hf://org/exports/cpu_int4 from the cache (as HF_HUB_OFFLINE=1 would)" in lines[0], lines
+    assert lines[1].startswith("model: hf://org/exports/cpu_int4@main at commit") and len(lines) == 3, lines
+    assert "huggingface_hub" not in r.stderr  # its own retries and fallbacks are not printed (nor twice)
+    bad.mode = "500"  # down, and this one never fetched: one line
+    line = one_line(speak("hf://org/exports/cuda_fp16", {**env, "HF_ENDPOINT": bad.url}, tmp_path / "y.wav"))
+    assert "hf://org/exports/cuda_fp16: cannot fetch it from " in line and "500 Internal Server Error" in line, line
+    assert "it is not complete in the cache: check the network" in line  # main is cached: cpu_int4's fetch
+
+
+def test_bench_refuses_a_reference_in_one_line(hub, tmp_path):
+    line = one_line(command(["benchmarks/bench.py", "--model-path", "hf://org/exports/nope"], hub_env(hub, tmp_path)))
+    assert "org/exports has no folder nope; exports there: cpu_int4, cuda_fp16" in line, line
+
+
+# -- pushing: refusals before any work, two folders and a branch in one repo -------------------------------------
+def ours(folder: Path, device: str, precision: str) -> Path:
+    fake_export(folder)
+    (folder / "manifest.json").write_text(json.dumps({"schema_version": 1, "device": device, "precision": precision}))
+    return folder
+
+
+def push_cmd(folder: Path, repo: str, env: dict, revision: str | None = None) -> subprocess.CompletedProcess:
+    code = f"from higgs_onnx.hub import push; push({str(folder)!r}, {repo!r}, revision={revision!r})"
+    return command(["-c", "import sys\nfrom higgs_onnx.hub import HubError\ntry:\n    " + code +
+                    "\nexcept HubError as e:\n    print(f'error: {e}', file=sys.stderr); sys.exit(2)"], env)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--push-to-hub", "org/ok.git"], "--push-to-hub 'org/ok.git' is not a repo id: ORG/REPO"),
+    (["--push-to-hub", "org/" + "r" * 300], "is not a repo id: ORG/REPO"),
+    (["--push-to-hub", "org/x", "--hub-revision", "my/branch"], "--hub-revision 'my/branch' is not a branch name"),
+    (["--push-to-hub", "org/x", "--hub-revision", ".."], "--hub-revision '..' is not a branch name"),
+])
+def test_push_arguments_refused_before_the_build(hub, tmp_path, args, says):
+    line = one_line(command(["optimize.py", "--synthetic", "tiny", "--device", "cpu", "--precision", "int4",
+                             "--output", str(tmp_path / "onnx"), *args], hub_env(hub, tmp_path), timeout=120))
+    assert says in line, line
+    assert not (tmp_path / "onnx").exists()
+
+
+def test_push_refuses_what_is_not_our_export(hub, tmp_path):
+    env = hub_env(hub, tmp_path)
+    bad_json = ours(tmp_path / "a" / "cpu_int4", "cpu", "int4")
+    (bad_json / "manifest.json").write_text("{not json")
+    assert "manifest.json is not a JSON object" in one_line(push_cmd(bad_json, "org/pushed", env))
+    community = ours(tmp_path / "b" / "cpu_fp32", "cpu", "fp32")
+    (community / "manifest.json").write_text(json.dumps({"device": "cpu", "sub_models": {}}))
+    line = one_line(push_cmd(community, "org/pushed", env))
+    assert "is not a higgs-onnx export (its manifest.json has no schema_version)" in line, line
+    assert "org/pushed" not in hub.repos
+
+
+def test_push_two_folders_then_a_branch_keeps_every_section(hub, tmp_path):
+    env = hub_env(hub, tmp_path)
+    int4, fp16 = ours(tmp_path / "cpu_int4", "cpu", "int4"), ours(tmp_path / "cuda_fp16", "cuda", "fp16")
+    for folder in (int4, fp16):
+        r = push_cmd(folder, "org/two", env)
+        assert r.returncode == 0 and f"pushed {folder} -> hf://org/two/{folder.name}" in r.stdout, r.stderr[-2000:]
+        assert f"pushing {folder} to hf://org/two/{folder.name}: 14 files" in r.stdout
+    r = push_cmd(int4, "org/two", env, revision="dev")
+    assert r.returncode == 0 and "-> hf://org/two/cpu_int4@dev" in r.stdout, r.stderr[-2000:]
+    for branch in ("main", "dev"):
+        files = hub.files("org/two", branch)
+        card = files["README.md"].decode()
+        assert "## cpu_int4" in card and "## cuda_fp16" in card, (branch, card)
+        assert sorted({f.split("/")[0] for f in files}) == ["README.md", "cpu_int4", "cuda_fp16"]
+
+
+def test_push_to_a_hub_that_fails_says_the_upload_failed(hub, bad, tmp_path):
+    bad.mode = "500"
+    line = one_line(push_cmd(ours(tmp_path / "cpu_int4", "cpu", "int4"), "org/down", hub_env(hub, tmp_path,
+                                                                                               HF_ENDPOINT=bad.url)))
+    assert "hf://org/down/cpu_int4: the upload to org/down failed (" in line and "nothing was committed" in line
