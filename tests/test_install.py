@@ -193,6 +193,20 @@ def test_missing_extras_say_so_in_one_line(base, builds, tmp_path):
     assert not (tmp_path / "n.wav").exists() and not (tmp_path / "b").exists()
 
 
+def test_every_help_works_in_the_base_install(base, tmp_path):
+    """--help of every console script prints its help (exit 0) where its extra is missing; higgs-onnx-build's names
+    the extra its options need (the optimize.py parser imports torch)."""
+    for script in ("higgs-onnx-speak", "higgs-onnx-build", "higgs-onnx-eval", "higgs-onnx-serve",
+                   "higgs-onnx-wyoming", "higgs-onnx-corpus"):
+        r = run_script(base[0], script, "--help", cwd=tmp_path)
+        assert r.returncode == 0 and r.stdout.startswith("usage: ") and "Traceback" not in r.stderr, (script,
+                                                                                                   r.stderr[-2000:])
+    r = run_script(base[0], "higgs-onnx-build", "-h", cwd=tmp_path)
+    assert r.returncode == 0 and "higgs-onnx-build --synthetic tiny --device cpu --precision int4" in r.stdout
+    assert r.stdout.splitlines()[-1].startswith("Listing every option (higgs-onnx-build --help) needs extra packages: "
+                                                "pip install 'higgs-onnx[export]' (missing: torch")
+
+
 def test_server_extra_serves_speech(server_venv, builds, tmp_path):
     names = installed(server_venv)
     assert {"fastapi", "uvicorn", "av", "wyoming"} <= names and not names & (HEAVY - {"fastapi", "uvicorn"})
