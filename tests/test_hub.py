@@ -468,3 +468,51 @@ def test_push_to_a_hub_that_fails_says_the_upload_failed(hub, bad, tmp_path):
     line = one_line(push_cmd(ours(tmp_path / "cpu_int4", "cpu", "int4"), "org/down", hub_env(hub, tmp_path,
                                                                                                HF_ENDPOINT=bad.url)))
     assert "hf://org/down/cpu_int4: the upload to org/down failed (" in line and "nothing was committed" in line
+
+
+@pytest.mark.slow
+def test_community_folders_with_a_sub_folder_or_other_names_run_from_the_hub(builds, tmp_path):
+    """A community-layout folder whose decoder sits in a `standalone_dir`, and one whose manifest names other file
+    names: the manifest is fetched first and exactly the files it needs follow (not the stray one)."""
+    import onnx
+    import soundfile as sf
+    from community_layout import write_community
+
+    sub = write_community(builds["fp32"], tmp_path / "src" / "sub")
+    (sub / "decoder").mkdir()
+    for name in ("llm_decoder.onnx", "llm_decoder.onnx.data", "genai_config.json"):
+        (sub / name).rename(sub / "decoder" / name)
+    theirs = json.loads((sub / "manifest.json").read_text())
+    theirs["sub_models"]["llm_decoder"]["standalone_dir"] = "decoder"
+    (sub / "manifest.json").write_text(json.dumps(theirs))
+    (sub / "notes.bin").write_bytes(bytes(1000))  # not named by the manifest: never fetched
+    named = write_community(builds["fp32"], tmp_path / "src" / "named")
+    graph = onnx.load(str(named / "text_embed.onnx"), load_external_data=False)
+    for t in graph.graph.initializer:
+        for d in t.external_data:
+            if d.key == "location":
+                d.value = "te.onnx.data"
+    onnx.save(graph, str(named / "te.onnx"))
+    (named / "text_embed.onnx").unlink()
+    (named / "text_embed.onnx.data").rename(named / "te.onnx.data")
+    theirs = json.loads((named / "manifest.json").read_text())
+    theirs["sub_models"]["text_embed"]["filename"] = "te.onnx"
+    (named / "manifest.json").write_text(json.dumps(theirs))
+    hub = FakeHub(tmp_path / "served", token=TOKEN)
+    try:
+        hub.add_folder("org/community", sub, "sub")
+        hub.add_folder("org/community", named, "named")
+        env = hub_env(hub, tmp_path)
+        commit = hub.repos["org/community"].branches["main"]
+        for folder in ("sub", "named"):
+            r = speak(f"hf://org/community/{folder}", env, tmp_path / f"{folder}.wav")
+            assert r.returncode == 0, (folder, r.stderr[-3000:])
+            audio, rate = sf.read(tmp_path / f"{folder}.wav")
+            assert rate == 24000 and len(audio) > 2400
+            got = tmp_path / "hf" / "hub" / "models--org--community" / "snapshots" / commit / folder
+            want = sorted(p.relative_to(tmp_path / "src" / folder).as_posix()
+                          for p in (tmp_path / "src" / folder).rglob("*") if p.is_file() and p.name != "notes.bin")
+            assert sorted(p.relative_to(got).as_posix() for p in got.rglob("*") if p.is_file()) == want
+        assert not hub.gets(("notes.bin",))
+    finally:
+        hub.close()
