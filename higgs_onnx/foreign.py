@@ -112,9 +112,9 @@ def adopt(folder: str | os.PathLike, verify: bool = True) -> ForeignManifest:
     theirs = _their_manifest(folder)
     files = _part_files(folder, theirs)
     key = _cache_key(folder, theirs, files)
-    from .user_cache import cache_dir
+    from .user_cache import cache_dir, cache_writes
 
-    kept = cache_dir("adopted", key) / MANIFEST
+    kept = cache_dir("adopted", key, make=False) / MANIFEST  # a read-only cache that holds it still serves it
     data = None
     if kept.is_file():
         try:
@@ -123,7 +123,9 @@ def adopt(folder: str | os.PathLike, verify: bool = True) -> ForeignManifest:
             data = None
     if data is None:
         data = derive(folder, theirs, files)
-        write_atomic(kept, json.dumps(data, indent=2) + "\n")
+        kept = cache_dir("adopted", key) / MANIFEST
+        with cache_writes(kept.parent):
+            write_atomic(kept, json.dumps(data, indent=2) + "\n")
         log.info("%s: a %s-layout export; its manifest derived into %s", folder, LAYOUT, kept.parent)
     manifest = ForeignManifest(folder=folder, data=data)
     for part, entry in data["parts"].items():
