@@ -354,7 +354,7 @@ def test_ctrl_c_stops_a_stalled_download_and_the_rerun_finishes(hub, bad, tmp_pa
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 130 and time.monotonic() - sent < 10, (proc.returncode, err[-2000:])
-    assert err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err, err[-2000:]
+    assert err.strip().splitlines() == ["interrupted"], err[-2000:]  # no traceback, none of the stall's retries
     bad.mode = "ok"
     r = speak("hf://org/exports/cpu_int4", env, tmp_path / "x.wav")
     assert "model: hf://org/exports/cpu_int4@main at commit" in r.stderr, r.stderr[-2000:]
