@@ -28,6 +28,17 @@ def out_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("onnx")
 
 
+def _session_env(name: str, value: Path):
+    """`$name` set to `value` for the session (this process and every process a test starts), then restored."""
+    old = os.environ.get(name)
+    os.environ[name] = str(value)
+    yield value
+    if old is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = old
+
+
 @pytest.fixture(scope="session", autouse=True)
 def part_cache(out_root: Path) -> Path:
     """One part cache for the session (`$HIGGS_PART_CACHE`, read by every Exporter, in this process and in the
@@ -35,14 +46,7 @@ def part_cache(out_root: Path) -> Path:
     already built and rebuilds only what it is about."""
     from higgs_onnx.export import PART_CACHE_ENV
 
-    path = out_root / ".build" / "parts"
-    old = os.environ.get(PART_CACHE_ENV)
-    os.environ[PART_CACHE_ENV] = str(path)
-    yield path
-    if old is None:
-        os.environ.pop(PART_CACHE_ENV, None)
-    else:
-        os.environ[PART_CACHE_ENV] = old
+    yield from _session_env(PART_CACHE_ENV, out_root / ".build" / "parts")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -51,14 +55,7 @@ def user_cache(out_root: Path) -> Path:
     rewritten for the CPU provider) in the session's folder, never in the home folder; inherited by subprocesses."""
     from higgs_onnx.user_cache import CACHE_ENV
 
-    path = out_root / ".build" / "user-cache"
-    old = os.environ.get(CACHE_ENV)
-    os.environ[CACHE_ENV] = str(path)
-    yield path
-    if old is None:
-        os.environ.pop(CACHE_ENV, None)
-    else:
-        os.environ[CACHE_ENV] = old
+    yield from _session_env(CACHE_ENV, out_root / ".build" / "user-cache")
 
 
 @pytest.fixture(scope="session")

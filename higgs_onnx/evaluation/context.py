@@ -7,6 +7,9 @@ This module imports no section, so the sections and the runner never import each
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -75,3 +78,26 @@ class EvalContext:
     def ran_on(self) -> dict[str, str]:
         """part -> the provider/device its session ran on (each checked at load: no silent fallback)."""
         return self.tts.ran_on()
+
+
+def run_sections(ctx, sections: dict, skip: Callable[[str, object], str | None], report,
+                 say: Callable[[str], None]) -> None:
+    """Each of `sections` ({name: section with `run(ctx)`}) in order into `report`: skipped with `skip(name,
+    section)`'s reason, else run; a section that raises is reported broken and the others still run; its seconds
+    are kept in the report's meta."""
+    log = logging.getLogger(__name__)
+    for name, section in sections.items():
+        reason = skip(name, section)
+        if reason:
+            say(f"skipping {name}: {reason}")
+            report.add(name, {"skipped": reason})
+            continue
+        say(f"evaluating {name} ...")
+        t0 = time.perf_counter()
+        try:
+            figures = section.run(ctx)
+        except Exception as e:  # noqa: BLE001 - a section that breaks is reported as such; the others still run
+            log.debug("section %s failed", name, exc_info=True)
+            figures = {"error": f"{type(e).__name__}: {e}"}
+        report.add(name, figures)
+        report.meta["seconds"][name] = round(time.perf_counter() - t0, 2)

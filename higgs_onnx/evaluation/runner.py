@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 from ..generation.options import GenerationOptions
 from ..outputs import write_atomic
 from . import generation, sections
-from .context import EvalContext
+from .context import EvalContext, run_sections
 from .gates import apply_gates
 from .options import EvalOptions, Outputs
 from .report import Report, to_json, to_markdown
@@ -48,21 +47,7 @@ class Evaluator(EvalContext):
     def run(self, progress: Callable[[str], None] | None = None) -> Report:
         say = progress or (lambda line: print(line, file=sys.stderr, flush=True))
         report = Report(meta=self.meta())
-        for name, section in SECTIONS.items():
-            reason = self.skip_reason(name, report)
-            if reason:
-                say(f"skipping {name}: {reason}")
-                report.add(name, {"skipped": reason})
-                continue
-            say(f"evaluating {name} ...")
-            t0 = time.perf_counter()
-            try:
-                figures = section.run(self)
-            except Exception as e:  # a section that breaks is reported as such; the others still run
-                log.debug("section %s failed", name, exc_info=True)
-                figures = {"error": f"{type(e).__name__}: {e}"}
-            report.add(name, figures)
-            report.meta["seconds"][name] = round(time.perf_counter() - t0, 2)
+        run_sections(self, SECTIONS, lambda name, _: self.skip_reason(name, report), report, say)
         report.checks = apply_gates(report.sections, self.gates)
         report.meta["ran_on"] = self.ran_on()
         return report

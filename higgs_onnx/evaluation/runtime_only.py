@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-import time
 from collections.abc import Callable
 
 import numpy as np
@@ -20,7 +19,7 @@ from ..generation.options import GenerationOptions
 from ..generation.pipeline import stop_rules
 from ..generation.sampling import GREEDY
 from ..parity import snr_db
-from .context import EvalContext
+from .context import EvalContext, run_sections
 from .gates import apply_gates, gates_for
 from .options import EvalOptions
 from .report import Report
@@ -281,20 +280,7 @@ class RuntimeEvaluator(RuntimeContext):
         sections = dict(RUNTIME_SECTIONS)
         if self.options.teacher_codes:
             sections["teacher_codes"] = RuntimeSection(_teacher_codes, GENERATION)
-        for name, section in sections.items():
-            reason = self.skip_reason(name, section, report)
-            if reason:
-                say(f"skipping {name}: {reason}")
-                report.add(name, {"skipped": reason})
-                continue
-            say(f"evaluating {name} ...")
-            t0 = time.perf_counter()
-            try:
-                figures = section.run(self)
-            except Exception as e:  # a section that breaks is reported as such; the others still run
-                figures = {"error": f"{type(e).__name__}: {e}"}
-            report.add(name, figures)
-            report.meta["seconds"][name] = round(time.perf_counter() - t0, 2)
+        run_sections(self, sections, lambda name, section: self.skip_reason(name, section, report), report, say)
         for name in SECTIONS:  # the full report's: each needs the reference, but for teacher codes not asked
             if name not in report.sections:
                 unasked = SECTIONS[name].unasked(self.options) if name == "teacher_codes" else None
