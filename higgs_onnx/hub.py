@@ -19,6 +19,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from .hub_fetch import HubError  # noqa: F401 - the package's one Hub error, raised here and in hub_fetch
+
 log = logging.getLogger(__name__)
 
 SCHEME = "hf://"
@@ -28,10 +30,6 @@ EXPORT_FILES = ("manifest.json", "tokenizer.json", *(f"{p}.onnx" for p in PARTS)
 _NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9_])?")
 _REVISION = re.compile(r"[A-Za-z0-9._-]+|refs/(?:pr|convert)/[A-Za-z0-9._-]+")
 _RESOLVED: dict[str, HubExport] = {}  # local folder -> where it came from, for the runtime's `source`
-
-
-class HubError(ValueError):
-    """A Hub reference that cannot be used or fetched: one line that says what to do."""
 
 
 @dataclass(frozen=True)

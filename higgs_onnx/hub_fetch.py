@@ -14,6 +14,11 @@ from pathlib import Path, PurePosixPath
 
 log = logging.getLogger(__name__)
 
+
+class HubError(ValueError):
+    """A Hub reference that cannot be used or fetched: one line that says what to do (`hub` re-exports it)."""
+
+
 MANIFEST = "manifest.json"
 SIX = ("text_embed", "audio_encoder", "audio_embed", "llm_decoder", "audio_heads", "audio_tokenizer")
 
@@ -93,7 +98,6 @@ def community_files(r, files: dict, theirs: dict) -> list[str] | None:
     rules of `foreign._part_files`), the files beside a graph whose names start with the graph's (its external
     data), the decoder's `genai_config.json`, `tokenizer.json`, the manifest. None when `theirs` is not that layout;
     a part the listing lacks is a HubError line."""
-    from .hub import HubError
 
     subs = theirs.get("sub_models") if isinstance(theirs, dict) and "schema_version" not in theirs else None
     if not isinstance(subs, dict):
@@ -157,7 +161,6 @@ def fetch(r, rev, wanted: list[str], lfs: dict, *, token, cached_only: bool, tqd
     once more, then refused. Returns the snapshot folder."""
     from huggingface_hub import hf_hub_download, try_to_load_from_cache
 
-    from .hub import HubError
 
     root = None
     for f in wanted:
