@@ -115,8 +115,8 @@ def test_the_listening_judge_on_clean_and_damaged_real_speech(spoken):
 @pytest.mark.slow
 def test_dnsmos_tells_real_speech_from_noise_and_silence(spoken, tts):
     """DNSMOS (quality.Dnsmos, the speechmos wheel's ONNX model on our session): real speech (Piper's and the human
-    recording) scores ovrl above 2.6 (measured 3.0-3.4); the tiny model's output, white noise and silence below 2
-    (1.06-1.84)."""
+    recording) scores ovrl above 2.4 (measured 2.59-3.4: Piper's synthesis differs between runs, one sentence once
+    scored 2.586); the tiny model's output, white noise and silence below 2 (1.06-1.84)."""
     import soundfile as sf
 
     from higgs_onnx.quality import dnsmos, take_quality
@@ -130,7 +130,7 @@ def test_dnsmos_tells_real_speech_from_noise_and_silence(spoken, tts):
     other = [d.score(tiny, tts.facts.sample_rate)["ovrl"], d.score(noise, 24000)["ovrl"],
              d.score(np.zeros(48000, np.float32), 24000)["ovrl"]]
     print(f"\nDNSMOS ovrl: real {real}, tiny / noise / silence {other}")
-    assert min(real) > 2.6 and max(other) < 2.0
+    assert min(real) > 2.4 and max(other) < 2.0
     assert take_quality(np.zeros(0, np.float32), 24000) == {"dnsmos": None,
                                                               "dnsmos_off": "DNSMOS needs non-empty, finite audio"}
 
