@@ -552,8 +552,9 @@ class Scheduler:
             for h in gone:
                 self._waiting.remove(h)
         for h in gone:
-            if h.after is not None:
-                self._release_kept(h.after)
+            if h.after is not None and h.after in self._kept:  # step holds _stepping: _release_kept would deadlock
+                self._kept.remove(h.after)
+                h.after.request.release()
             h._end(Cancelled(f"request {h.id} was cancelled"))
 
     def _free_slots(self) -> int:

@@ -36,7 +36,17 @@ from ..longform.captions import Cue
 from ..textin import TextSegmenter
 from .limits import MAX_JSON_BYTES
 from .scheduler import ShuttingDown
-from .segments import BadFrame, SegmentQueue, Stalled, buffered, json_object, segment_failure, send_within
+from .segments import (
+    BadFrame,
+    SegmentQueue,
+    Stalled,
+    buffered,
+    end_tasks,
+    json_object,
+    segment_failure,
+    send_within,
+    within,
+)
 
 log = logging.getLogger(__name__)
 MAX_CONTEXTS = 8  # open at once on one socket (ElevenLabs allows 5): each may keep a KV context between segments
@@ -44,6 +54,7 @@ MAX_ID = 256  # characters of a context id
 ENDED_KEPT = 1024  # ended context ids remembered per socket (a late message for one is told it ended)
 RATES = (8000, 16000, 22050, 24000, 44100, 48000)
 ENCODINGS = {"pcm_s16le": "16-bit", "pcm_f32le": "32-bit float"}
+OPEN = {"sockets": 0, "contexts": 0}  # agent sockets in their loop and contexts open, over the process (/health)
 
 
 class AgentError(Exception):
@@ -237,6 +248,7 @@ class AgentSocket:
         from fastapi import WebSocketDisconnect
 
         code: int | None = 1000
+        OPEN["sockets"] += 1
         try:
             while True:
                 try:
@@ -275,11 +287,13 @@ class AgentSocket:
             except Exception:  # noqa: BLE001 - the client may be gone too
                 code = None
         finally:
-            for ctx in list(self.contexts.values()):
-                await self.cancel(ctx, "the socket closed")
+            try:
+                await self.cancel(*self.contexts.values(), how="the socket closed")
+            finally:
+                OPEN["sockets"] -= 1
         if code is not None:
             try:
-                await asyncio.wait_for(self.ws.close(code), 1.0)
+                await within(self.ws.close(code), 1.0)
             except Exception:  # noqa: BLE001 - closed already, or the client reads nothing
                 pass
 
@@ -331,12 +345,14 @@ class AgentSocket:
 
     def add(self, ctx: Context) -> Context:
         self.contexts[ctx.id] = ctx
+        OPEN["contexts"] += 1
         ctx.task = asyncio.create_task(self.speak(ctx))
         return ctx
 
     def end(self, ctx: Context, how: str) -> None:
         if self.contexts.get(ctx.id) is ctx:
             del self.contexts[ctx.id]
+            OPEN["contexts"] -= 1
         self.ended[ctx.id] = how
         while len(self.ended) > ENDED_KEPT:
             self.ended.popitem(last=False)
@@ -352,7 +368,7 @@ class AgentSocket:
         try:
             ctx.queue.put(ctx.segmenter.feed(text), buffered(ctx.segmenter))
         except ValueError as e:  # too much waiting to be spoken: this context cannot go on as sent
-            await self.cancel(ctx, "was refused (text_too_long)")
+            await self.cancel(ctx, how="was refused (text_too_long)")
             raise AgentError(str(e), param, "text_too_long", ctx.id) from None
         self._arm(ctx)
 
@@ -385,20 +401,21 @@ class AgentSocket:
             ctx.ending = True
             ctx.queue.end()
 
-    async def cancel(self, ctx: Context, how: str = "was cancelled") -> None:
-        """Barge-in: nothing more is sent for `ctx`; its job is cancelled (its slot leaves the batch at the next
-        decoder step) and its kept KV context given back."""
-        ctx.cancelled = True
-        if ctx.timer is not None:
-            ctx.timer.cancel()
-        for task in (ctx.task, ctx.words_tail):
-            if task is not None and not task.done():
-                task.cancel()
-        for task in (ctx.task, ctx.words_tail):
-            if task is not None:
-                await asyncio.gather(task, return_exceptions=True)
-        ctx.session.close()
-        self.end(ctx, how)
+    async def cancel(self, *ctxs: Context, how: str = "was cancelled") -> None:
+        """Barge-in: nothing more is sent for `ctxs`; their tasks are cancelled (a job's slot leaves the batch at the
+        next decoder step) and waited for at most segments.ENDING_S (`end_tasks`); then, whatever the tasks did,
+        their kept KV contexts are given back and the contexts end."""
+        ctxs = list(ctxs)
+        for ctx in ctxs:
+            ctx.cancelled = True
+            if ctx.timer is not None:
+                ctx.timer.cancel()
+        try:
+            await end_tasks([t for ctx in ctxs for t in (ctx.task, ctx.words_tail)], f"{self.name} socket")
+        finally:
+            for ctx in ctxs:
+                ctx.session.close()
+                self.end(ctx, how)
 
     def lost(self, e: BaseException) -> None:
         """The socket cannot go on (the client left or stalled, the server is stopping): its loop ends on `e`."""

@@ -11,6 +11,7 @@ from fastapi.responses import FileResponse
 
 from ..generation.contract import min_rows
 from ..generation.options import DEFAULT_MAX_ROWS
+from . import agents
 from .http import (
     PAGE_CSP,
     STATIC,
@@ -86,7 +87,7 @@ def routers(svc: SpeechService) -> tuple[APIRouter, APIRouter]:
         and process)."""
         return {"status": "ok", "model": svc.model_id, "models": svc.models, "sample_rate": svc.sample_rate,
                 **({"source": source} if source else {}), "limits": limits,
-                "scheduler": svc.scheduler.stats(), "guards": dict(COUNTERS),
+                "scheduler": svc.scheduler.stats(), "guards": dict(COUNTERS), "agent_sockets": dict(agents.OPEN),
                 "voice_cache": svc.tts.voices.stats(),
                 "uptime_s": round(time.time() - svc.started, 1),
                 **({"replica": {"id": svc.replica, "pid": os.getpid()}} if svc.replica else {})}

@@ -5,7 +5,10 @@ cut into segments, spoken one after the other by one `SpeechSession`, and the li
   received and not yet spoken (a client sending far faster than speech is refused with `TextTooLong`).
 - `send_within`: every send a door makes waits at most its send timeout (the server's --send-timeout); past it the
   client is taken to have stopped reading (`Stalled`) and the door ends the session, which cancels its job and
-  frees its slot and kept context.
+  frees its slot and kept context. `within` bounds an await with `asyncio.timeout`, never `asyncio.wait_for`: on
+  Python 3.11 wait_for drops a cancel that lands in the same loop iteration as its inner result (CPython gh-86296),
+  and a lost cancel leaves a context's speaker running with its slot held; `asyncio.timeout` awaits in the task
+  itself and raises TimeoutError only when no other cancel is pending.
 - `segment_failure`: why one segment could not be spoken, as one line and a kind (`client`: the segment's own
   fault, the session goes on; `busy`: the server was full; `stopping`: the server is shutting down, the session
   ends; `server`: a failure of the server itself, logged once with its traceback). Each door words the kind in its
@@ -25,6 +28,8 @@ from .scheduler import QueueFull, ShuttingDown
 log = logging.getLogger(__name__)
 STARVED_POLL_S = 0.1  # how often a session waiting for text looks for jobs its kept KV context keeps out
 MAX_PENDING = 100_000  # characters received and not yet spoken: more is a client that sends far faster than speech
+ENDING_S = 5.0  # how long a cancelled task of a session may take to end before its session is cleaned up without it
+RECANCEL_S = 0.5  # a cancelled task still running after this is cancelled again (a lost cancel does not stick)
 
 
 class Stalled(ConnectionError):
@@ -35,12 +40,42 @@ class TextTooLong(ValueError):
     """More than MAX_PENDING characters are waiting to be spoken."""
 
 
+async def within(waiting: Awaitable, seconds: float):
+    """What `waiting` returns, or TimeoutError after `seconds`; a cancel of the awaiting task is never lost."""
+    async with asyncio.timeout(seconds):
+        return await waiting
+
+
 async def send_within(sending: Awaitable, seconds: float) -> None:
     """`sending`, or Stalled once it has waited `seconds` (the client reads nothing)."""
     try:
-        await asyncio.wait_for(sending, seconds)
+        await within(sending, seconds)
     except TimeoutError:
         raise Stalled(f"the client read nothing for {seconds:g} s") from None
+
+
+async def end_tasks(tasks, where: str, bound: float = ENDING_S) -> None:
+    """Cancel `tasks` (None entries skipped) and wait at most `bound` s for them to end, cancelling again every
+    RECANCEL_S any that still runs; past the bound one line is logged and the caller goes on to its cleanup. Never
+    raises the tasks' own failures (they are retrieved here)."""
+    tasks = [t for t in tasks if t is not None]
+    loop = asyncio.get_running_loop()
+    deadline, rounds = loop.time() + bound, 0
+    while pending := [t for t in tasks if not t.done()]:
+        left = deadline - loop.time()
+        if left <= 0:
+            log.error("%s: %d task(s) still running %g s after their cancel; cleaned up without them", where,
+                      len(pending), bound)
+            break
+        if rounds == 1:
+            log.warning("%s: a cancelled task still runs after %g s; cancelled again", where, RECANCEL_S)
+        rounds += 1
+        for t in pending:
+            t.cancel()
+        await asyncio.wait(pending, timeout=min(RECANCEL_S, left))
+    for t in tasks:
+        if t.done() and not t.cancelled():
+            t.exception()
 
 
 class SegmentQueue:

@@ -35,7 +35,18 @@ from ..textin import GRANULARITIES, TextSegmenter
 from .formats import encoder
 from .limits import MAX_JSON_BYTES
 from .scheduler import ShuttingDown
-from .segments import BadFrame, SegmentQueue, Stalled, buffered, json_object, next_segment, segment_failure, send_within
+from .segments import (
+    BadFrame,
+    SegmentQueue,
+    Stalled,
+    buffered,
+    end_tasks,
+    json_object,
+    next_segment,
+    segment_failure,
+    send_within,
+    within,
+)
 
 log = logging.getLogger(__name__)
 CONFIG_S = 10.0
@@ -83,7 +94,7 @@ class WsSession:
     async def receive(self, timeout: float, limit: int = MAX_MESSAGE_CHARS) -> dict | None:
         """The next JSON message (None: the client left); errors for frames that are not one."""
         while True:
-            msg = await asyncio.wait_for(self.ws.receive(), timeout)
+            msg = await within(self.ws.receive(), timeout)
             if msg["type"] == "websocket.disconnect":
                 return None
             try:
@@ -123,18 +134,17 @@ class WsSession:
             code = None
             log.info("%s: the client left (%s)", self.id, type(e).__name__)
         finally:
-            for task in (reader, speaker, self.words_task):
-                if task is not None:  # a finished one's failure is the session's end, told above: retrieved here
-                    task.cancel()
-                    await asyncio.gather(task, return_exceptions=True)
-            if session is not None:
-                session.close()
+            try:  # a finished task's failure is the session's end, told above: retrieved here
+                await end_tasks((reader, speaker, self.words_task), self.id)
+            finally:
+                if session is not None:
+                    session.close()
         if code is not None:
             await self._close(code)
 
     async def _close(self, code: int) -> None:
         try:
-            await asyncio.wait_for(self.ws.close(code), 1.0)
+            await within(self.ws.close(code), 1.0)
         except Exception:  # noqa: BLE001 - closed already, or the client reads nothing
             pass
 

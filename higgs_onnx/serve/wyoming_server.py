@@ -30,7 +30,7 @@ from pathlib import Path
 from .. import __version__
 from ..audio import pcm16
 from ..textin import TextSegmenter
-from .segments import SegmentQueue, Stalled, buffered, next_segment, segment_failure, send_within
+from .segments import SegmentQueue, Stalled, buffered, end_tasks, next_segment, segment_failure, send_within, within
 from .textstream import SpeechSession
 from .voices import DEFAULT, VoiceError
 
@@ -81,11 +81,11 @@ async def read_event(reader: asyncio.StreamReader):
         raise Frame(f"bad event lengths or data (data and payload are at most {MAX_DATA} bytes)")
     try:
         if lengths[0]:
-            extra = json.loads(await asyncio.wait_for(reader.readexactly(lengths[0]), FRAME_S))
+            extra = json.loads(await within(reader.readexactly(lengths[0]), FRAME_S))
             if not isinstance(extra, dict):
                 raise Frame("event data is not a JSON object")
             data = {**data, **extra}
-        payload = await asyncio.wait_for(reader.readexactly(lengths[1]), FRAME_S) if lengths[1] else None
+        payload = await within(reader.readexactly(lengths[1]), FRAME_S) if lengths[1] else None
     except asyncio.IncompleteReadError:
         raise Frame("the stream ended inside an event") from None
     except TimeoutError:
@@ -314,11 +314,11 @@ class Connection:
             await self.write(AudioStop())
 
     async def close(self) -> None:
-        if self.speaker is not None and not self.speaker.done():
-            self.speaker.cancel()
-            await asyncio.gather(self.speaker, return_exceptions=True)
-        if self.session is not None:
-            self.session.close()
+        try:
+            await end_tasks((self.speaker,), "wyoming synthesis")
+        finally:
+            if self.session is not None:
+                self.session.close()
 
 
 async def serve_wyoming(uri: str, service: WyomingService) -> None:
