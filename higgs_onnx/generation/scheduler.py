@@ -552,9 +552,8 @@ class Scheduler:
             for h in gone:
                 self._waiting.remove(h)
         for h in gone:
-            if h.after is not None and h.after in self._kept:  # step holds _stepping: _release_kept would deadlock
-                self._kept.remove(h.after)
-                h.after.request.release()
+            if h.after is not None:  # step holds _stepping: _release_kept would take it again (a deadlock)
+                self._drop_kept(h.after)
             h._end(Cancelled(f"request {h.id} was cancelled"))
 
     def _free_slots(self) -> int:
@@ -697,9 +696,13 @@ class Scheduler:
 
     def _release_kept(self, handle: Handle) -> None:
         with self._stepping:
-            if handle in self._kept:
-                self._kept.remove(handle)
-                handle.request.release()
+            self._drop_kept(handle)
+
+    def _drop_kept(self, handle: Handle) -> None:
+        """Give back a kept context (its slot and KV rows); the caller holds `_stepping`."""
+        if handle in self._kept:
+            self._kept.remove(handle)
+            handle.request.release()
 
     # -- figures ----------------------------------------------------------------------------------------------
     def stats(self) -> dict:
