@@ -103,3 +103,15 @@ def write_community(export: Path, out: Path, *, decoder: str = "fp32", ckpt: Pat
     (out / "manifest.json").write_text(json.dumps({"device": device, "precision": precision,
                                                    "execution_provider": ep, "sub_models": subs}, indent=2))
     return out
+
+
+def with_standalone_dir(folder: Path, sub: str = "decoder") -> Path:
+    """The folder's decoder (graph, weights, genai_config.json) moved into `sub/`, its manifest naming that
+    `standalone_dir`, as older exports of this layout have it."""
+    (folder / sub).mkdir()
+    for name in ("llm_decoder.onnx", "llm_decoder.onnx.data", "genai_config.json"):
+        (folder / name).rename(folder / sub / name)
+    data = json.loads((folder / "manifest.json").read_text())
+    data["sub_models"]["llm_decoder"]["standalone_dir"] = sub
+    (folder / "manifest.json").write_text(json.dumps(data))
+    return folder

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from community_layout import write_community
+from community_layout import with_standalone_dir, write_community
 
 from higgs_onnx.exports import load_export
 from higgs_onnx.foreign import LACKS, is_foreign
@@ -126,13 +126,7 @@ def test_parts_found_by_file_name_and_standalone_dir(community, tts, tmp_path):
     (bare / "manifest.json").unlink()  # no manifest at all: an unfinished export, not adopted
     with pytest.raises(ManifestError, match="has no manifest.json"):
         load_export(bare)
-    older = _copy(community["fp32"], tmp_path / "older")
-    (older / "decoder").mkdir()
-    for name in ("llm_decoder.onnx", "llm_decoder.onnx.data", "genai_config.json"):
-        (older / name).rename(older / "decoder" / name)
-    data = json.loads((older / "manifest.json").read_text())
-    data["sub_models"]["llm_decoder"]["standalone_dir"] = "decoder"
-    (older / "manifest.json").write_text(json.dumps(data))
+    older = with_standalone_dir(_copy(community["fp32"], tmp_path / "older"))
     got = HiggsTTS(older).generate(PROMPTS[0], temperature=0, seed=1).codes
     np.testing.assert_array_equal(got, tts.generate(PROMPTS[0], temperature=0, seed=1).codes)
 

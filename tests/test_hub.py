@@ -476,15 +476,9 @@ def test_community_folders_with_a_sub_folder_or_other_names_run_from_the_hub(bui
     names: the manifest is fetched first and exactly the files it needs follow (not the stray one)."""
     import onnx
     import soundfile as sf
-    from community_layout import write_community
+    from community_layout import with_standalone_dir, write_community
 
-    sub = write_community(builds["fp32"], tmp_path / "src" / "sub")
-    (sub / "decoder").mkdir()
-    for name in ("llm_decoder.onnx", "llm_decoder.onnx.data", "genai_config.json"):
-        (sub / name).rename(sub / "decoder" / name)
-    theirs = json.loads((sub / "manifest.json").read_text())
-    theirs["sub_models"]["llm_decoder"]["standalone_dir"] = "decoder"
-    (sub / "manifest.json").write_text(json.dumps(theirs))
+    sub = with_standalone_dir(write_community(builds["fp32"], tmp_path / "src" / "sub"))
     (sub / "notes.bin").write_bytes(bytes(1000))  # not named by the manifest: never fetched
     named = write_community(builds["fp32"], tmp_path / "src" / "named")
     graph = onnx.load(str(named / "text_embed.onnx"), load_external_data=False)
