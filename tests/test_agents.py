@@ -361,8 +361,10 @@ def test_contexts_waiting_for_text_hold_no_slot(server):
         for i in range(MAX_CONTEXTS):
             ws.send(json.dumps({**CARTESIA, "context_id": f"w{i}", "transcript": "One sentence. More", "continue": True,
                                 "max_buffer_delay_ms": 5000, "add_timestamps": False}))
-        stats = server.wait(lambda s: s["finished"] >= before + MAX_CONTEXTS and s["in_flight"] == 0,
-                            "the first sentences spoken")
+        # a context gives its KV context back once its segment's last audio is sent, just after the job is counted
+        # finished: wait for both (a context that kept it while waiting for text never gets there)
+        stats = server.wait(lambda s: s["finished"] >= before + MAX_CONTEXTS and s["in_flight"] == 0
+                            and s["kept"] == 0 and s["slots_in_use"] == 0, "the first sentences spoken, nothing kept")
         assert stats["kept"] == 0 and stats["slots_in_use"] == 0, stats
         r = server.http.post("/v1/audio/speech", json={"model": "higgs-tts-3", "input": "Hi.", "max_rows": 40,
                                                        "response_format": "pcm"},
