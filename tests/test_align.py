@@ -225,7 +225,7 @@ def _chunks(x: np.ndarray, sr: int, size: int = 4800) -> list:
 
 
 def _served(first, rest: list, text: str, sr: int) -> list:
-    """What the server's stream carries with `"caption_level": "word"` (job.run.with_words), as a list."""
+    """What the server's stream carries with `"caption_level": "word"` (job.finish.with_words), as a list."""
     import asyncio
 
     from higgs_onnx.job.run import with_words
@@ -272,13 +272,13 @@ def test_the_servers_piece_cues_carry_the_words_timed_on_their_own_samples(en):
 
 
 def test_the_server_times_words_in_one_lower_priority_thread():
-    """job.run.aligned: the server's aligner pool is one thread, niced below the process (Linux), and gives
+    """job.finish.aligned: the server's aligner pool is one thread, niced below the process (Linux), and gives
     what captions.timed gives."""
     import asyncio
     import os
     import threading
 
-    from higgs_onnx.job import run as pieces
+    from higgs_onnx.job import finish as pieces
     from higgs_onnx.longform.captions import Cue
 
     seen = {}
@@ -297,3 +297,34 @@ def test_the_server_times_words_in_one_lower_priority_thread():
     assert seen["name"].startswith("higgs-align")
     assert seen["nice"] >= os.getpriority(os.PRIO_PROCESS, 0) + min(pieces.ALIGNER_NICE, 19 - os.getpriority(
         os.PRIO_PROCESS, 0))
+
+
+def test_time_words_has_one_failure_rule_and_lets_only_a_cancellation_through(en, caplog):
+    """job.finish.time_words, what every door's word timing calls: the recording's words as captions.timed gives
+    them; an aligner that raises (here a cue whose text is not text) is logged once, with its traceback, and the cue
+    comes back with no words and why; a cancelled timing raises CancelledError, not a cue."""
+    import asyncio
+    import logging
+
+    from higgs_onnx.job.finish import time_words
+    from higgs_onnx.longform.captions import Cue
+
+    x, sr, text, _ = en
+    got = asyncio.run(time_words(Cue(0, len(x), text), x, sr, "en"))
+    assert [(w.start, w.end, w.text) for w in got.words] == word_cues(x, sr, text) and got.words_reason is None
+
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="higgs_onnx.job.finish"):
+        bad = asyncio.run(time_words(Cue(0, len(x), None, index=3), x, sr, "en"))
+    assert bad.words == () and bad.words_reason == "word timing failed (TypeError)" and bad.index == 3
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and errors[0].exc_info is not None and errors[0].exc_info[0] is TypeError
+
+    async def cancelled():
+        task = asyncio.create_task(time_words(Cue(0, len(x), text), x, sr, "en"))
+        await asyncio.sleep(0)  # submitted to the aligner's thread
+        task.cancel()
+        await task
+
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(cancelled())

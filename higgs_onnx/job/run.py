@@ -9,32 +9,30 @@ Two drivers run it. The sync one (`speak`, `best_of`; the command line, corpus r
 model's own scheduler; the async one (`Runner`; HTTP, SSE, the WebSocket, Wyoming and dialogues) runs over the
 server's scheduler, which batches the job's takes with every other request. Both judge, choose and record takes by
 one policy (`guard`: `take_seeds`, `judge`, `take_scores`, `best_take`, `RetryPolicy`) and finish a whole take the
-same way: one loudness gain (`leveled`), then each piece's words timed in one bounded, lower-priority aligner pool
-(`with_words`).
+same way (`job.finish`): one loudness gain (`leveled`), then each piece's words timed in one bounded, lower-priority
+aligner pool with one failure rule (`with_words`, `time_words`).
 
 `job` stands one floor above `runtime`: `runtime` imports nothing from here.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
-import os
 import threading
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..guard import GuardOptions, RetryPolicy, best_take, judge, misheard, take_record, take_scores, take_seeds
-from ..longform.captions import Cue, timed
+from ..longform.captions import Cue
 from ..loudness import normalise
 from ..tags import CONTROL_TAG
 from ..text.directions import DirectionError
 from ..text.pipeline import Reading
 from ..text.ssml import SsmlError
+from .finish import aligned, joined, with_words  # noqa: F401 - aligned, joined: the stream doors' until they call time_words
 from .options import TEXT, OptionError, Shape, SpeechOptions, check_takes
 
 log = logging.getLogger(__name__)
@@ -346,64 +344,6 @@ def leveled(done: list, sample_rate: int, lufs: float) -> tuple[list, object]:
     return [c if isinstance(c, Cue) else next(made) for c in done], level
 
 
-# -- word timing -------------------------------------------------------------------------------------------------
-async def with_words(first, items: AsyncIterator, text: str, sample_rate: int, language: str = "en"):
-    """(first, rest) of a stream of `AudioChunk`s and piece `Cue`s (`first` the stream's first item, `items` the
-    rest), with each finished piece's words timed on its own samples (`captions.timed`, in the aligner pool). A
-    stream with no piece cues (one request) is one piece of `text`: its cue comes before its first chunk and after
-    its last, as a long input's do."""
-
-    async def stream():
-        held, single = [], not isinstance(first, Cue)
-        if single:
-            yield Cue(0, None, text)
-        item = first
-        while item is not None:
-            if isinstance(item, Cue):
-                if item.end is None:
-                    held = []
-                else:
-                    item = await aligned(item, joined(held), sample_rate, language)
-            else:
-                held.append(item.samples)
-            yield item
-            item = await anext(items, None)
-        if single:
-            samples = joined(held)
-            yield await aligned(Cue(0, samples.size, text), samples, sample_rate, language)
-
-    out = stream()
-    return await anext(out), out
-
-
-ALIGNER_THREADS = 1  # word timing (0.5-1.3 s of CPU a piece) for every stream of the server, one at a time
-ALIGNER_NICE = 10  # below the decoder's threads: word timing can slow its own stream's words, not the others' audio
-_aligner: ThreadPoolExecutor | None = None
-_aligning = 0  # pieces submitted to the aligner and not yet timed (event loop only)
-
-
-def _lower_priority() -> None:
-    """The aligner thread at a lower scheduling priority (Linux sets a nice value per thread)."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), ALIGNER_NICE)
-    except (AttributeError, OSError):  # not Linux, or not allowed: it runs at the process's priority
-        log.debug("the aligner thread keeps the process's priority")
-
-
-async def aligned(cue: Cue, samples: np.ndarray, sample_rate: int, language: str) -> Cue:
-    """`captions.timed` in one aligner pool (bounded, lower priority), not the default executor that the text steps
-    and voice uploads share: 8 word-timed streams queue their pieces here instead of taking every core from the
-    decoder."""
-    global _aligner, _aligning
-    if _aligner is None:
-        _aligner = ThreadPoolExecutor(ALIGNER_THREADS, thread_name_prefix="higgs-align", initializer=_lower_priority)
-    _aligning += 1
-    try:
-        return await asyncio.get_running_loop().run_in_executor(_aligner, timed, cue, samples, sample_rate, language)
-    finally:
-        _aligning -= 1
-
-
 _takes: dict[tuple[str, str], int] = {}  # (policy, verdict) -> takes judged by the server's driver
 _redraws = 0
 _tally = threading.Lock()
@@ -421,13 +361,3 @@ def take_tally() -> tuple[dict[tuple[str, str], int], int]:
     failure), and the redraws it made (the metrics' takes, redraws and guard verdicts)."""
     with _tally:
         return dict(_takes), _redraws
-
-
-def aligner_pending() -> int:
-    """Pieces waiting for, or in, the aligner thread (the metrics' aligner queue)."""
-    return _aligning
-
-
-def joined(samples: list) -> np.ndarray:
-    """Chunks' samples as one array (an empty float32 one for none)."""
-    return np.concatenate(samples) if samples else np.zeros(0, np.float32)

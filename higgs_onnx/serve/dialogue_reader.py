@@ -23,7 +23,7 @@ import numpy as np
 
 from ..generation.contract import LONG_FORM_HINT, ContractError
 from ..generation.stream import AudioChunk
-from ..job.run import joined
+from ..job.finish import joined
 from ..longform.captions import Cue
 from ..longform.joins import fade_edges
 from ..longform.script import Turn

@@ -101,7 +101,7 @@ class _SchedulerCollector:
         return []
 
     def collect(self):
-        from ..job.run import aligner_pending
+        from ..job.finish import aligner_pending
 
         s = self.scheduler.stats()
         for name, key, what in (("in_flight", "in_flight", "jobs submitted and not ended"),
