@@ -25,8 +25,12 @@ def rss() -> int:
 
 
 def peak_rss() -> int:
-    """The most memory this process has held (bytes): VmHWM on Linux (what `/usr/bin/time -v` reports as maximum
-    resident set size), the peak working set on Windows."""
+    """The most memory this process has held (bytes): VmHWM of /proc/self/status on Linux, the peak working set on
+    Windows, getrusage's ru_maxrss elsewhere (macOS). Not ru_maxrss on Linux: it survives exec, so a process that a
+    large one started (a CLI, a corpus worker, a benchmark's child) would report its parent's peak as its own."""
+    if sys.platform.startswith("linux"):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
     import psutil
 
     info = psutil.Process().memory_info()

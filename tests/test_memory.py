@@ -50,3 +50,20 @@ def test_mapped_pages_are_reclaimed_and_their_contents_kept(tmp_path):
 def test_memory_figures():
     release_memory()
     assert 0 < rss() <= peak_rss()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM is Linux's")
+def test_peak_rss_is_this_process_high_water_mark_not_its_parents():
+    """`peak_rss` reads VmHWM, as its docstring says: a child started while its parent holds 400 MB reports its own
+    peak (tens of MB), where getrusage's ru_maxrss, which survives exec, reports the parent's 400 MB."""
+    import subprocess
+
+    held = np.ones(400 << 20, dtype=np.uint8)  # touched: resident in this process
+    with open("/proc/self/status") as f:
+        hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    assert abs(peak_rss() - hwm) < 16 << 20 and peak_rss() > 400 << 20
+    code = ("import resource; from higgs_onnx.memory import peak_rss; "
+            "print(peak_rss(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    child, maxrss = map(int, r.stdout.split())
+    assert child < 200 << 20 and maxrss > 400 << 20, (child, maxrss, held.size)
