@@ -1,10 +1,10 @@
 """Pin what every door says for a fixed set of requests, to compare two trees (before and after a refactor):
 `python scripts/pin_doors.py TREE MODEL_PATH` starts `python -m higgs_onnx.serve` from TREE (its own higgs_onnx)
 with Wyoming beside it, and prints a JSON object of sha256 prefixes: HTTP (greedy, seeded, takes, retries,
-loudness, speed, deterministic, a long input in pieces, a dialogue), one WebSocket session and one Wyoming
-synthesis. Run it on both trees against the same export; equal objects mean nothing audible changed
-(docs/testing.md). The command line is pinned the same way by running `inference.py` from each tree and hashing
-its files."""
+loudness, speed, deterministic, a long input in pieces, a dialogue), one WebSocket session, a Wyoming synthesis
+and a streamed one, two Cartesia contexts and both ElevenLabs sockets. Run it on both trees against the same
+export; equal objects mean nothing audible changed (docs/testing.md). The command line is pinned the same way by
+running `inference.py` from each tree and hashing its files."""
 
 from __future__ import annotations
 
@@ -46,6 +46,73 @@ async def websocket(url: str) -> bytes:
             if isinstance(m, bytes):
                 audio += m
             elif json.loads(m)["type"] == "session.done":
+                return audio
+
+
+async def cartesia(url: str) -> bytes:
+    """One Cartesia context (two segments, the second continuing the first), then a second context flushed in two
+    parts: every chunk's audio, in order."""
+    import base64
+
+    import websockets
+
+    async with websockets.connect(url.replace("http", "ws") + "/tts/websocket", max_size=None) as c:
+        await c.send(json.dumps({"context_id": "a", "transcript": TEXT, "continue": False}))
+        await c.send(json.dumps({"context_id": "b", "transcript": "First part,", "continue": True}))
+        await c.send(json.dumps({"context_id": "b", "transcript": " and the rest.", "continue": True,
+                                 "flush": True}))
+        await c.send(json.dumps({"context_id": "b", "transcript": "", "continue": False}))
+        audio, done = {"a": b"", "b": b""}, set()
+        while len(done) < 2:
+            m = json.loads(await c.recv())
+            if m["type"] == "chunk":
+                audio[m["context_id"]] += base64.b64decode(m["data"])
+            elif m["type"] == "done":
+                done.add(m["context_id"])
+        return audio["a"] + audio["b"]
+
+
+async def elevenlabs(url: str, path: str) -> bytes:
+    """ElevenLabs' multi-stream-input (one context, flushed, then closed) or stream-input (text, then the end)."""
+    import base64
+
+    import websockets
+
+    multi = path == "multi-stream-input"
+    ctx = {"context_id": "x"} if multi else {}
+    async with websockets.connect(url.replace("http", "ws") + f"/v1/text-to-speech/default/{path}?seed=7",
+                                  max_size=None) as c:
+        await c.send(json.dumps({"text": " ", **ctx}))
+        await c.send(json.dumps({"text": TEXT, **ctx}))
+        await c.send(json.dumps({"flush": True, **ctx} if multi else {"text": ""}))
+        if multi:
+            await c.send(json.dumps({"close_context": True, **ctx}))
+        audio = b""
+        while True:
+            m = json.loads(await c.recv())
+            if m.get("audio"):
+                audio += base64.b64decode(m["audio"])
+            if m.get("isFinal"):
+                return audio
+
+
+async def wyoming_stream(port: int) -> bytes:
+    """Wyoming's streaming synthesis: synthesize-start, the text in three chunks, synthesize-stop."""
+    from wyoming.audio import AudioChunk
+    from wyoming.client import AsyncTcpClient
+    from wyoming.tts import SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped
+
+    async with AsyncTcpClient("127.0.0.1", port) as c:
+        await c.write_event(SynthesizeStart().event())
+        for part in (TEXT[:20], TEXT[20:45], TEXT[45:]):
+            await c.write_event(SynthesizeChunk(text=part).event())
+        await c.write_event(SynthesizeStop().event())
+        audio = b""
+        while True:
+            e = await c.read_event()
+            if AudioChunk.is_type(e.type):
+                audio += e.payload
+            if SynthesizeStopped.is_type(e.type):
                 return audio
 
 
@@ -91,6 +158,10 @@ def main(tree: str, model: str) -> dict:
             out["http dialogue"] = f"{r.status_code} {digest(r.content)}"
             out["websocket"] = digest(asyncio.run(websocket(url)))
             out["wyoming"] = digest(asyncio.run(wyoming(wy_port)))
+            out["wyoming stream"] = digest(asyncio.run(wyoming_stream(wy_port)))
+            out["cartesia"] = digest(asyncio.run(cartesia(url)))
+            for path in ("multi-stream-input", "stream-input"):
+                out[f"elevenlabs {path}"] = digest(asyncio.run(elevenlabs(url, path)))
             return out
         finally:
             proc.terminate()
