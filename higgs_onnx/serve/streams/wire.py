@@ -22,8 +22,8 @@ import json
 import logging
 from collections.abc import Awaitable
 
-from ..generation.contract import ContractError, NoAudioError
-from .scheduler import QueueFull, ShuttingDown
+from ...generation.contract import ContractError, NoAudioError
+from ..scheduler import QueueFull, ShuttingDown
 
 log = logging.getLogger(__name__)
 STARVED_POLL_S = 0.1  # how often a session waiting for text looks for jobs its kept KV context keeps out
