@@ -8,7 +8,7 @@ measured in a child process of its own (a clean peak RSS), in the order off, on,
 run shows the machine's drift):
 - `off`: every call on int4 (`HiggsTTS(route="off")`: the route's session is never loaded);
 - `on`: every call of two or more rows on the route (one-row steps stay on int4);
-- `auto`: the export's measured crossover (what a user gets).
+- `auto`: the export's crossover (what a user gets; measured at build, or given there).
 
 Figures per route: a one-row prefill of 24 and 281 positions (a zero-shot prompt, a 10 s clone's prompt), the
 first frame of a new cloned voice (a 10 s reference: encode, its prefix prefilled, the line prefilled, the first
@@ -108,6 +108,7 @@ def cpu() -> dict:
 
 def run(model_path: Path, threads: int, repeats: int) -> dict:
     from higgs_onnx.manifest import load_manifest
+    from higgs_onnx.runtime.route import crossover_words
 
     route = load_manifest(model_path, verify=False).decoder.get("route", {})
     if route.get("kind") != "int8-gemm":
@@ -121,14 +122,13 @@ def run(model_path: Path, threads: int, repeats: int) -> dict:
             raise RuntimeError(f"route {mode} failed:\n{r.stderr[-3000:]}")
         runs.append(json.loads(r.stdout.strip().splitlines()[-1]))
     return {"export": str(model_path), "cpu": cpu(), "threads": threads or os.cpu_count(), "repeats": repeats,
-            "crossover": route.get("crossover"), "build_cpu": route.get("cpu"), "runs": runs}
+            "crossover": route.get("crossover"), "crossover_words": crossover_words(route),
+            "build_cpu": route.get("cpu"), "runs": runs}
 
 
 def print_table(o: dict) -> None:
-    c = o["crossover"] or {}
     print(f"\n{o['export']}: {o['cpu']['model']} ({', '.join(o['cpu']['flags'])}), {o['threads']} threads; crossover "
-          f"measured at build ({(o['build_cpu'] or {}).get('model', '?')}): one-row calls from "
-          f"{c.get('prefill') or 'never'} positions, batched steps from {c.get('batch') or 'never'} rows")
+          f"{o['crossover_words']}")
     runs = o["runs"]
     head = ["figure", *[r["mode"] for r in runs], "int4 / route (first off vs on)"]
     rows = [("prefill 24 positions (ms)", "prefill_24_ms", "{:.1f}"),

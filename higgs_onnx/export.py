@@ -420,7 +420,7 @@ class Exporter:
         from .parts.llm_decoder import INT8_WEIGHTS
         from .reference.model import ReferenceModel
         from .runtime.model import HiggsTTS
-        from .runtime.route import cpu_summary
+        from .runtime.route import cpu_summary, crossover_words
 
         t0 = time.perf_counter()
         if not (staging / INT8_WEIGHTS).is_file():
@@ -478,9 +478,7 @@ class Exporter:
         del tts
         release_memory()
         info["seconds"] = round(time.perf_counter() - t0, 1)
-        c = info["crossover"]
-        say(f"int8 route: one-row calls from {c['prefill'] or 'never (int4 wins every size)'} positions, batched "
-            f"steps from {c['batch'] or 'never (int4 wins every size)'} rows (measured here: {cpu_summary()['model']})")
+        say(f"int8 route: {crossover_words(info)}")
         assert llm_step.NAME in parts_manifest  # the route is the step graph's twin: it never exists alone
         return info
 

@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 from .checkpoint import DEFAULT_REPO
+from .runtime.route import crossover_words
 
 MB = 1 << 20
 
@@ -124,14 +125,7 @@ def gate_lines(decoder: dict) -> list[str]:
         w = ", ".join(f"{k}: top-1 {v.get('top1', 0):.3f}, logit distance {v.get('logit_distance', 0):.2e}"
                       for k, v in worst.items())
         out.append(f"- int8 route ({route.get('kind')}) against fp32, worst prompt: {w}")
-        c = route.get("crossover") or {}
-        cpu = route.get("cpu") or {}
-        how = "given at build (--route-crossover), not measured; built" if route.get("crossover_given") else \
-            "measured"
-        prefill = f"from {c['prefill']} positions" if c.get("prefill") else "never"
-        batch = f"from {c['batch']} rows" if c.get("batch") else "never"
-        flags = " ".join(cpu.get("flags", [])) or "(none listed)"
-        out.append(f"- route crossover: one-row calls {prefill}, batched steps {batch}; {how} on "
-                   f"{cpu.get('model', '?')} with CPU flags {flags} (`$HIGGS_ROUTE` or `route=` overrides it on "
-                   "another CPU)")
+        flags = " ".join((route.get("cpu") or {}).get("flags", [])) or "(none listed)"
+        out.append(f"- route crossover: {crossover_words(route)}, CPU flags {flags} (`$HIGGS_ROUTE` or `route=` "
+                   "overrides it on another CPU)")
     return out or ["- no gate figures recorded (an fp32 KV cache and no int8 route)"]

@@ -170,11 +170,9 @@ def _kv_cache(s: dict, m: dict) -> list[str]:
 
 
 def _route(s: dict, m: dict) -> list[str]:
-    c = s.get("crossover") or {}
     lines = [f"Both decoder routes on the same prompts against the {s['reference']} reference: prefill hidden states "
              f"and the audio head's logits on them (1 - cosine; top-1 codes agreeing with the reference's). The "
-             f"export's crossover: one-row calls from {c.get('prefill') or 'never'} positions, batched steps from "
-             f"{c.get('batch') or 'never'} rows.", "",
+             f"export's crossover: {s['crossover_words']}.", "",
              "| prompt | positions | hidden int4 | hidden int8 | logits int4 | logits int8 | top-1 int4 | top-1 int8 |",
              "|---|---|---|---|---|---|---|---|"]
     for p in s["gate"]["prompts"]:
@@ -282,7 +280,7 @@ ROUTE_DECODER = {"llm_step": "the step graph (`llm_step`: embedding, decoder and
 ROUTE_CACHE = {"state": "the KV cache is OpenVINO state", "host": "the KV cache goes through the host (NumPy arrays)"}
 
 
-def _route(route: dict | None) -> str:
+def _decoder_route(route: dict | None) -> str:
     """One sentence: how the decoder ran (eval's `--kv-cache` / `--parts-apart` and the export pick it)."""
     if not route:
         return ""
@@ -300,7 +298,7 @@ def to_markdown(report: Report, plots: dict[str, str] | None = None) -> str:
              f"{ref} Result: **{'PASS' if report.passed else 'FAIL'}** "
              f"({len(report.checks) - failed} of {len(report.checks)} checks passed).", "",
              f"Provider: `{m.get('provider', m.get('device', '-'))}`; the parts ran on "
-             f"{', '.join(sorted(set(m.get('ran_on', {}).values()))) or '-'}. {_route(m.get('route'))}", "",
+             f"{', '.join(sorted(set(m.get('ran_on', {}).values()))) or '-'}. {_decoder_route(m.get('route'))}", "",
              "| section | check | ok |", "|---|---|---|"]
     lines += [f"| {c.section} | {_cell(c.detail)} | {'yes' if c.ok else 'NO'} |" for c in report.checks]
     for name, figures in report.sections.items():

@@ -161,7 +161,7 @@ def route(ev: EvalContext) -> dict:
     from ..generation.prompt import build_prompt
     from ..parts import llm_route
     from ..runtime.model import HiggsTTS
-    from ..runtime.route import NEVER, RoutePolicy, forced
+    from ..runtime.route import NEVER, RoutePolicy, crossover_words, forced
 
     info = ev.tts.manifest.decoder.get("route", {})
     tts = ev.tts
@@ -183,7 +183,8 @@ def route(ev: EvalContext) -> dict:
     a, b = rows["int4"], rows["int8"]
     m = min(len(a), len(b))
     same = (a[:m] == b[:m]).all(axis=1) if m else np.ones(0, bool)
-    return {"kind": info.get("kind", "none"), "crossover": info.get("crossover"), "gate": gate,
+    return {"kind": info.get("kind", "none"), "crossover": info.get("crossover"),
+            "crossover_words": crossover_words(info), "gate": gate,
             "reference": str(ev.ref.dtype).removeprefix("torch."), "clone_positions": len(clone),
             "clone_prefill_ms": prefill_ms, "greedy_rows": [len(a), len(b)],
             "greedy_equal": float(same.mean()) if m else 1.0,
