@@ -44,6 +44,9 @@ def test_metrics_count_what_was_sent_and_need_the_key(server):
 
     assert server.http.get("/metrics").status_code == 401  # behind --api-key (no --metrics-public)
     assert server.http.get("/ready").json() == {"ready": True}
+    for path in ("/ready", "/health"):  # probes that send HEAD (load balancers, Kubernetes): the GET's status
+        head = server.http.head(path)
+        assert head.status_code == 200 and head.content == b"", (path, head.status_code)
     before = scrape(server)
     for _ in range(3):
         assert server.http.post("/v1/audio/speech", json=BODY, headers=AUTH).status_code == 200
@@ -148,3 +151,26 @@ def test_ready_only_between_start_and_stop(tts):
     finally:
         sched.stop()
     assert not sched.ready
+
+
+def test_head_ready_is_503_while_draining(tts, tmp_path):
+    """A stopped scheduler (the drain after SIGTERM): GET and HEAD /ready both answer 503 with Retry-After."""
+    import asyncio
+
+    import httpx2 as httpx
+
+    from higgs_onnx.serve.app import create_app
+    from higgs_onnx.serve.scheduler import JobScheduler
+
+    sched = JobScheduler(tts, max_batch=1)
+    app = create_app(tts, sched, tmp_path / "voices")
+    sched.start()
+    sched.stop()
+
+    async def probe() -> list:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1") as c:
+            return [await c.request(m, "/ready") for m in ("GET", "HEAD")]
+
+    get, head = asyncio.run(probe())
+    assert get.status_code == head.status_code == 503 and head.headers["retry-after"] == "1"
+    assert get.json()["error"]["code"] == "not_ready" and head.content == b""

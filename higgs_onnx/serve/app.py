@@ -146,9 +146,10 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
     async def prometheus():
         return Response(await asyncio.to_thread(metrics.render), media_type=CONTENT_TYPE)
 
-    @app.get("/ready", include_in_schema=False)
+    @app.api_route("/ready", methods=["GET", "HEAD"], include_in_schema=False)
     async def ready():
-        """Readiness: 200 once the model is loaded and the scheduler runs; 503 while it drains (SIGTERM)."""
+        """Readiness: 200 once the model is loaded and the scheduler runs; 503 while it drains (SIGTERM). HEAD
+        answers alike, without the body (load balancers and Kubernetes probes send HEAD)."""
         if scheduler.ready:
             return {"ready": True}
         return error_response(503, "the server is not ready (starting or draining)", None, "not_ready",
