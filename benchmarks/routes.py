@@ -107,8 +107,7 @@ def cpu() -> dict:
 
 
 def run(model_path: Path, threads: int, repeats: int) -> dict:
-    from higgs_onnx.manifest import load_manifest
-    from higgs_onnx.runtime.route import crossover_words
+    from higgs_onnx.manifest import crossover_words, load_manifest
 
     route = load_manifest(model_path, verify=False).decoder.get("route", {})
     if route.get("kind") != "int8-gemm":

@@ -416,11 +416,12 @@ class Exporter:
         build wrote, gate it against an fp32 reference beside the int4 route, and time both for the crossover;
         returns the manifest's `decoder.route`. A route that fails its gate is not written (its graph and weights
         leave the folder) and the figures are printed: an error when `--prefill-route int8` asked for it."""
+        from .manifest import crossover_words
         from .parts import llm_route, llm_step
         from .parts.llm_decoder import INT8_WEIGHTS
         from .reference.model import ReferenceModel
         from .runtime.model import HiggsTTS
-        from .runtime.route import cpu_summary, crossover_words
+        from .runtime.route import cpu_summary
 
         t0 = time.perf_counter()
         if not (staging / INT8_WEIGHTS).is_file():

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 from .checkpoint import DEFAULT_REPO
-from .runtime.route import crossover_words
+from .manifest import crossover_words
 
 MB = 1 << 20
 

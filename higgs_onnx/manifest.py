@@ -203,6 +203,19 @@ class Manifest:
         return self.path(self.parts[part]["file"])
 
 
+def crossover_words(route: dict) -> str:
+    """An export's int8 route crossover (its manifest's `decoder.route`) in words: the one wording of the build's
+    line, eval's report, the model card and benchmarks/routes.py. "one-row calls from 64 positions, batched steps
+    never; given at build (--route-crossover), not measured; built on <CPU>", or "...; measured on <CPU>"."""
+    c, given = route.get("crossover") or {}, bool(route.get("crossover_given"))
+    never = "never" if given else "never (int4 won at every size timed)"
+    prefill = f"from {c['prefill']} positions" if c.get("prefill") else never
+    batch = f"from {c['batch']} rows" if c.get("batch") else never
+    cpu = (route.get("cpu") or {}).get("model", "an unrecorded CPU")
+    how = f"given at build (--route-crossover), not measured; built on {cpu}" if given else f"measured on {cpu}"
+    return f"one-row calls {prefill}, batched steps {batch}; {how}"
+
+
 def load_manifest(folder: str | os.PathLike, verify: bool = True) -> Manifest:
     """Read and check `folder/manifest.json`; `verify` also checks every file's size and sha256."""
     folder = Path(folder)

@@ -39,26 +39,27 @@ def test_the_crossover_is_where_the_route_wins_from_there_on():
 
 
 def test_the_crossover_is_worded_once_given_or_measured():
-    """`route.crossover_words` says an export's crossover for the build's line, eval's report, the model card and
+    """`manifest.crossover_words` says an export's crossover for the build's line, eval's report, the model card and
     benchmarks/routes.py: a size never taken is "never" (not "from never positions"), and a crossover given on the
     command line says so (not "measured here")."""
     from higgs_onnx.hub_card import gate_lines
+    from higgs_onnx.manifest import crossover_words
 
     given = {"kind": "int8-gemm", "crossover": {"prefill": 64, "batch": None}, "crossover_given": True,
              "cpu": {"model": "Xeon", "flags": ["avx512_vnni"]}}
-    assert routes.crossover_words(given) == ("one-row calls from 64 positions, batched steps never; given at build "
+    assert crossover_words(given) == ("one-row calls from 64 positions, batched steps never; given at build "
                                              "(--route-crossover), not measured; built on Xeon")
     measured = {"crossover": {"prefill": None, "batch": 4}, "cpu": {"model": "EPYC"}}
-    assert routes.crossover_words(measured) == ("one-row calls never (int4 won at every size timed), batched steps "
+    assert crossover_words(measured) == ("one-row calls never (int4 won at every size timed), batched steps "
                                                 "from 4 rows; measured on EPYC")
     card = "\n".join(gate_lines({"route": given}))
-    assert f"- route crossover: {routes.crossover_words(given)}, CPU flags avx512_vnni" in card
+    assert f"- route crossover: {crossover_words(given)}, CPU flags avx512_vnni" in card
     root = Path(__file__).resolve().parents[1]
     sources = [*root.glob("*.py"), *root.glob("higgs_onnx/**/*.py"), *root.glob("benchmarks/*.py"),
                *root.glob("scripts/*.py")]
     wording = re.compile(r"one-row calls (from )?\{")  # an f-string that words a crossover
     sites = sorted(str(p.relative_to(root)) for p in sources if wording.search(p.read_text(encoding="utf-8")))
-    assert sites == ["higgs_onnx/runtime/route.py"], sites
+    assert sites == ["higgs_onnx/manifest.py"], sites
 
 def test_the_policy_reads_the_manifest_and_the_cpu(monkeypatch, caplog):
     entry = {"kind": "int8-gemm", "crossover": {"prefill": 16, "batch": None}}

@@ -159,9 +159,10 @@ def route(ev: EvalContext) -> dict:
     prefill on either route (the steps on int4 both times)."""
     from ..generation.pipeline import stop_rules
     from ..generation.prompt import build_prompt
+    from ..manifest import crossover_words
     from ..parts import llm_route
     from ..runtime.model import HiggsTTS
-    from ..runtime.route import NEVER, RoutePolicy, crossover_words, forced
+    from ..runtime.route import NEVER, RoutePolicy, forced
 
     info = ev.tts.manifest.decoder.get("route", {})
     tts = ev.tts

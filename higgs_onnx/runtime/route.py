@@ -113,19 +113,6 @@ def policy(route: dict | None, mode: str = "auto") -> RoutePolicy:
     return RoutePolicy(prefill=_size(cross.get("prefill")), batch=_size(cross.get("batch")))
 
 
-
-def crossover_words(route: dict) -> str:
-    """An export's crossover (its manifest's `decoder.route`) in words: the one wording of the build's line, eval's
-    report, the model card and benchmarks/routes.py. "one-row calls from 64 positions, batched steps never; given at
-    build (--route-crossover), not measured; built on <CPU>", or "...; measured on <CPU>"."""
-    c, given = route.get("crossover") or {}, bool(route.get("crossover_given"))
-    never = "never" if given else "never (int4 won at every size timed)"
-    prefill = f"from {c['prefill']} positions" if c.get("prefill") else never
-    batch = f"from {c['batch']} rows" if c.get("batch") else never
-    cpu = (route.get("cpu") or {}).get("model", "an unrecorded CPU")
-    how = f"given at build (--route-crossover), not measured; built on {cpu}" if given else f"measured on {cpu}"
-    return f"one-row calls {prefill}, batched steps {batch}; {how}"
-
 # the route loads only where this much of its size is free besides it (ONNX Runtime packs the weights it loads)
 HEADROOM = 1.5
 
