@@ -311,17 +311,14 @@ class Worker:
         """A generated row's `Speech` -> its file and manifest entry; a generation without audio is a failure."""
         from .audio import write_audio
         from .generation.contract import NoAudioError
+        from .job.finish import level as finish_level
 
         wav, rate = speech.waveform, self.tts.facts.sample_rate
         if not wav.size:
             raise NoAudioError(f"the generation ended after {len(speech.rows)} rows ({speech.stop_reason}) without "
                                f"audio")
         path = self.out / f"{row['id']}.{self.fmt}"
-        level = None
-        if self.loudness is not None:
-            from .loudness import normalise
-
-            wav, level = normalise(wav, rate, self.loudness)
+        wav, level = finish_level(wav, rate, self.loudness)  # every door's one loudness call
         try:
             write_audio(path, wav, rate)
         except OSError as e:

@@ -164,3 +164,44 @@ def test_a_cancelled_exclusive_job_does_not_hold_the_queue(tts4):
     finally:
         sched.stop()
     assert chunks[-1].is_last and stats["exclusive"] == 0 and stats["cancelled"] == 2 and stats["finished"] == 1
+
+
+def test_one_redraw_driver_for_whole_takes_and_server_jobs(builds):
+    """The core scheduler's `_retake` draws a degenerate take again for every door: a server job (audio streamed)
+    gets each redrawn take's chunks, then a `Redrawn` event with that take's record; the chunks after the last one
+    are the kept take, equal to the bit to a fresh request made with the kept take's seed and temperature (what the
+    server's own loop of new jobs sent before); `tts.generate(retries=)` (audio="speech") records the same takes."""
+    import dataclasses
+
+    from higgs_onnx.generation.scheduler import Redrawn
+    from higgs_onnx.guard import GuardOptions, RetryPolicy
+    from higgs_onnx.runtime.model import HiggsTTS
+
+    strict = HiggsTTS(builds["fp32"], verify=False, guard=GuardOptions(overlong_factor=1.01, slack_s=0.0))
+    text, opts = TEXTS[1], GenerationOptions(seed=3, temperature=0.8)
+    sched = JobScheduler(strict, max_batch=2, max_queue=2)
+    sched.start()
+    try:
+        async def main():
+            job = sched.submit(text, options=opts, retry=RetryPolicy(retries=2))
+            items = [c async for c in job]
+            last = job.takes[-1]
+            fresh = sched.submit(text, options=dataclasses.replace(opts, seed=last["seed"],
+                                                                   temperature=last["temperature"]))
+            return job, items, [c async for c in fresh]
+
+        job, items, fresh = asyncio.run(main())
+        stats = sched.stats()
+    finally:
+        sched.stop()
+    marks = [i for i, item in enumerate(items) if isinstance(item, Redrawn)]
+    assert len(marks) == 2 and [items[i].take for i in marks] == job.takes[:2]
+    assert [t["verdict"] for t in job.takes] == ["overlong"] * 3
+    assert [t["seed"] for t in job.takes] == [3, 3 + RetryPolicy.seed_step, 3 + 2 * RetryPolicy.seed_step]
+    kept = items[marks[-1] + 1:]
+    np.testing.assert_array_equal(np.concatenate([c.samples for c in kept]),
+                                  np.concatenate([c.samples for c in fresh]))
+    np.testing.assert_array_equal(kept[-1].rows, fresh[-1].rows)
+    assert stats["submitted"] == 2 and stats["finished"] == 2 and stats["in_flight"] == 0  # one job, its redraws in it
+    whole = strict.generate(text, options=opts, retries=2)
+    assert whole.takes == job.takes and whole.verdict.name == "overlong"

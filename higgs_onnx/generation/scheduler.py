@@ -116,8 +116,11 @@ class Handle:
         self._events = Mailbox()
         self._sink = sink  # called (from the scheduler's / codec's thread) with each event instead of queueing it
         self.streamer: AudioStreamer | None = None
-        self.retry = None  # guard.RetryPolicy: a degenerate take is drawn again (audio="speech")
+        self.stream_options = None  # audio="stream": the codec's chunking (a redrawn take gets a fresh streamer)
+        self.retry = None  # guard.RetryPolicy: a degenerate take is drawn again (`Scheduler._retake`)
         self.takes: list[dict] = []  # every take judged so far (guard.take_record)
+        self.verdict = None  # the guard's verdict of the last take judged
+        self.drawn: list[np.ndarray] = []  # audio="stream" with retry: this take's samples so far, for its verdict
 
     # -- the consumer's side --------------------------------------------------------------------------------------
     def cancel(self) -> None:
@@ -220,6 +223,14 @@ class Handle:
 END = object()  # the last event of every handle
 
 
+@dataclass(frozen=True)
+class Redrawn:
+    """The event after a redrawn take's chunks (audio="stream" with retry): the guard found that take degenerate
+    (`take`: its `guard.take_record`) and a new draw follows; a consumer drops the chunks before it."""
+
+    take: dict
+
+
 class Mailbox:
     """A FIFO between threads that a Ctrl-C cannot wedge. `queue.Queue` takes its lock in Python code, so a
     KeyboardInterrupt landing in the main thread between the acquire and the `try` leaves it held, and the next
@@ -291,12 +302,19 @@ class CodecWorker:
                 if handle.audio == "stream":
                     for chunk in handle.streamer.push(frames, final, rows_done):
                         handle._emit(chunk)
+                        if handle.retry is not None:
+                            handle.drawn.append(chunk.samples)
                         if chunk.is_last:
                             handle.result = chunk
+                    if final and handle.retry is not None and handle.sched._retake(handle, np.concatenate(
+                            handle.drawn)):
+                        continue  # a degenerate take, drawn again: not the end
                 elif final:  # "speech": one decode of every frame, judged by the guard
                     speech = self._speech(handle.request, frames)
-                    if handle.sched._retake(handle, speech):  # a degenerate take, drawn again: not the end
+                    if handle.sched._retake(handle, speech.waveform):  # a degenerate take, drawn again
                         continue
+                    if handle.verdict is not None:
+                        speech.verdict, speech.takes = handle.verdict, list(handle.takes)
                     handle.result = speech
             except Exception as e:  # noqa: BLE001 - this request fails (its slot is freed at the next step)
                 if not isinstance(e, NoAudioError):
@@ -374,10 +392,11 @@ class Scheduler:
         request that continues it (`after=` that handle: its prompt starts with the finished one's prompt and rows,
         and only the rest is prefilled). `exclusive`: run alone. `on_row(n)` is called after each row (from the
         loop's thread). `sink(event)` receives the events instead of the handle's queue (the server's event loop).
-        `retry` (a `guard.RetryPolicy`, audio="speech"): a take the guard finds degenerate is drawn again, with a
-        new seed and a cooler temperature, up to its retries; the `Speech` lists every take (`takes`). A voice blend
-        (`request.width` > 1) takes a slot per voice: it waits for that many, and one wider than the scheduler is
-        refused here."""
+        `retry` (a `guard.RetryPolicy`): a take the guard finds degenerate is drawn again, with a new seed and a
+        cooler temperature, up to its retries (`_retake`, the one redraw driver); the `Speech` lists every take
+        (`takes`); a stream's consumer gets each redrawn take's chunks, then a `Redrawn` event, then the next draw's
+        (`handle.takes` lists them all). A voice blend (`request.width` > 1) takes a slot per voice: it waits for
+        that many, and one wider than the scheduler is refused here."""
         if audio not in AUDIO_MODES:
             raise ValueError(f"audio must be one of {AUDIO_MODES}, got {audio!r}")
         if request.width > self.slots:
@@ -387,17 +406,16 @@ class Scheduler:
             raise ValueError("a voice blend cannot keep or continue a KV cache (one per voice)")
         if after is not None and (after.sched is not self or not after.keep):
             raise ValueError("after= must be a handle of this scheduler submitted with keep=True")
-        if retry is not None and (audio != "speech" or keep or after is not None):
-            raise ValueError("retry= is for audio='speech' requests that neither keep nor continue a cache (a "
-                             "stream's audio is out before its take can be judged; long-form retries its pieces)")
+        if retry is not None and (audio is None or keep or after is not None):
+            raise ValueError("retry= is for requests with audio that neither keep nor continue a cache (a redraw "
+                             "starts again from the same prompt; long-form retries its pieces in their lanes)")
         handle = Handle(self, request, audio, keep, exclusive, after, on_row, sink)
         handle.retry = retry
         if audio == "stream":
             from .codec_stream import StreamOptions
 
-            codec = self.codec.codec_stream(stream_options or StreamOptions())
-            handle.streamer = AudioStreamer(request, codec, self.codec.facts.sample_rate,
-                                            self.codec.facts.codebook_size)
+            handle.stream_options = stream_options or StreamOptions()
+            handle.streamer = self._streamer(request, handle.stream_options)
         with self._wake:
             if self.max_waiting is not None and len(self._waiting) >= self.max_waiting:
                 raise QueueFull(f"{len(self._waiting)} requests are waiting")
@@ -406,19 +424,24 @@ class Scheduler:
             self._wake.notify_all()
         return handle
 
-    def _retake(self, handle: Handle, speech) -> bool:
-        """Judge a finished take (the codec's thread); a degenerate one of a handle with retries left is queued
-        again as a new draw (first in line) and True returned. The verdict and the takes so far go on `speech`."""
+    def _streamer(self, request: Request, stream_options) -> AudioStreamer:
+        f = self.codec.facts
+        return AudioStreamer(request, self.codec.codec_stream(stream_options), f.sample_rate, f.codebook_size)
+
+    def _retake(self, handle: Handle, samples: np.ndarray) -> bool:
+        """The one redraw driver of a whole take, for every door (the command line, corpus rows and the Python API
+        with audio="speech"; the server's jobs with audio="stream"): judge the finished take on its `samples` (the
+        codec's thread), record it (`handle.verdict`, `handle.takes`); a degenerate one of a handle with retries
+        left is queued again as a new draw (first in line) and True returned."""
         from ..guard import GuardOptions, judge, take_record
 
         req, f = handle.request, self.codec.facts
         if req.text is None:  # a request not made from a text (the guard has nothing to measure it against)
             return False
         g = req.watch.options if req.watch is not None else GuardOptions()
-        verdict = judge(req.generated, req.text, f.frame_rate, f.num_codebooks, req.stop_reason, speech.waveform,
-                        f.hop, g)
+        verdict = handle.verdict = judge(req.generated, req.text, f.frame_rate, f.num_codebooks, req.stop_reason,
+                                         samples, f.hop, g)
         handle.takes.append(take_record(req.options, req.n, req.stop_reason, verdict))
-        speech.verdict, speech.takes = verdict, list(handle.takes)
         if handle.retry is None or handle.cancelled:
             return False
         options = handle.retry.after(verdict, req.options, len(handle.takes))
@@ -427,6 +450,9 @@ class Scheduler:
         log.info("request %d: take %d is %s (%s); drawing again with seed %d, temperature %.2f", handle.id,
                  len(handle.takes), verdict.name, verdict.reason, options.seed, options.temperature)
         handle.request = req.redraw(options)
+        if handle.audio == "stream":  # the next draw's chunks come from a fresh codec stream, after the marker
+            handle.drawn, handle.streamer = [], self._streamer(handle.request, handle.stream_options)
+            handle._emit(Redrawn(handle.takes[-1]))
         with self._wake:
             handle.state = "waiting"
             self._waiting.appendleft(handle)

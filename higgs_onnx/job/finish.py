@@ -1,4 +1,5 @@
-"""A job's finish, written once for every door: word timing (`time_words`, `with_words`) and loudness.
+"""A job's finish, written once for every door: loudness (`level`; a take's chunks `leveled`, a recording
+`level_file`), then word timing (`time_words`; a stream of pieces `with_words`, a recording's cues `file_words`).
 
 Word timing runs the forced aligner (`captions.timed`) in one bounded, lower-priority thread pool off the event
 loop, with one failure rule: an aligner that raises is logged once and the cue comes back with no words and a
@@ -20,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from ..longform.captions import Cue, timed
+from ..loudness import Loudness, normalise
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +95,44 @@ async def with_words(first, items: AsyncIterator, text: str, sample_rate: int, l
 
     out = stream()
     return await anext(out), out
+
+
+# -- loudness -----------------------------------------------------------------------------------------------------
+def level(wav: np.ndarray, sample_rate: int, lufs: float | None) -> tuple[np.ndarray, Loudness | None]:
+    """`wav` brought to `lufs` (EBU R128, one gain, the peak held under -1 dBFS) and what was done; `wav` itself and
+    None without a target. Every door's loudness is this call: the sync driver's take, the async driver's chunks
+    (`leveled`), a written recording (`level_file`) and a corpus row."""
+    if lufs is None:
+        return wav, None
+    return normalise(wav, sample_rate, lufs)
+
+
+def leveled(done: list, sample_rate: int, lufs: float | None) -> tuple[list, Loudness | None]:
+    """A whole take's chunks brought to `lufs` together (one gain; a long input's piece cues stay where they are),
+    and the record; unchanged without a target or audio."""
+    audio = [c for c in done if not isinstance(c, Cue)]
+    if lufs is None or not audio:
+        return done, None
+    wav, lv = level(np.concatenate([c.samples for c in audio]), sample_rate, lufs)
+    ends = np.cumsum([c.samples.size for c in audio])
+    made = iter([dataclasses.replace(c, samples=wav[e - c.samples.size:e])
+                 for c, e in zip(audio, ends, strict=True)])
+    return [c if isinstance(c, Cue) else next(made) for c in done], lv
+
+
+def level_file(path, lufs: float | None) -> Loudness | None:
+    """A written recording brought to `lufs` in place (one gain: its pieces keep their balance), atomically (a
+    temporary file renamed over it); None without a target."""
+    if lufs is None:
+        return None
+    import soundfile as sf
+
+    from ..audio import write_audio
+
+    wav, sr = sf.read(path, dtype="float32")
+    wav, lv = level(wav, sr, lufs)
+    write_audio(path, wav, sr)
+    return lv
 
 
 def aligner_pending() -> int:

@@ -25,14 +25,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..generation.scheduler import Redrawn
 from ..guard import GuardOptions, RetryPolicy, best_take, judge, misheard, take_record, take_scores, take_seeds
-from ..longform.captions import Cue
-from ..loudness import normalise
 from ..tags import CONTROL_TAG
 from ..text.directions import DirectionError
 from ..text.pipeline import Reading
 from ..text.ssml import SsmlError
-from .finish import aligned, joined, with_words  # noqa: F401 - aligned, joined: the stream doors' until they call time_words
+from .finish import aligned, joined, level, leveled, with_words  # noqa: F401 - aligned, joined: the stream doors'
 from .options import TEXT, OptionError, Shape, SpeechOptions, check_takes
 
 log = logging.getLogger(__name__)
@@ -186,10 +185,8 @@ def speak(tts, job: SpeechOptions, text: str, voice=None, *, on_row=None, save_t
     else:
         speech = tts.generate(text, voice=voice, options=job.generation, on_row=on_row,
                               retries=RetryPolicy(retries=job.retries) if job.retries else None)
-    if job.loudness is None:
-        return speech, None
-    speech.waveform, level = normalise(speech.waveform, speech.sample_rate, job.loudness)
-    return speech, level
+    speech.waveform, lv = level(speech.waveform, speech.sample_rate, job.loudness)
+    return speech, lv
 
 
 def heard_rate(record: dict | None) -> float:
@@ -267,36 +264,19 @@ class Runner:
         options, takes = job.generation, None
         if job.takes > 1:
             handle, done, takes = await self.best_take(text, voice, options, job.takes, job.deterministic)
-        elif job.retries:
-            handle, done, takes = await self.redraws(text, voice, options, job.retries, job.deterministic)
+        elif job.retries:  # the scheduler's one redraw driver; the kept take's chunks follow its last `Redrawn`
+            handle = self.start(text, voice, options, job.deterministic, RetryPolicy(retries=job.retries))
+            done, takes = kept_take(await self.collect(handle)), handle.takes
+            for i, t in enumerate(takes):
+                tally("redraw", t["verdict"], redraw=i < len(takes) - 1)
         else:
             handle = read_pieces() if read_pieces else self.start(text, voice, options, job.deterministic)
             if job.loudness is None:
                 chunks = aiter(handle)
                 return Outcome(handle, await self.opening(handle, chunks), chunks)
             done = await self.collect(handle)
-        level = None
-        if job.loudness is not None and done:
-            done, level = leveled(done, self.sample_rate, job.loudness)
-        return Outcome(handle, done[0] if done else None, replay(done[1:]), takes, level)
-
-    async def redraws(self, text: str, voice, options, retries: int, exclusive: bool):
-        """(job, chunks, takes): whole takes, each judged by the guard, until a good one or the retries run out
-        (`guard.RetryPolicy`, as every door's)."""
-        policy, takes = RetryPolicy(retries=retries), []
-        while True:
-            handle = self.start(text, voice, options, exclusive)
-            done = await self.collect(handle)
-            if not done:
-                return handle, done, takes
-            v = self.judged(text, done)
-            takes.append(take_record(options, len(done[-1].rows), done[-1].stats.stop_reason, v))
-            nxt = policy.after(v, options, len(takes))
-            tally("redraw", v.name, redraw=nxt is not None)
-            if nxt is None:
-                return handle, done, takes
-            log.info("request %s: take %d is %s (%s); drawing again", handle.id, len(takes), v.name, v.reason)
-            options = nxt
+        done, lv = leveled(done, self.sample_rate, job.loudness)
+        return Outcome(handle, done[0] if done else None, replay(done[1:]), takes, lv)
 
     async def best_take(self, text: str, voice, options, n: int, exclusive: bool):
         """(job, chunks, takes): `n` draws submitted together (they batch with every other request), each judged;
@@ -334,14 +314,10 @@ async def replay(items: list) -> AsyncIterator:
         yield item
 
 
-def leveled(done: list, sample_rate: int, lufs: float) -> tuple[list, object]:
-    """A whole take's chunks brought to `lufs` together (one gain), and the `loudness.Loudness` record."""
-    audio = [c for c in done if not isinstance(c, Cue)]  # a long input's piece cues stay where they are
-    wav, level = normalise(np.concatenate([c.samples for c in audio]), sample_rate, lufs)
-    ends = np.cumsum([c.samples.size for c in audio])
-    made = iter([dataclasses.replace(c, samples=wav[e - c.samples.size:e])
-                 for c, e in zip(audio, ends, strict=True)])
-    return [c if isinstance(c, Cue) else next(made) for c in done], level
+def kept_take(done: list) -> list:
+    """A redrawn job's items from its kept take on: those after its last `Redrawn` event."""
+    marks = [i for i, item in enumerate(done) if isinstance(item, Redrawn)]
+    return done[marks[-1] + 1:] if marks else done
 
 
 _takes: dict[tuple[str, str], int] = {}  # (policy, verdict) -> takes judged by the server's driver

@@ -78,6 +78,11 @@ class Job:
     def cancelled(self) -> bool:
         return self.handle is not None and self.handle.cancelled
 
+    @property
+    def takes(self) -> list[dict]:
+        """Every take the guard judged (a job with `retry`), in order."""
+        return list(self.handle.takes) if self.handle is not None else []
+
     def cancel(self) -> None:
         """Stop the job: its slot is freed at the next decoder step (a job that already ended is left alone)."""
         if self.handle is not None:
@@ -170,14 +175,16 @@ class JobScheduler:
 
     def submit(self, text: str, *, voice=None, options: GenerationOptions | None = None,
                stream_options: StreamOptions | None = None, exclusive: bool = False, keep: bool = False,
-               history: list = (), continues: Job | None = None) -> Job:
+               history: list = (), continues: Job | None = None, retry=None) -> Job:
         """A job for `text` (call from the event loop), built for one pool slot. A request that breaks the contract
         raises ContractError, other bad text/options ValueError, here; a full queue raises QueueFull, a stopped
         scheduler ShuttingDown. An
         `exclusive` job runs alone (a batch of one): reproducible to the bit, at the cost of draining the batch.
         `keep`: its KV cache is held when it ends, for a job that `continues` it (KV continuation: `history` then
         ends with its (text, rows) turn, and only the new text is prefilled); a kept job nobody continues is given
-        back with `job.handle.release()`."""
+        back with `job.handle.release()`. `retry` (a `guard.RetryPolicy`): a take the guard finds degenerate is
+        drawn again by the core's one redraw driver; each redrawn take's chunks are followed by a
+        `generation.scheduler.Redrawn` event (`job.takes` lists every take)."""
         if self._stopping.is_set():
             raise ShuttingDown("the server is shutting down")
         width = getattr(voice, "width", 1)  # a blend of voices (`generation.blend.Blend`): a batch slot per voice
@@ -198,7 +205,7 @@ class JobScheduler:
             self.counts["submitted"] += 1
         try:
             job.handle = self.core.submit(req, "stream", stream_options or StreamOptions(), exclusive=exclusive,
-                                          sink=job._sink, keep=keep,
+                                          sink=job._sink, keep=keep, retry=retry,
                                           after=None if continues is None else continues.handle)
         except BaseException:
             with self._lock:

@@ -304,10 +304,11 @@ class SpeechService:
         return PieceReader(SpeechSession(self.scheduler, voice, options), pieces, self.sample_rate, tag,
                            self.clone_voice if voice is None else None)
 
-    def start_job(self, text: str, voice, options, exclusive: bool):
-        """Submit one job; the scheduler's refusals as OpenAI-style errors."""
+    def start_job(self, text: str, voice, options, exclusive: bool, retry=None):
+        """Submit one job (`retry`: its redraws, `guard.RetryPolicy`); the scheduler's refusals as OpenAI-style
+        errors."""
         try:
-            return self.scheduler.submit(text, voice=voice, options=options, exclusive=exclusive)
+            return self.scheduler.submit(text, voice=voice, options=options, exclusive=exclusive, retry=retry)
         except QueueFull as e:
             raise ApiError(429, f"the server is busy ({e}); try again shortly", None, "rate_limit_exceeded",
                            {"Retry-After": "1"}) from None
