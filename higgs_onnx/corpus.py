@@ -135,8 +135,38 @@ def row_id(value) -> str | None:
     return value if ID_PATTERN.match(value) else None
 
 
-def read_rows(path: Path) -> list[Row]:
-    """Every non-blank line as a Row; a malformed one becomes a Row with its error. Duplicate ids are refused."""
+class RowWords:
+    """The export's tokenizer on the driver (no model loads): what a worker's model would read of an SSML row
+    (`said`) and the request contract's check of its words (special tokens), so a document that cannot be spoken
+    (`<sub alias="&lt;|audio|&gt;">`) is a row error before any work, in the words the server uses."""
+
+    def __init__(self, manifest):
+        from tokenizers import Tokenizer
+
+        from .generation.prompt import PromptTokens
+
+        self.tokenizer = Tokenizer.from_file(str(manifest.path(manifest.tokenizer)))
+        self.ids = PromptTokens(**manifest.tokens)
+
+    def check(self, text: str, fields: dict) -> None:
+        from .generation.prompt import encode_user_text
+
+        encode_user_text(self.tokenizer, self.ids, said(text, fields, self.ids.control_tags))
+
+
+def said(text: str, fields: dict | None, tags) -> str:
+    """What the model reads of a row's text: its text steps (docs/text.md), the instructions' tags first."""
+    if not fields:
+        return text
+    from .job.run import SpeechJob
+
+    return SpeechJob.build(fields, "corpus", tags).prepare(text, "text").text
+
+
+def read_rows(path: Path, words: RowWords | None = None) -> list[Row]:
+    """Every non-blank line as a Row; a malformed one becomes a Row with its error. Duplicate ids are refused.
+    An SSML row's document is read here (with `words`, the export's tokenizer: through every text step and the
+    contract's special-token check), not first on a worker."""
     from .job.options import OPTIONS, TEXT, OptionError, SpeechOptions
 
     rows, seen = [], {}
@@ -162,6 +192,7 @@ def read_rows(path: Path) -> list[Row]:
         text, voice = obj.get("text"), obj.get("voice")
         options = {k: obj[k] for k in OPTION_FIELDS if k in obj}
         unknown = set(obj) - {"id", "text", "voice", *OPTION_FIELDS, *OPTIONS}
+        text_options = {k: obj[k] for k in TEXT if k in obj} or None
         error = None
         if text is not None and not isinstance(text, str):
             error = f"text must be a string, got {type(text).__name__} {text!r:.40}"
@@ -175,18 +206,30 @@ def read_rows(path: Path) -> list[Row]:
             try:  # the job options' own bounds; a job field a row cannot carry is refused by name (job.options)
                 built = SpeechOptions.build({k: obj[k] for k in OPTIONS if k in obj and k != "voice"}, "corpus")
                 if built.text.ssml:  # a document that cannot be read is known now, not on a worker
-                    from .text.ssml import SsmlError, to_text
-
-                    try:
-                        to_text(text, ())
-                    except SsmlError as e:
-                        error = f"text: {e}"
+                    error = ssml_error(text, text_options, words)
             except OptionError as e:
                 error = e.message
-        text_options = {k: obj[k] for k in TEXT if k in obj} or None
         rows.append(Row(id=rid, line=n, text=text, voice=voice, options=options, error=error,
                         text_options=text_options))
     return rows
+
+
+def ssml_error(text: str, fields: dict, words: RowWords | None) -> str | None:
+    """Why an SSML row cannot be spoken (None: it can): the document, or what it reads as (special tokens)."""
+    from .generation.contract import ContractError
+    from .job.options import OptionError
+    from .text.ssml import SsmlError, to_text
+
+    try:
+        if words is None:
+            to_text(text, ())
+        else:
+            words.check(text, fields)
+    except (SsmlError, OptionError) as e:
+        return f"text: {e}"
+    except ContractError as e:  # "text contains the special token <|audio|>, ...": the worker's words
+        return str(e)
+    return None
 
 
 def read_manifest(out: Path) -> dict[str, dict]:
@@ -333,14 +376,10 @@ class Worker:
                 "seconds": time.perf_counter() - t0, "worker": self.name,
                 "worker_peak_rss_mb": peak_rss() / 2**20, "error": None}
 
-    def said(self, row: dict) -> str:
-        """What the model reads of the row's text: its text steps (docs/text.md), the instructions' tags first."""
-        fields = row.get("text_options")
-        if not fields:
-            return row["text"]
-        from .job.run import SpeechJob
 
-        return SpeechJob.build(fields, "corpus", self.tts.tokens.control_tags).prepare(row["text"], "text").text
+    def said(self, row: dict) -> str:
+        """What the model reads of the row's text (`said`)."""
+        return said(row["text"], row.get("text_options"), self.tts.tokens.control_tags)
 
     def run(self, rows: list[dict]) -> list[dict]:
         """Make `rows` on this worker's scheduler (called from several threads at once); their manifest entries."""
@@ -428,8 +467,8 @@ def run(args: argparse.Namespace) -> int:
     SpeechOptions.build({"retries": args.retries, "loudness": args.loudness}, "cli")  # the same bounds as everywhere
     check_address(args.address)
     cli_model_path(args)  # hf://...: fetched once on the driver; the workers get the local folder
-    load_export(args.model_path, verify=False)  # a missing or broken export: one line, before Ray starts
-    rows = read_rows(args.input)
+    manifest = load_export(args.model_path, verify=False)  # a missing or broken export: one line, before Ray starts
+    rows = read_rows(args.input, RowWords(manifest))
     if not rows:
         raise ValueError(f"{args.input} has no rows")
     check_out(args.out)  # a file, an unwritable place: one line, before Ray starts

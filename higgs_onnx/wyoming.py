@@ -19,6 +19,8 @@ from .serve.scheduler import JobScheduler
 from .serve.voices import VoiceError, VoiceStore, check_languages
 from .serve.wyoming_server import DEFAULT_LANGUAGES, Announcement, WyomingService, check_uri, check_zeroconf, start
 
+SSML_REFUSED = "does not apply to Wyoming: its text arrives in pieces, and Home Assistant sends plain text"
+
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m higgs_onnx.wyoming", description="A Wyoming TTS server for Home "
@@ -36,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--languages", default=",".join(DEFAULT_LANGUAGES), help="languages the voices are listed with "
                     "(Home Assistant offers a voice for these; default %(default)s)")
     ap.add_argument("--max-batch", type=int, default=4, help="requests generated together (default %(default)s)")
-    add_text_flags(ap, "every text")
+    add_text_flags(ap, "every text", SSML_REFUSED)
     ap.add_argument("--threads", type=int, default=0, help="intra-op threads (0 = one per core)")
     ap.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the model files")
     add_log_level(ap)
@@ -47,8 +49,7 @@ def run(args: argparse.Namespace) -> int:
     require("server", "the Wyoming server", ("wyoming", "zeroconf") if args.zeroconf is not None else ("wyoming",))
     check_uri(args.uri)
     if args.ssml:
-        raise ValueError("--ssml does not apply to Wyoming: its text arrives in pieces, and Home Assistant sends "
-                         "plain text")
+        raise ValueError(f"--ssml {SSML_REFUSED}")
     name = None if args.zeroconf is None else check_zeroconf(args.uri, args.zeroconf)
     base = SpeechOptions.build(text_values(args), "cli")  # the text steps (docs/text.md), before the model loads
     require_text(vars(args))

@@ -72,10 +72,28 @@ XXE = '<?xml version="1.0"?><!DOCTYPE s [<!ENTITY x SYSTEM "file:///etc/passwd">
     ("<other>Hi</other>", "SSML element <other> is not supported"),
     ("<speak>" + "<emphasis>" * 40 + "x" + "</emphasis>" * 40 + "</speak>", "nested deeper than 32"),
     ("<speak>" + "a" * 100_001 + "</speak>", "the limit is 100,000"),
+    # a DTD with no XML declaration (the usual XXE form) is a DTD, not text that is not well-formed
+    (XXE.removeprefix('<?xml version="1.0"?>'), "refused: DTDForbidden"),
+    ("<!DOCTYPE speak><speak>Hi</speak>", "refused: DTDForbidden"),
+    # a processing instruction is never dropped silently
+    ("<speak>Hi <?php echo 1; ?> there</speak>", "processing instruction <?php ...?> is not read"),
+    ('<?xml version="1.0"?><?xml-stylesheet href="s.xsl"?><speak>Hi</speak>', "<?xml-stylesheet ...?> is not read"),
+    ("Hi <?tts fast?> there", "<?tts ...?> is not read"),
+    # namespaces honoured: a foreign foo:rate is not SSML's rate, a foreign element is not SSML's
+    ('<speak xmlns:foo="urn:x"><prosody foo:rate="x-fast">Hi</prosody></speak>',
+     'attribute rate="..." of <prosody> is in the namespace urn:x'),
+    ('<speak xmlns:foo="urn:x">Hi <foo:break time="1s"/></speak>', "element <break> is in the namespace urn:x"),
+    ('<speak><say-as>12</say-as></speak>', "<say-as> needs an interpret-as attribute (characters, spell-out"),
 ])
 def test_hostile_and_unsupported_documents_are_refused_by_name(doc, message):
     with pytest.raises(SsmlError, match=re.escape(message)):
         to_text(doc, TAGS)
+
+
+def test_ssml_namespace_and_xml_attributes_are_read():
+    doc = ('<speak xmlns="http://www.w3.org/2001/10/synthesis" xmlns:s="http://www.w3.org/2001/10/synthesis" '
+           'xml:lang="en" xml:base="http://example.com/"><prosody s:rate="x-fast">Go</prosody>.</speak>')
+    assert to_text(doc, TAGS) == "<|prosody:speed_very_fast|>Go."
 
 
 def test_the_corpus_refuses_a_bad_document_before_any_work(tmp_path):
@@ -115,6 +133,47 @@ def test_http_and_the_command_line_show_what_the_document_became(builds, tmp_pat
                         '<speak><audio src="x"/></speak>', "--ssml", "--dry-run"], cwd=ROOT, capture_output=True,
                        text=True, timeout=120)
     assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].startswith("error:") and "<audio>" in p.stderr
+
+
+AUDIO_ALIAS = '<sub alias="&lt;|audio|&gt;">W3C</sub>'
+REFUSED = ((f"<speak>{AUDIO_ALIAS}</speak>", "the special token <|audio|>"),
+           (f"Hi {AUDIO_ALIAS} there", "the special token <|audio|>"),
+           ("<speak>Hi <?tts fast?></speak>", "processing instruction <?tts ...?>"),
+           ("<speak><say-as>12</say-as></speak>", "needs an interpret-as attribute"))
+
+
+@pytest.mark.slow
+def test_what_a_document_reads_as_is_refused_before_any_work(builds, tmp_path):
+    """A document that reads as a special token (an alias of `<|audio|>`: not "nothing to speak"), a processing
+    instruction, a say-as without its kind: HTTP's 400 names it (the dry run too); a corpus row is a row error on the
+    driver in the server's words, before Ray starts (no row to make, exit 1). `--ssml` as a server default: its help
+    says it is refused, as its error does."""
+    from test_server import Server
+
+    s = Server(builds["fp32"], tmp_path / "server")
+    try:
+        for doc, words in REFUSED:
+            for dry_run in (True, False):
+                bad = s.http.post("/v1/audio/speech", json={"model": "tts-1", "input": doc, "ssml": True,
+                                                            "dry_run": dry_run})
+                err = bad.json()["error"]
+                assert bad.status_code == 400 and err["param"] == "input" and words in err["message"], (doc, err)
+    finally:
+        s.stop()
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"id": f"r{i}", "text": doc, "ssml": True}) + "\n"
+                            for i, (doc, _) in enumerate(REFUSED)))
+    p = subprocess.run([sys.executable, "-m", "higgs_onnx.corpus", "--model-path", str(builds["fp32"]), "--input",
+                        str(rows), "--out", str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 1 and f"0 to make, {len(REFUSED)} bad" in p.stderr, p.stderr
+    errors = [json.loads(line)["error"] for line in (tmp_path / "out" / "manifest.jsonl").read_text().splitlines()]
+    assert errors[0].startswith("text contains the special token <|audio|>, which only the toolkit may place")
+    assert all(words in e for e, (_, words) in zip(errors, REFUSED, strict=True)), errors
+    for door, words in (("higgs_onnx.serve", "--ssml is per request"), ("higgs_onnx.wyoming", "--ssml does not apply")):
+        helped = subprocess.run([sys.executable, "-m", door, "--help"], cwd=ROOT, capture_output=True, text=True,
+                                timeout=60).stdout
+        assert f"refused: {words}" in " ".join(helped.split()), helped  # what its error says (tested above)
     p = subprocess.run([sys.executable, "-m", "higgs_onnx.serve", "--model-path", str(builds["fp32"]), "--ssml"],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "--ssml is per request" in p.stderr

@@ -566,13 +566,15 @@ def rules_table() -> str:
     return "\n".join(["| rule | fields | checked at | the error (as HTTP words it) |", "|---|---|---|---|", *rows])
 
 
-def add_text_flags(ap, where: str = "the text") -> None:
-    """The text steps' command-line flags (inference.py, and the servers' defaults for every request)."""
+def add_text_flags(ap, where: str = "the text", ssml_refused: str | None = None) -> None:
+    """The text steps' command-line flags (inference.py, and the servers' defaults for every request).
+    `ssml_refused`: why this command refuses `--ssml` (its help then says so, in the words of its error)."""
     ap.add_argument("--normalize", nargs="?", const=True, default=None, metavar="LANG",
                     help=f"read numbers, dates, money, units, URLs ... in {where} as words: en, zh, or auto (the "
                     "default when LANG is left out) (docs/text.md)")
     ap.add_argument("--ssml", action="store_const", const=True, default=None,
-                    help=f"{where} is an SSML document: <speak>, <break>, <prosody rate/pitch>, <say-as>, <sub>, "
+                    help=f"refused: --ssml {ssml_refused}" if ssml_refused else
+                    f"{where} is an SSML document: <speak>, <break>, <prosody rate/pitch>, <say-as>, <sub>, "
                     "<emphasis> (docs/text.md); anything else is refused")
     ap.add_argument("--markdown", action="store_const", const=True, default=None,
                     help=f"{where} is chat text: read its markdown as prose (lists, tables, links; code dropped)")

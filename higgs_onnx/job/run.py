@@ -76,7 +76,10 @@ class SpeechJob:
             reading = self.options.read(text, self.tags)
         except SsmlError as e:  # the text is the document: its field is the input's
             raise OptionError(str(e), "input") from None
-        if reading.steps and not CONTROL_TAG.sub("", reading.text).strip():
+        # only the model's own tags count as no speech: any other `<|...|>` (an SSML alias of `<|audio|>`) stays, for
+        # the request contract to refuse by name as a special token
+        spoken = CONTROL_TAG.sub(lambda m: "" if m.group() in self.tags else m.group(), reading.text)
+        if reading.steps and not spoken.strip():
             raise OptionError(f"{what} has nothing to speak after {', '.join(s for s, _ in reading.steps)}",
                               "input")
         return Prepared(self.lead, reading)

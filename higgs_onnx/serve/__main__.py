@@ -37,6 +37,8 @@ from .launch import is_loopback, load, timeouts_of
 from .limits import MAX_HEADER_BYTES, Timeouts, guarded_protocol
 
 log = logging.getLogger("higgs_onnx.serve")
+SSML_REFUSED = ('is per request, not a server default (a WebSocket or Wyoming session\'s text arrives in pieces): send '
+                '"ssml": true with POST /v1/audio/speech')
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "KEY' on /v1 (default: $HIGGS_API_KEY, which keeps the key out of the process list)")
     ap.add_argument("--metrics-public", action="store_true", help="serve GET /metrics (Prometheus) without the "
                     "API key, for a scraper that cannot send one (default: behind --api-key like /v1)")
-    add_text_flags(ap, "every request's text (a request's own fields are laid over these)")
+    add_text_flags(ap, "every request's text (a request's own fields are laid over these)", SSML_REFUSED)
     ap.add_argument("--threads", type=int, default=0, help="intra-op threads (0 = one per core)")
     ap.add_argument("--provider", choices=sorted(PROVIDERS), help="execution provider (default: the one the "
                     "folder was built for)")
@@ -133,8 +135,7 @@ def check_args(args: argparse.Namespace) -> None:
                          f"chunks by time)")
     check_ray_args(args)
     if getattr(args, "ssml", None):
-        raise ValueError('--ssml is per request, not a server default (a WebSocket or Wyoming session\'s text arrives '
-                         'in pieces): send "ssml": true with POST /v1/audio/speech')
+        raise ValueError(f"--ssml {SSML_REFUSED}")
     timeouts_of(args)
     check_threads(args.threads)
     args.base = SpeechOptions.build(text_values(args), "cli")  # the text steps' defaults: the bounds of every door

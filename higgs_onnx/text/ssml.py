@@ -14,9 +14,11 @@ no external entity (a billion-laughs document is refused, not expanded). What ea
 - `<emphasis level=...>`: `<|prosody:expressive_high|>` (strong, moderate) or `expressive_low` (reduced) before the
   enclosed text.
 
-Any other element or attribute is refused by name, as is a document over MAX_CHARS, nested deeper than MAX_DEPTH, or
-one that is not well formed. The model's tags have no end: a rate, pitch or emphasis tag is placed before the text it
-applies to, and what follows is the model's to decide. A tag the tokenizer lacks is left out.
+Any other element or attribute is refused by name, as is one in a foreign namespace (`foo:rate` is not SSML's `rate`;
+SSML's own namespace and `xml:` are read), a processing instruction (`<?name ...?>`), a DTD (`<!DOCTYPE ...>`, with or
+without an XML declaration), a document over MAX_CHARS, nested deeper than MAX_DEPTH, or one that is not well formed.
+The model's tags have no end: a rate, pitch or emphasis tag is placed before the text it applies to, and what
+follows is the model's to decide. A tag the tokenizer lacks is left out.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ LONG_PAUSE_S = 0.8  # a break this long or longer is the long pause tag
 MAX_BREAK_S = 10.0
 MAX_CHARS = 100_000
 MAX_DEPTH = 32
+SSML_NS = "http://www.w3.org/2001/10/synthesis"
+XML_NS = "http://www.w3.org/XML/1998/namespace"  # xml:lang, xml:base
 _TIME = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s)\s*$")
 _PERCENT = re.compile(r"^\s*([+-]?\d+(?:\.\d+)?)\s*%\s*$")
 
@@ -52,23 +56,45 @@ def local(name: str) -> str:
     return name.rsplit("}", 1)[-1]
 
 
+def namespace(name: str) -> str:
+    """The namespace of a parsed name ("" for none)."""
+    return name[1:].split("}", 1)[0] if name.startswith("{") else ""
+
+
 def parse(text: str):
-    """The document's root element (defusedxml: DTDs, entities and external references are refused)."""
+    """The document's root element (defusedxml: DTDs, entities and external references are refused; a processing
+    instruction is refused by name, never dropped)."""
+    import xml.etree.ElementTree as ET
+
     from defusedxml import DefusedXmlException
-    from defusedxml.ElementTree import ParseError, fromstring
+    from defusedxml.ElementTree import ParseError, XMLParser
+
+    class Builder(ET.TreeBuilder):  # ElementTree drops processing instructions unless its target takes them
+        def __init__(self):
+            super().__init__()
+            self.instructions: list[str] = []
+
+        def pi(self, target, data=None):
+            self.instructions.append(target)
 
     if len(text) > MAX_CHARS:
         raise SsmlError(f"the SSML document is {len(text):,} characters; the limit is {MAX_CHARS:,}")
     source = text.strip()
-    if not source.startswith("<speak") and not source.startswith("<?xml"):
+    if not source.startswith(("<speak", "<?xml", "<!DOCTYPE")):  # a DTD is refused as one, not read as text
         source = f"<speak>{source}</speak>"  # a fragment: read as the content of <speak>
+    builder = Builder()
     try:
-        root = fromstring(source, forbid_dtd=True, forbid_entities=True, forbid_external=True)
+        parser = XMLParser(target=builder, forbid_dtd=True, forbid_entities=True, forbid_external=True)
+        parser.feed(source)
+        root = parser.close()
     except DefusedXmlException as e:
         raise SsmlError(f"the SSML document is refused: {type(e).__name__} (no DTD, entities or external "
                         "references are read)") from None
     except ParseError as e:
         raise SsmlError(f"the SSML document is not well-formed XML: {e}") from None
+    if builder.instructions:
+        raise SsmlError(f"the SSML document's processing instruction <?{builder.instructions[0]} ...?> is not "
+                        f"read: remove it")
     if local(root.tag) != "speak":
         raise SsmlError(f"the SSML document's root must be <speak>, got <{local(root.tag)}>")
     return root
@@ -112,6 +138,13 @@ def to_text(text: str, tags, language: str = "en") -> str:
         name = local(el.tag)
         if depth > MAX_DEPTH:
             raise SsmlError(f"the SSML document is nested deeper than {MAX_DEPTH} elements")
+        if namespace(el.tag) not in ("", SSML_NS):
+            raise SsmlError(f"element <{name}> is in the namespace {namespace(el.tag)}, not SSML's: it is not read "
+                            f"(remove it)")
+        for key in el.attrib:
+            if namespace(key) not in ("", SSML_NS, XML_NS):
+                raise SsmlError(f'attribute {local(key)}="..." of <{name}> is in the namespace {namespace(key)}, '
+                                f"not SSML's: it is not read (remove it)")
         if name not in ELEMENTS:
             raise SsmlError(f"SSML element <{name}> is not supported (supported: "
                             f"{', '.join(f'<{e}>' for e in ELEMENTS)})")
@@ -142,6 +175,8 @@ def to_text(text: str, tags, language: str = "en") -> str:
             out.append(attrs["alias"])
         elif name == "say-as":
             kind = attrs.get("interpret-as")
+            if kind is None:
+                raise SsmlError(f'<say-as> needs an interpret-as attribute ({", ".join(SAY_AS)})')
             if kind not in SAY_AS:
                 raise SsmlError(f'<say-as interpret-as="{kind}"> is not supported (supported: {", ".join(SAY_AS)})')
             if len(el):
