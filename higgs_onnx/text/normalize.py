@@ -1,11 +1,11 @@
 """Numbers, dates, times, money, units, phone numbers, URLs and e-mail addresses written out as a person reads them.
 
 `normalize(text, language)` finds the written forms (the patterns below, in order: URLs, e-mail, phone numbers, dates,
-times, money, percentages, ranges, measures, ordinals, fractions, decimals, years, whole numbers, and in English a
-few abbreviations) and replaces each by words. The words of numbers come from libraries, never from this module:
-num2words (English: cardinals, ordinals, years, currency names) and cn2an (Chinese: cardinals, decimals, dates,
-fractions, percentages). What this module holds is where a number is and what kind it is, and the words around it
-(unit names, month names, "dot", "at").
+times, money, percentages, ranges, measures, ordinals, fractions, decimals, years, whole numbers; in English first
+abbreviations, abbreviations.py, and units after "per") and replaces each by words. The words of numbers come from
+libraries, never from this module: num2words (English: cardinals, ordinals, years, currency names) and cn2an
+(Chinese: cardinals, decimals, dates, fractions, percentages). What this module holds is where a number is and what
+kind it is, and the words around it (unit names, month names, "dot", "at").
 
 Languages: "en" and "zh" (`LANGUAGES`); "auto" takes zh when most of the letters are Han characters, else en. The
 inline control tags (`<|emotion:elation|>`) are never touched. Text with nothing to normalise comes back unchanged.
@@ -22,6 +22,8 @@ import warnings
 from decimal import Decimal, InvalidOperation
 
 from ..tags import CONTROL_TAG, between_tags
+from . import abbreviations
+from .abbreviations import ABBREVIATION
 
 LANGUAGES = ("en", "zh")
 AUTO = "auto"
@@ -230,8 +232,15 @@ class _English(_NumberReader):
         "hr": ("hour", "hours"), "hrs": ("hour", "hours"), "s": ("second", "seconds"), "sec": ("second", "seconds"),
         "Mbps": ("megabit per second", "megabits per second"), "Gbps": ("gigabit per second", "gigabits per second"),
         "kbps": ("kilobit per second", "kilobits per second"), "Mb": ("megabit", "megabits"),
-        "Gb": ("gigabit", "gigabits"),
+        "Gb": ("gigabit", "gigabits"), "tsp": ("teaspoon", "teaspoons"), "tbsp": ("tablespoon", "tablespoons"),
+        "tbs": ("tablespoon", "tablespoons"), "fl oz": ("fluid ounce", "fluid ounces"),
+        "fl. oz": ("fluid ounce", "fluid ounces"), "qt": ("quart", "quarts"), "pt": ("pint", "pints"),
+        "gal": ("gallon", "gallons"), "c": ("cup", "cups"), "cl": ("centiliter", "centiliters"),
+        "dl": ("deciliter", "deciliters"), "doz": ("dozen", "dozen"), "kcal": ("kilocalorie", "kilocalories"),
     }
+    # units written in any case (Tbsp, TSP, Oz), and a unit that is one letter only with its period (3 c. flour: cups)
+    ANY_CASE = ("tsp", "tbsp", "tbs", "fl oz", "fl. oz", "qt", "pt", "gal", "doz", "oz", "lb", "lbs")
+    DOTTED = ("c",)
     # the second half of a compound unit, MB/s, kg/cm: "megabytes per second" (km/h, m/s are units of their own)
     PER = ("s", "sec", "min", "h", "hr", "ms", "m", "cm", "mm", "km", "kg", "g", "l", "L", "ml", "mL")
     CURRENCY = {"$": "USD", "US$": "USD", "€": "EUR", "£": "GBP", "¥": "JPY", "USD": "USD", "EUR": "EUR",
@@ -240,10 +249,6 @@ class _English(_NumberReader):
              "GBP": (("pound", "pounds"), ("penny", "pence")), "JPY": (("yen", "yen"), ("sen", "sen"))}
     SCALE = {"k": "thousand", "K": "thousand", "m": "million", "M": "million", "million": "million",
              "bn": "billion", "B": "billion", "billion": "billion", "trillion": "trillion"}
-    ABBREVIATIONS = {"Dr.": "Doctor", "Mr.": "Mister", "Mrs.": "Missus", "Ms.": "Miz", "Prof.": "Professor",
-                     "Jr.": "Junior", "Sr.": "Senior", "vs.": "versus", "e.g.": "for example", "i.e.": "that is",
-                     "etc.": "et cetera", "approx.": "approximately", "Mt.": "Mount", "Ave.": "Avenue",
-                     "Inc.": "Incorporated", "Ltd.": "Limited"}
     YEAR_CUES = _re(r"(?:\b(?:in|since|by|of|from|until|till|to|year|around|before|after|early|late|mid|"
                            r"circa|during|through|and|or|the|between)|\bQ (?:one|two|three|four))\s*$", re.IGNORECASE)
 
@@ -251,20 +256,22 @@ class _English(_NumberReader):
         from num2words import num2words
 
         self.n2w = lambda n, **kw: num2words(n, **kw).replace(",", "")
-        units = sorted(self.UNITS, key=len, reverse=True)
-        alone = "|".join(re.escape(u) for u in units)
+        alone = "|".join(f"(?i:{re.escape(u)})" if u in self.ANY_CASE else
+                         rf"{re.escape(u)}(?=\.)" if u in self.DOTTED else re.escape(u)
+                         for u in sorted(self.UNITS, key=len, reverse=True))
         per = "|".join(re.escape(u) for u in sorted(self.PER, key=len, reverse=True))
-        self.measure = _re(rf"(?<![\w.])(-?)({NUM})\s?((?:{alone})/(?:{per})|{alone})(?![\w/])")
+        # an abbreviation's period inside a sentence (8 oz. of cream) is not said; one before a capital ends it
+        dot = r"(?:\.(?=\s+[a-z]))?"
+        self.measure = _re(rf"(?<![\w.])(-?)({NUM})\s?((?:{alone})/(?:{per})|{alone}){dot}(?![\w/])")
+        self.part_measure = _re(rf"(?<![\w/.])(?:(\d+) )?(\d{{1,2}})/(\d{{1,2}})\s?({alone}){dot}(?![\w/])")
+        # a unit after "per", after "a" following a number (3 a kg: not one letter), or after money's slash ($6/lb)
+        self.per_unit = _re(rf"(?:(?<![\w.])per\s+|(?<=\d)\s?/\s?|(?<=\d )an?\s+(?=\w\w))({alone}){dot}(?![\w/])")
         self.dimension = _re(rf"(?<![\w.])({NUM})\s?[x×]\s?({NUM})(?:\s?[x×]\s?({NUM}))?"
                              rf"(?:\s?({alone}))?(?![\w/])(?![.,]\d)")
         symbols = "|".join(re.escape(s) for s in sorted(self.CURRENCY, key=len, reverse=True))
         scale = "|".join(sorted(self.SCALE, key=len, reverse=True))
         self.money = _re(rf"(?<![\w])({symbols})\s?({NUM})(?:\s?({scale})\b)?"
                                 rf"|(?<![\w.])({NUM})\s?(USD|EUR|GBP)\b")
-        self.abbr = _re(r"(?<![\w.])(" + "|".join(re.escape(a) for a in self.ABBREVIATIONS)
-                               + r")(?=\s|$)")
-        self.saint = _re(r"(?<![\w.])St\.(?= [A-Z])")  # St. Louis
-        self.street = _re(r"(?<= )St\.(?=[\s,;]|$)")  # Main St.
 
     def cardinal(self, s: str) -> str:
         d = _decimal(s)
@@ -277,9 +284,11 @@ class _English(_NumberReader):
         return " ".join(self.n2w(int(c)) for c in s if c.isdigit())
 
     def rules(self):
-        return [(EMAIL, self.email), (URL, self.url), (PHONE, self.phone), (CALLED, self.called),
+        return [(EMAIL, self.email), (URL, self.url), (ABBREVIATION, lambda m: abbreviations.read(m, _before(m))),
+                (self.per_unit, self.unit_per), (PHONE, self.phone), (CALLED, self.called),
                 (ISO_DATE, self.iso_date), (MONTH_DAY, self.month_day), (DAY_MONTH, self.day_month),
-                (MIXED, self.mixed), (SLASH_DATE, self.slash), (DAYS, self.days), (VULGAR, self.vulgar),
+                (self.part_measure, self.part_unit), (MIXED, self.mixed), (SLASH_DATE, self.slash), (DAYS, self.days),
+                (VULGAR, self.vulgar),
                 (CENTS, lambda m: f"{self.n2w(int(m.group(1)))} cent{'s' if m.group(1) != '1' else ''}"),
                 (DASH, lambda m: " to "), (LEADING_POINT, lambda m: "0" + m.group()), (TIME, self.time),
                 (CLOCK, lambda m: self.as_written(m.group())), (HOUR, self.hour),
@@ -287,8 +296,7 @@ class _English(_NumberReader):
                 (self.dimension, self.dimensions), (ROMAN, self.roman),
                 (self.money, self.cash),
                 (PERCENT, self.percent), (self.measure, self.unit), (RANGE, self.range), (ORDINAL, self.ordinal),
-                (NUMBER, self.number), (self.saint, lambda m: "Saint"), (self.street, lambda m: "Street"),
-                (self.abbr, lambda m: self.ABBREVIATIONS[m.group(1)])]
+                (NUMBER, self.number)]
 
     SAID = {".": "dot", "/": "slash", "-": "dash", "_": "underscore", ":": "colon", "@": "at", "www": "w w w",
             "+": "plus", "~": "tilde"}
@@ -313,6 +321,16 @@ class _English(_NumberReader):
         part = self.fraction(a, b)
         part = {"one half": "a half", "one quarter": "a quarter"}.get(part, part)
         return f"{self.n2w(whole)} and {part}"
+
+    def unit_per(self, m):
+        """One of a unit after "per", "a" or a slash: "per hour", "a kilogram", ($6/lb) " per pound"."""
+        lead = m.group()[:m.start(1) - m.start()].strip()
+        return f"{' per' if lead == '/' else lead} {self.unit_words(m.group(1), '1')}"
+
+    def part_unit(self, m):
+        """A fraction of a unit (1/2 tsp: "one half teaspoon"; 1 1/2 cups: "one and a half cups")."""
+        said = self.mixed(m) if m.group(1) else self.fraction(int(m.group(2)), int(m.group(3)))
+        return f"{said} {self.unit_words(m.group(4), 'many' if m.group(1) else '1')}"
 
     def vulgar(self, m):
         a, b = FRACTIONS[m.group()]
@@ -405,10 +423,10 @@ class _English(_NumberReader):
         return f"{'minus ' if m.group(1) else ''}{self.cardinal(m.group(2))} percent"
 
     def unit_words(self, symbol: str, value: str) -> str:
-        if symbol not in self.UNITS:  # a compound, MB/s: "megabytes per second"
+        if "/" in symbol:  # a compound, MB/s: "megabytes per second"
             first, _, second = symbol.partition("/")
             return f"{self.unit_words(first, value)} per {self.UNITS[second][0]}"
-        one, many = self.UNITS[symbol]
+        one, many = self.UNITS.get(symbol) or self.UNITS[symbol.lower()]
         return one if value == "1" else many
 
     def unit(self, m):
