@@ -458,6 +458,7 @@ def check_out(out: Path) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from .exports import load_export
+    from .runtime.route import check_mode as check_route
 
     require("ray", "the corpus command", ("ray",))
     if args.workers < 1 or args.batch < 1 or args.threads < 0:
@@ -465,6 +466,7 @@ def run(args: argparse.Namespace) -> int:
     from .job.options import SpeechOptions
 
     SpeechOptions.build({"retries": args.retries, "loudness": args.loudness}, "cli")  # the same bounds as everywhere
+    check_route(None)  # $HIGGS_ROUTE: here, not in every worker after Ray has started
     check_address(args.address)
     cli_model_path(args)  # hf://...: fetched once on the driver; the workers get the local folder
     manifest = load_export(args.model_path, verify=False)  # a missing or broken export: one line, before Ray starts

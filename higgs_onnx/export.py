@@ -416,7 +416,7 @@ class Exporter:
         build wrote, gate it against an fp32 reference beside the int4 route, and time both for the crossover;
         returns the manifest's `decoder.route`. A route that fails its gate is not written (its graph and weights
         leave the folder) and the figures are printed: an error when `--prefill-route int8` asked for it."""
-        from .manifest import crossover_words
+        from .manifest import CROSSOVER_SIZES, crossover_words
         from .parts import llm_route, llm_step
         from .parts.llm_decoder import INT8_WEIGHTS
         from .reference.model import ReferenceModel
@@ -434,7 +434,8 @@ class Exporter:
         # loadable with the route (its crossover not measured yet: the gate and the timing force each route)
         weights = [INT8_WEIGHTS, INT8_WEIGHTS + ".data"]  # the decoder part's files the route's session loads
         write_manifest(staging, self.manifest(ckpt, facts, parts_manifest, kv,
-                                              {"kind": llm_route.KIND, "weights": weights}))
+                                              {"kind": llm_route.KIND, "weights": weights,
+                                               "crossover": dict.fromkeys(CROSSOVER_SIZES)}))
         say(f"int8 route: {path.name} composed (the step graph's projections on the int8 GEMM); gating it and the "
             f"int4 route against an fp32 reference")
         tts = HiggsTTS(staging, verify=False, route="on")
@@ -469,7 +470,7 @@ class Exporter:
                                                     "against": "fp32 reference, the gate's worst prompt"}
         if self.opts.route_crossover is not None:  # given: not measured on this machine
             say(f"int8 route: {llm_route.summary(gate)}; crossover given (--route-crossover), not measured")
-            info["crossover"] = dict(zip(("prefill", "batch"), self.opts.route_crossover, strict=True))
+            info["crossover"] = dict(zip(CROSSOVER_SIZES, self.opts.route_crossover, strict=True))
             info["crossover_given"] = True
         else:
             say(f"int8 route: {llm_route.summary(gate)}; timing both routes for the crossover")

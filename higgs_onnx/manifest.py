@@ -38,6 +38,11 @@ REQUIRED_PARTS = tuple(p for p in PART_NAMES if p not in OPTIONAL_PARTS)
 # int8 GEMM twin for many rows); optional: older exports
 # and OpenVINO IR decoders have none
 DERIVED_PARTS = ("llm_step", "llm_route")
+# the decoder's route entry (`decoder.route`): the int8 GEMM route's kind, or "none" (refused by its gate at build);
+# its crossover's sizes, each a whole number >= 1 or null (never): positions of a one-row call, rows of a batched step
+ROUTE_KIND = "int8-gemm"
+ROUTE_KINDS = (ROUTE_KIND, "none")
+CROSSOVER_SIZES = ("prefill", "batch")
 
 
 # what a manifest without a "decoder" entry (written before the portable decoder existed) describes
@@ -325,3 +330,24 @@ def check_schema(data: dict, mf: Path) -> None:
     _expect(isinstance(model, dict), mf, "'model' must be an object")
     tokens = data.get("tokens")
     _expect(isinstance(tokens, dict) and isinstance(tokens.get("control_tags"), dict), mf, "'tokens' malformed")
+    if "route" in decoder:
+        check_route(decoder["route"], mf)
+
+
+def check_route(route, mf: Path) -> None:
+    """`decoder.route`: its kind, and for the int8 route a crossover whose sizes are whole numbers >= 1 or null. A
+    value that is none of these is one ManifestError naming the field (it would send every call to int4 unseen)."""
+    _expect(isinstance(route, dict), mf, f"'decoder.route' must be an object, got {route!r:.40}")
+    _expect(route.get("kind") in ROUTE_KINDS, mf, f"'decoder.route.kind' must be one of {', '.join(ROUTE_KINDS)}, "
+            f"got {route.get('kind')!r:.40}")
+    if route["kind"] != ROUTE_KIND:
+        return
+    cross = route.get("crossover")
+    _expect(isinstance(cross, dict), mf, f"'decoder.route.crossover' must be an object with "
+            f"{' and '.join(CROSSOVER_SIZES)}, got {cross!r:.40}")
+    for size in CROSSOVER_SIZES:
+        value = cross.get(size)
+        _expect(size in cross and (value is None or (type(value) is int and value >= 1)), mf,
+                f"'decoder.route.crossover.{size}' must be a whole number >= 1 or null (never), "
+                f"{f'got {value!r:.40}' if size in cross else 'it is missing'}")
+

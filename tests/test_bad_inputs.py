@@ -181,6 +181,23 @@ MODEL_ROWS = [
     ("built for another EP", lambda d: edit_manifest(d, lambda m: m.update(
         device="dml", execution_provider="DmlExecutionProvider")), "built for DmlExecutionProvider"),
     ("entry outside the folder", lambda d: edit_manifest(d, escape), "not a plain file name inside the model folder"),
+    # the int8 route's entry: a crossover that is not a size (or none) used to run every call on int4 unseen
+    *[(f"route {case}", lambda d, e=edit: edit_manifest(d, lambda m: e(m["decoder"]["route"])),
+       f"manifest.json is malformed: {words} (rebuild with optimize.py --force)") for case, edit, words in (
+        ("crossover 0", lambda r: r["crossover"].update(prefill=0),
+         "'decoder.route.crossover.prefill' must be a whole number >= 1 or null (never), got 0"),
+        ("crossover -3", lambda r: r["crossover"].update(batch=-3), "'decoder.route.crossover.batch' must be a "
+         "whole number >= 1 or null (never), got -3"),
+        ("crossover 'abc'", lambda r: r["crossover"].update(prefill="abc"), "'decoder.route.crossover.prefill' "
+         "must be a whole number >= 1 or null (never), got 'abc'"),
+        ("crossover size missing", lambda r: r["crossover"].pop("prefill"), "'decoder.route.crossover.prefill' "
+         "must be a whole number >= 1 or null (never), it is missing"),
+        ("crossover missing", lambda r: r.pop("crossover"), "'decoder.route.crossover' must be an object with "
+         "prefill and batch, got None"),
+        ("crossover null", lambda r: r.update(crossover=None), "'decoder.route.crossover' must be an object with "
+         "prefill and batch, got None"),
+        ("kind unknown", lambda r: r.update(kind="int9-gemm"), "'decoder.route.kind' must be one of int8-gemm, "
+         "none, got 'int9-gemm'"))],
 ]
 
 

@@ -67,7 +67,6 @@ def test_the_policy_reads_the_manifest_and_the_cpu(monkeypatch, caplog):
     assert routes.policy(entry) == RoutePolicy(prefill=16, batch=None)
     assert routes.policy(entry, "off") == routes.NEVER and routes.policy(entry, "on") == routes.MULTI_ROW
     assert routes.policy({"kind": "none"}) == routes.NEVER and routes.policy(None) == routes.NEVER
-    assert routes.policy({"kind": "int8-gemm", "crossover": {"prefill": "8", "batch": -1}}) == routes.NEVER
     monkeypatch.setattr(routes, "cpu_flags", lambda: frozenset({"avx2", "fma"}))  # no VNNI, no AMX
     with caplog.at_level("WARNING"):
         assert routes.policy(entry) == routes.NEVER
@@ -296,6 +295,27 @@ def test_the_default_mode_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv(routes.ENV, "sometimes")
     with pytest.raises(ValueError, match=r"\$HIGGS_ROUTE must be one of auto, off, on, got 'sometimes'"):
         routes.check_mode(None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("door", [["-m", "higgs_onnx.corpus", "--input", "ROWS", "--out", "OUT"],
+                                  ["-m", "higgs_onnx.serve", "--ray", "--port", "0"],
+                                  ["-m", "higgs_onnx.serve", "--port", "0"]])
+def test_a_bad_route_mode_is_refused_before_ray_starts(builds, tmp_path, door):
+    """`HIGGS_ROUTE=bogus`: one line and exit 2 from the door itself (runtime.route.check_mode, the one check),
+    before Ray starts a worker or a replica (which used to fail later, as a worker's RuntimeError)."""
+    import os
+    import subprocess
+    import sys
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"id": "a", "text": "Hello."}\n')
+    args = [str(rows) if a == "ROWS" else str(tmp_path / "out") if a == "OUT" else a for a in door]
+    p = subprocess.run([sys.executable, *args, "--model-path", str(builds["int4"])], capture_output=True, text=True,
+                       timeout=120, env={**os.environ, routes.ENV: "bogus"}, cwd=Path(__file__).resolve().parents[1])
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert p.stderr.strip().splitlines() == ["error: $HIGGS_ROUTE must be one of auto, off, on, got 'bogus'"]
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.slow

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..manifest import ROUTE_KIND
 from ..part_facts import ROUTE_PART
 from ..quantize import INT8_SCALES_SUFFIX, INT8_SUFFIX
 from . import FACTS
@@ -45,7 +46,7 @@ NAME = ROUTE_PART
 FILE = "llm_route.onnx"
 USES = FACTS[NAME].uses
 ROUTES = ("int8", "none")  # optimize.py --prefill-route
-KIND = "int8-gemm"
+KIND = ROUTE_KIND  # the manifest's decoder.route kind
 POLICY = 1  # bump when the gate or the crossover rule changes: a build that refused the route tries again
 # the route may be at most this many times further from fp32 (1 - cosine) than the int4 route: 1.0 = no further
 ALLOWANCE = 1.0

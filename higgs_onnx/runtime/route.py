@@ -22,6 +22,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 
+from ..manifest import ROUTE_KIND
+
 log = logging.getLogger(__name__)
 
 MODES = ("auto", "off", "on")
@@ -101,7 +103,7 @@ def check_mode(mode) -> str:
 def policy(route: dict | None, mode: str = "auto") -> RoutePolicy:
     """The policy for an export's `decoder.route` manifest entry (None: no route) under `mode`."""
     check_mode(mode)
-    if mode == "off" or not isinstance(route, dict) or route.get("kind") != "int8-gemm":
+    if mode == "off" or route is None or route["kind"] != ROUTE_KIND:  # the entry was checked at load (manifest)
         return NEVER
     if mode == "on":
         return MULTI_ROW
@@ -109,8 +111,8 @@ def policy(route: dict | None, mode: str = "auto") -> RoutePolicy:
         log.warning("int8 route off: this CPU has none of %s (its u8s8 GEMM could saturate); every call runs on int4",
                     ", ".join(INT8_DOT_FLAGS))
         return NEVER
-    cross = route.get("crossover", {})
-    return RoutePolicy(prefill=_size(cross.get("prefill")), batch=_size(cross.get("batch")))
+    cross = route["crossover"]
+    return RoutePolicy(prefill=cross["prefill"], batch=cross["batch"])
 
 
 # the route loads only where this much of its size is free besides it (ONNX Runtime packs the weights it loads)
@@ -128,10 +130,6 @@ def fits(nbytes: int) -> bool:
     log.warning("int8 route off: it needs %.1f GB more memory, %.1f GB is available; every call runs on int4 "
                 "(HIGGS_ROUTE=off says so without this check)", nbytes / 1e9, free / 1e9)
     return False
-
-
-def _size(value) -> int | None:
-    return value if type(value) is int and value >= 1 else None
 
 
 SIMD_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni")  # the ones that decide the kernels' speed
