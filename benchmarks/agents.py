@@ -151,9 +151,9 @@ def main() -> int:
         try:
             url = server.url.replace("http://", "ws://")
             http = server.url
-            import higgs_onnx.serve.agents as agents
+            from higgs_onnx.serve.streams.agent import MAX_CONTEXTS
 
-            report = {"model": args.model_path, "max_contexts_per_socket": agents.MAX_CONTEXTS}
+            report = {"model": args.model_path, "max_contexts_per_socket": MAX_CONTEXTS}
             for name, run in (("flush_to_first_audio", lambda: flush_to_audio(url, args.turns)),
                               ("cancel_to_last_byte", lambda: cancel_to_last(url, args.turns)),
                               ("after_50_cancelled_turns", lambda: fifty_cancelled(url)),

@@ -27,7 +27,8 @@ from websockets.sync.client import connect
 
 from higgs_onnx.generation.stream import AudioChunk
 from higgs_onnx.longform.captions import Cue, timed
-from higgs_onnx.serve.agents import MAX_CONTEXTS, MAX_ID, char_times
+from higgs_onnx.serve.streams.agent import MAX_CONTEXTS, char_times
+from higgs_onnx.serve.streams.engine import MAX_ID
 
 pytestmark = pytest.mark.slow
 

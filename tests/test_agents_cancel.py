@@ -46,11 +46,11 @@ def freed(server) -> None:
                         and s["slots_in_use"] == 0, "every cancelled turn's slot and kept context freed")
     assert stats["kept"] == 0 and stats["slots_in_use"] == 0, stats
     for _ in range(100):
-        open_ = server.health()["agent_sockets"]
-        if open_ == {"sockets": 0, "contexts": 0}:
+        open_ = server.health()["streams"]
+        if open_ == {"sockets": 0, "streams": 0}:
             return
         time.sleep(0.05)
-    pytest.fail(f"agent sockets or contexts left open: {open_}")
+    pytest.fail(f"stream sockets or streams left open: {open_}")
 
 
 def chunks(server, ws, audio, over, n: int) -> None:

@@ -31,11 +31,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ..job.options import SpeechOptions
-from . import cartesia, dialogue_routes, elevenlabs, info_routes, speech_routes, stream_routes, voice_routes
+from . import dialogue_routes, info_routes, speech_routes, stream_routes, voice_routes
 from .http import STATIC, ApiError, HostGuard, LoggedCut, client_of, error_response, validation_message
 from .limits import BodyDeadline, BodyTimeout, ClientGone, Timeouts
 from .metrics import CONTENT_TYPE, Metrics, RequestCounter
 from .service import SpeechService
+from .streams import cartesia, elevenlabs
 from .voices import DEFAULT
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,6 @@ from fastapi.responses import FileResponse
 
 from ..generation.contract import min_rows
 from ..generation.options import DEFAULT_MAX_ROWS
-from . import agents
 from .http import (
     PAGE_CSP,
     STATIC,
@@ -26,6 +25,7 @@ from .limits import (
 )
 from .pieces import ONE_REQUEST_CHARS
 from .service import SpeechService
+from .streams import engine
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ def routers(svc: SpeechService) -> tuple[APIRouter, APIRouter]:
         and process)."""
         return {"status": "ok", "model": svc.model_id, "models": svc.models, "sample_rate": svc.sample_rate,
                 **({"source": source} if source else {}), "limits": limits,
-                "scheduler": svc.scheduler.stats(), "guards": dict(COUNTERS), "agent_sockets": dict(agents.OPEN),
+                "scheduler": svc.scheduler.stats(), "guards": dict(COUNTERS), "streams": dict(engine.OPEN),
                 "voice_cache": svc.tts.voices.stats(),
                 "uptime_s": round(time.time() - svc.started, 1),
                 **({"replica": {"id": svc.replica, "pid": os.getpid()}} if svc.replica else {})}

@@ -40,14 +40,10 @@ def middlewares() -> list[Middleware]:
 
 
 def socket_error(door: str | None) -> dict:
-    """A lost replica's last message on a WebSocket door, in that door's shape (serve/wsproto.py, cartesia.py,
-    elevenlabs.py)."""
-    if door == "cartesia":
-        return {"type": "error", "context_id": "", "status_code": 503, "done": True, "error": LOST, "param": None,
-                "code": "replica_lost"}
-    if door == "elevenlabs":
-        return {"error": "replica_lost", "message": LOST, "param": None}
-    return {"type": "error", "message": LOST, "error_type": "server_error", "param": None, "code": "replica_lost"}
+    """A lost replica's last message on a WebSocket door, in that door's protocol (its codec's, serve/streams/)."""
+    from .streams import codec_of
+
+    return codec_of(door).lost(LOST)
 
 
 class ReplicaLoss:

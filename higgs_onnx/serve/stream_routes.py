@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 
 from fastapi import APIRouter, WebSocket
@@ -19,7 +20,8 @@ from .http import (
 )
 from .service import SpeechService
 from .shapes import ShapeError, normalise
-from .wsproto import ConfigError, WsSession
+from .streams.speech import ConfigError, SpeechSocket
+from .streams.websocket import serve
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +37,8 @@ def router(svc: SpeechService) -> APIRouter:
         await ws.accept()
 
         async def configure(cfg: dict):
-            """(format, options, voice, speed tag) from a session.config; wsproto.ConfigError for the first field
-            that is bad or that this door cannot honour (`job.options`: refused by name, never ignored)."""
+            """(format, options, voice, (lead, text steps, words)) from a session.config; ConfigError for the first
+            field that is bad or that this door cannot honour (`job.options`: refused by name, never ignored)."""
 
             body = {"model": svc.model_id, **{k: v for k, v in cfg.items() if k not in WS_ONLY}}
             try:
@@ -73,8 +75,7 @@ def router(svc: SpeechService) -> APIRouter:
             except ApiError as e:
                 raise ConfigError(e.message, e.param, e.code) from None
 
-        await WsSession(ws, configure, lambda voice, options, lead: svc.speech_session(voice, options, lead[0],
-                                                                                       lead[1]),
-                        svc.sample_rate, svc.ws_idle_s, svc.timeouts.send_s).run()
+        await serve(ws, functools.partial(SpeechSocket, configure=configure, make_session=svc.speech_session), svc,
+                    svc.ws_idle_s, shape='a message is a JSON object with a "type"', keyed="type")
 
     return router

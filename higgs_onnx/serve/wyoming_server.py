@@ -9,28 +9,24 @@ Events (package `wyoming`, pinned):
   "default" always) under the server's `languages`.
 - A request's voice is its name; a voice naming only a language (`{"language": "de"}`) is the first saved voice
   (by name) saved with that language, else the default voice.
-- `synthesize` -> `audio-start`, `audio-chunk`s as the audio is made (16-bit mono PCM at the model's rate),
-  `audio-stop`. A long text is spoken segment by segment, each continuing the KV context of the one before.
-- Streaming (Wyoming 1.7+; Home Assistant streams an LLM's answer this way): `synthesize-start` (voice),
-  `synthesize-chunk`s of text, `synthesize-stop` -> for each segment, as soon as its sentence is whole,
-  `audio-start` / `audio-chunk`s / `audio-stop`; then `synthesize-stopped`. The `synthesize` that clients send
-  inside a stream (the whole text, for servers without streaming) is ignored.
-- A bad request (unknown voice, special tokens, a text that cannot fit) is answered with an `error` event and the
-  connection stays; malformed or oversized frames close it.
+- Synthesis (`synthesize`, and the streaming `synthesize-start` / `-chunk` / `-stop` of Wyoming 1.7+, which Home
+  Assistant uses for an LLM's answer) is a codec of the stream engine: `serve/streams/wyoming.py` says what is sent.
+- Malformed or oversized frames close the connection (`read_event`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import socket
 from pathlib import Path
 
 from .. import __version__
-from ..audio import pcm16
-from ..textin import TextSegmenter
-from .segments import SegmentQueue, Stalled, buffered, end_tasks, next_segment, segment_failure, send_within, within
+from .streams.engine import Engine
+from .streams.wire import within
+from .streams.wyoming import Frame, Wyoming, WyomingTransport
 from .textstream import SpeechSession
 from .voices import DEFAULT, VoiceError
 
@@ -40,20 +36,6 @@ MAX_DATA = 1 << 20  # a TTS client sends text: 1 MiB of event data or payload is
 FRAME_S = 30.0  # the rest of an event, once its header came: a client that stalls inside one is closed
 SEND_S = 30.0  # a write that waits this long (the client reads nothing): the connection is closed, its job cancelled
 DEFAULT_LANGUAGES = ("en", "zh")
-SAMPLE_WIDTH = 2
-
-
-class Frame(ValueError):
-    """A frame that breaks the protocol: the connection is closed."""
-
-
-def event_text(event, what: str) -> str:
-    """The `text` of a synthesize / synthesize-chunk event; ValueError when it has none or it is not a string."""
-    text = (event.data or {}).get("text")
-    if not isinstance(text, str):
-        got = "no text" if text is None else f"{type(text).__name__} {text!r:.40}"
-        raise ValueError(f"{what} needs a text string, got {got}")
-    return text
 
 
 async def read_event(reader: asyncio.StreamReader):
@@ -157,168 +139,15 @@ class WyomingService:
         name = name or self.default_voice
         return None if name.lower() == DEFAULT else self.store.get(name)
 
+    def session(self, voice) -> SpeechSession:
+        return SpeechSession(self.scheduler, voice, prefix=self.lead)
+
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        conn = Connection(self, writer)
-        peer = writer.get_extra_info("peername")
-        try:
-            while True:
-                event = await read_event(reader)
-                if event is None or not await conn.on(event):
-                    break
-        except Frame as e:
-            log.warning("%s: %s; connection closed", peer, e)
-            await conn.error(str(e), "bad_frame")
-        except Stalled as e:
-            log.warning("%s: %s; connection closed, its job cancelled", peer, e)
-        except (ConnectionError, asyncio.IncompleteReadError):
-            log.info("%s: the client left", peer)
-        finally:
-            await conn.close()
-            writer.close()
-
-
-class Connection:
-    def __init__(self, service: WyomingService, writer: asyncio.StreamWriter):
-        self.service, self.writer = service, writer
-        self.segmenter = self.session = self.speaker = None
-        self.segments: SegmentQueue | None = None  # a stream's segments not yet spoken (segments.MAX_PENDING)
-
-    async def write(self, eventable) -> None:
-        from wyoming.event import async_write_event
-
-        await send_within(async_write_event(eventable.event(), self.writer), self.service.send_s)
-
-    async def error(self, text: str, code: str) -> None:
-        from wyoming.error import Error
-
-        try:
-            await self.write(Error(text=text, code=code))
-        except ConnectionError:
-            pass
-
-    def new_session(self, voice):
-        """A session in the request's voice (a `SynthesizeVoice` or None); VoiceError for an unknown one."""
-        voice = self.service.voice(self.service.voice_name(voice))
-        return SpeechSession(self.service.scheduler, voice, prefix=self.service.lead, read=self.service.read)
-
-    async def on(self, event) -> bool:
-        from wyoming.info import Describe
-        from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop
-
-        if Describe.is_type(event.type):
-            await self.write(self.service.info())
-        elif SynthesizeStart.is_type(event.type):
-            if self.session is not None:
-                await self.error("synthesize-start inside a stream: send synthesize-stop first", "bad_order")
-                return True
-            start = SynthesizeStart.from_event(event)
-            try:
-                self.session = self.new_session(start.voice)
-            except VoiceError as e:
-                await self.error(str(e), "voice_not_found")
-                return True
-            self.segmenter, self.segments = TextSegmenter(), SegmentQueue()
-            self.speaker = asyncio.create_task(self.speak_queue())
-        elif SynthesizeChunk.is_type(event.type):
-            if self.session is None:
-                await self.error("synthesize-chunk outside a stream: send synthesize-start first", "bad_order")
-                return True
-            try:
-                text = event_text(event, "synthesize-chunk")
-            except ValueError as e:
-                await self.error(str(e), "bad_text")
-                return True
-            try:
-                self.segments.put(self.segmenter.feed(text), buffered(self.segmenter))
-            except ValueError as e:
-                await self.error(str(e), "text_too_long")
-                return False
-        elif SynthesizeStop.is_type(event.type):
-            if self.session is None:
-                await self.error("synthesize-stop outside a stream", "bad_order")
-                return True
-            self.segments.put(self.segmenter.flush())
-            self.segments.end()
-            await self.speaker
-            await self.end_stream()
-        elif Synthesize.is_type(event.type):
-            if self.session is not None:
-                return True  # the whole text, sent for servers without streaming: spoken already
-            try:
-                text = event_text(event, "synthesize")
-            except ValueError as e:
-                await self.error(str(e), "bad_text")
-                return True
-            synth = Synthesize.from_event(event)
-            try:
-                session = self.new_session(synth.voice)
-            except VoiceError as e:
-                await self.error(str(e), "voice_not_found")
-                return True
-            await self.speak_whole(session, text)
-        return True  # other events (ping, ...) are not for a TTS server
-
-    async def end_stream(self) -> None:
-        from wyoming.tts import SynthesizeStopped
-
-        self.session.close()
-        self.session = self.segmenter = self.speaker = self.segments = None
-        await self.write(SynthesizeStopped())
-
-    async def speak_queue(self) -> None:
-        """A stream's segments in order, each with its own audio-start ... audio-stop."""
-        try:
-            while (text := await next_segment(self.segments, self.session, "wyoming")) is not None:
-                await self.speak_segments(self.session, [text])
-        except Stalled as e:  # the reader waits on the client: cut the connection, which ends it and frees all
-            log.warning("%s: %s; connection closed, its job cancelled", self.writer.get_extra_info("peername"), e)
-            self.session.close()
-            self.writer.transport.abort()
-
-    async def speak_whole(self, session, text: str) -> None:
-        seg = TextSegmenter()
-        try:
-            segments = seg.feed(text) + seg.flush()
-        except ValueError as e:
-            await self.error(str(e), "text_too_long")
-            return
-        if not segments:
-            await self.error("the text is empty: nothing to speak", "empty_text")
-            return
-        try:
-            await self.speak_segments(session, segments)
-        finally:
-            session.close()
-
-    async def speak_segments(self, session, segments: list[str]) -> None:
-        """One audio-start, the audio of every segment as it is made, one audio-stop. A segment that cannot be spoken
-        is an error event (before the audio-start when it is the first)."""
-        from wyoming.audio import AudioChunk, AudioStart, AudioStop
-
-        rate, started = self.service.rate, False
-        for text in segments:
-            try:
-                async for chunk in session.speak(text):
-                    if not started:
-                        await self.write(AudioStart(rate=rate, width=SAMPLE_WIDTH, channels=1))
-                        started = True
-                    await self.write(AudioChunk(rate=rate, width=SAMPLE_WIDTH, channels=1,
-                                                audio=pcm16(chunk.samples)))
-            except Exception as e:  # noqa: BLE001 - this request fails (segments.segment_failure says how)
-                kind, message, code = segment_failure(e, "a synthesis")
-                await self.error(message, {"client": code or "invalid_text", "busy": "busy",
-                                           "stopping": "shutting_down"}.get(kind, "server_error"))
-                if kind == "stopping":
-                    break
-        if started:
-            await self.write(AudioStop())
-
-    async def close(self) -> None:
-        try:
-            await end_tasks((self.speaker,), "wyoming synthesis")
-        finally:
-            if self.session is not None:
-                self.session.close()
+        """One connection, through the stream engine (streams/wyoming.py is its codec), to its end."""
+        transport = WyomingTransport(reader, writer, read_event, self.send_s)
+        engine = Engine(transport, functools.partial(Wyoming, service=self), None, None, self.send_s, self.rate,
+                        f"wyoming {transport.peer}")
+        await engine.run()
 
 
 async def serve_wyoming(uri: str, service: WyomingService) -> None:
