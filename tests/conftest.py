@@ -86,7 +86,7 @@ def real_tokenizer():
 @pytest.fixture(scope="session")
 def builds(tiny_ckpt: Path, out_root: Path) -> dict[str, Path]:
     """The tiny checkpoint exported at int4 and fp32 for cpu (built once per session). The int4 export's int8 route
-    gets a given crossover (`ROUTE_CROSSOVER`), not one measured on a busy 2-core test machine (tiny timings are
+    gets a given crossover (`route_crossover`), not one measured on a busy 2-core test machine (tiny timings are
     noise), so every run of the suite sends the same calls to the same route; `tests/test_route.py` times it."""
     from higgs_onnx.export import Exporter, ExportOptions
 
@@ -96,6 +96,13 @@ def builds(tiny_ckpt: Path, out_root: Path) -> dict[str, Path]:
 
 # one-row calls of 64 positions and more (a clone's prefix) on the int8 route; batched steps on int4
 ROUTE_CROSSOVER = (64, None)
+
+
+@pytest.fixture(scope="session")
+def route_crossover() -> tuple:
+    """The crossover `builds` gave its int4 export, for a test that builds it again and must find it up to date (a
+    measured one would rebuild it under the other tests of its worker). A fixture: test modules import no conftest."""
+    return ROUTE_CROSSOVER
 
 
 # The loaded models, defined once here: a test module that asks for one loads it once (module scope: a module's

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from word_streams import chunks, served_words
 
 from higgs_onnx.align import (
     ALIGN_LANGUAGES,
@@ -217,29 +218,6 @@ def test_caption_cues_become_word_cues_where_the_aligner_can_time_them(capsys):
     assert "1 of 2 pieces keep a piece-level cue" in capsys.readouterr().err
 
 
-def _chunks(x: np.ndarray, sr: int, size: int = 4800) -> list:
-    from higgs_onnx.generation.stream import AudioChunk
-
-    n = -(-len(x) // size)
-    return [AudioChunk(x[i * size:(i + 1) * size], sr, i, i == n - 1, i * size / sr, 0.0, 0) for i in range(n)]
-
-
-def _served(first, rest: list, text: str, sr: int) -> list:
-    """What the server's stream carries with `"caption_level": "word"` (job.finish.with_words), as a list."""
-    import asyncio
-
-    from higgs_onnx.job.run import with_words
-
-    async def run():
-        async def items():
-            for item in rest:
-                yield item
-        head, tail = await with_words(first, items(), text, sr)
-        return [head, *[item async for item in tail]]
-
-    return asyncio.run(run())
-
-
 def test_the_servers_piece_cues_carry_the_words_timed_on_their_own_samples(en):
     """serve.pieces.with_words on the real recording: the words of a piece come at stream positions (a piece after a
     pause included), equal to align.word_cues on that piece's samples; one request's stream is one piece of its text;
@@ -250,9 +228,9 @@ def test_the_servers_piece_cues_carry_the_words_timed_on_their_own_samples(en):
     own = word_cues(x, sr, text)
     pause = np.zeros(sr // 2, np.float32)
     at = len(x) + pause.size  # piece 1 starts after piece 0 and its pause
-    stream = [Cue(0, None, text), *_chunks(x, sr), Cue(0, len(x), text), _chunks(pause, sr)[0],
-              Cue(at, None, "悲しい", index=1), *_chunks(x[: sr], sr), Cue(at, at + sr, "悲しい", index=1)]
-    got = _served(stream[0], stream[1:], "the whole input", sr)
+    stream = [Cue(0, None, text), *chunks(x, sr), Cue(0, len(x), text), chunks(pause, sr)[0],
+              Cue(at, None, "悲しい", index=1), *chunks(x[: sr], sr), Cue(at, at + sr, "悲しい", index=1)]
+    got = served_words(stream[0], stream[1:], "the whole input", sr)
     assert [type(g).__name__ for g in got] == [type(s).__name__ for s in stream]  # nothing added or lost
     cues = [g for g in got if isinstance(g, Cue) and g.end is not None]
     assert [(w.start, w.end, w.text) for w in cues[0].words] == own and cues[0].words_reason is None
@@ -264,8 +242,8 @@ def test_the_servers_piece_cues_carry_the_words_timed_on_their_own_samples(en):
     assert "words" not in Cue(0, 5, "x").as_dict(sr)  # not asked: no words field at all
     assert cues[1].as_dict(sr)["words"] == [] and "words_reason" in cues[1].as_dict(sr)
 
-    one = _chunks(x, sr)  # one request: no piece cues of its own
-    got = _served(one[0], one[1:], text, sr)
+    one = chunks(x, sr)  # one request: no piece cues of its own
+    got = served_words(one[0], one[1:], text, sr)
     assert isinstance(got[0], Cue) and got[0].end is None and got[0].text == text
     assert got[1:-1] == one and got[-1].end == len(x)
     assert [(w.start, w.end, w.text) for w in got[-1].words] == own

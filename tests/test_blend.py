@@ -308,16 +308,14 @@ def test_cli_blend_of_saved_voices(tmp_path, capsys, builds, tts, voices):
 # -- the server ---------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(builds, tmp_path_factory, voices):
-    from test_server import Server
+    from servers import served
 
     tmp = tmp_path_factory.mktemp("blend-server")
     (tmp / "voices").mkdir()
     for name, v in zip(("alice", "bob"), voices, strict=True):
         v.save(tmp / "voices" / f"{name}.npz")
-    s = Server(builds["fp32"], tmp)
-    yield s
-    s.stop()
-    assert "Traceback" not in s.log.read_text(), s.log.read_text()[-3000:]
+    with served(builds["fp32"], tmp) as s:
+        yield s
 
 
 @pytest.mark.slow
@@ -325,8 +323,8 @@ def test_server_blends(server):
     import asyncio
     import base64
 
-    from test_server import assert_error
-    from test_textstream import events, session
+    from servers import assert_error
+    from ws_clients import events, session
 
     base = {"model": "higgs-tts-3", "input": TEXT, "response_format": "pcm", "seed": 3, "max_rows": 150,
             "deterministic": True}

@@ -191,13 +191,10 @@ def test_cli_speaks_streams_clones_and_eval_passes(community, tiny_ckpt, tmp_pat
 
 
 def test_server_batches_requests_on_a_community_folder(community, tmp_path):
-    from openai import OpenAI
+    from servers import served
 
-    from higgs_onnx.serve.process import ServerProcess
-
-    server = ServerProcess(community["fp16"], tmp_path / "voices", tmp_path / "server.log", "--max-batch", "2")
-    try:
-        client = OpenAI(base_url=server.url + "/v1", api_key="none")
+    with served(community["fp16"], tmp_path, "--max-batch", "2") as server:
+        client = server.client()
 
         def speak(i: int) -> bytes:
             return client.audio.speech.create(model="tts-1", voice="default", input=f"Request number {i} here.",
@@ -206,9 +203,7 @@ def test_server_batches_requests_on_a_community_folder(community, tmp_path):
         with ThreadPoolExecutor(3) as pool:
             bodies = list(pool.map(speak, range(3)))
         assert all(b[:4] == b"RIFF" and len(b) > 10_000 for b in bodies)
-    finally:
-        server.stop()
-    assert "community-layout export" in (tmp_path / "server.log").read_text()
+    assert "community-layout export" in server.log.read_text()
 
 
 def test_saved_voices_default_outside_the_folder(community, user_cache):

@@ -18,14 +18,10 @@ import time
 from pathlib import Path
 
 import pytest
+from corpus_runs import corpus, manifest
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def corpus(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "higgs_onnx.corpus", *map(str, args)], capture_output=True,
-                          text=True, cwd=ROOT, env={**os.environ, "CI": "1"}, timeout=600, **kw)
 
 
 def write_rows(path: Path, rows: list, malformed: bool = True, bom: bool = False) -> Path:
@@ -38,10 +34,6 @@ def write_rows(path: Path, rows: list, malformed: bool = True, bom: bool = False
 
 ROWS = [{"id": f"r{i:02d}", "text": f"Corpus row number {i} says a few more words than the last one.", "seed": i}
         for i in range(10)]
-
-
-def manifest(out: Path) -> list[dict]:
-    return [json.loads(x) for x in (out / "manifest.jsonl").read_text().splitlines()]
 
 
 # rows every one of which must fail, each for its own reason, in the same run as the good ones

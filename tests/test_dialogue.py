@@ -15,19 +15,18 @@ import sys
 import time
 from pathlib import Path
 
-import httpx2 as httpx
 import numpy as np
 import pytest
 import soundfile as sf
 import srt
 import webvtt
+from servers import served
 
 from higgs_onnx.longform import captions
 from higgs_onnx.longform.dialogue import Dialogue
 from higgs_onnx.longform.render import LongForm, LongFormOptions
 from higgs_onnx.longform.script import ScriptError, Turn, check_cast, parse_script, parse_voice_map, turns_from_json
 from higgs_onnx.serve.limits import MAX_INPUT_CHARS
-from higgs_onnx.serve.process import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).resolve().parent / "data"
@@ -296,11 +295,8 @@ def test_cli_bad_dialogues_are_one_line_before_the_model_loads(builds, tmp_path)
 @pytest.fixture(scope="module")
 def server(builds, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dialogue-server")
-    s = ServerProcess(builds["fp32"], tmp / "voices", tmp / "server.log")
-    s.http = httpx.Client(base_url=s.url, timeout=300)
-    yield s
-    s.stop(timeout=15)
-    assert "Traceback" not in s.log.read_text(), s.log.read_text()[-3000:]
+    with served(builds["fp32"], tmp, http_timeout=300) as s:
+        yield s
 
 
 BODY = {"model": "higgs-tts-3", "turns": [{"speaker": "Alice", "text": "Hello Bob. How are you today?"},

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from servers import served
+from ws_clients import ws_frame, ws_handshake, ws_url
 from wyoming.audio import AudioChunk, AudioStop
 from wyoming.client import AsyncTcpClient
 from wyoming.error import Error
@@ -58,26 +60,13 @@ ASKS = {"speed": 1.5, "takes": 2, "retries": 1, "loudness": -16.0, "deterministi
         "caption_language": "de"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(builds, tmp_path_factory):
-    from test_server import Server
-
-    port = free_port()
     folder = tmp_path_factory.mktemp("doors")
     (folder / "lexicon.tsv").write_text(f"{ODD}\thello\n", encoding="utf-8")  # the server's own: every door's
-    s = Server(builds["fp32"], folder, "--wyoming", f"tcp://127.0.0.1:{port}", "--lexicon", str(folder / "lexicon.tsv"),
-               "--send-timeout", "2", "--ws-idle-timeout", "5", "--log-level", "INFO")
-    s.wyoming_port = port
-    yield s
-    s.stop()
-    log = s.log.read_text()
-    assert "Traceback" not in log, log[-3000:]
+    with served(builds["fp32"], folder, "--lexicon", str(folder / "lexicon.tsv"), "--send-timeout", "2",
+                "--ws-idle-timeout", "5", "--log-level", "INFO", wyoming=True) as s:
+        yield s
 
 
 # -- each door, asked for one field: None (accepted) or (message, code) ------------------------------------------
@@ -94,7 +83,7 @@ def at_http(server, name, value):
 async def ws_config(server, config: dict) -> dict:
     import websockets
 
-    url = server.url.replace("http://", "ws://") + "/v1/audio/speech/stream"
+    url = ws_url(server)
     async with websockets.connect(url, max_size=None) as ws:
         await ws.send(json.dumps({"type": "session.config", **config}))
         return json.loads(await asyncio.wait_for(ws.recv(), 60))
@@ -374,7 +363,7 @@ def test_blend_modes_refused(tts):
 async def ws_speak(server, config: dict, text: str) -> tuple[bytes, list]:
     import websockets
 
-    url = server.url.replace("http://", "ws://") + "/v1/audio/speech/stream"
+    url = ws_url(server)
     audio, got = b"", []
     async with websockets.connect(url, max_size=None) as ws:
         await ws.send(json.dumps({"type": "session.config", "response_format": "pcm", **config}))
@@ -430,15 +419,12 @@ def test_a_server_default_reaches_every_door(flag, value, field, off, builds, tm
     """The server default x door axis: a job default set on the server's command line (`--instructions`, a text
     step) is what HTTP, the WebSocket and Wyoming all read, so the three give the same bytes, and a request that
     turns it off gets other audio (Wyoming used to drop the server's instructions: its text had no lead)."""
-    from test_server import Server
-
     from higgs_onnx.longform.render import piece_rows
     from higgs_onnx.serve.textstream import ROWS_PER_CHAR
 
     text = "**Hello** there from every door." if field == "markdown" else TEXT
-    port = free_port()
-    s = Server(builds["fp32"], tmp_path, "--wyoming", f"tcp://127.0.0.1:{port}", flag, *([value] if value else []))
-    try:
+    with served(builds["fp32"], tmp_path, flag, *([value] if value else []), wyoming=True) as s:
+        port = s.wyoming_port
         body = {"model": "higgs-tts-3", "input": text, "response_format": "pcm", "deterministic": True}
         dry = s.http.post("/v1/audio/speech", json={**body, "dry_run": True}).json()
         if field == "instructions":
@@ -453,8 +439,6 @@ def test_a_server_default_reaches_every_door(flag, value, field, off, builds, tm
         wy = asyncio.run(wyoming_speak(port, text))
         assert ws == http.content and wy == http.content, (len(http.content), len(ws), len(wy))
         assert off_http.content != http.content  # the default did something, and a request may turn it off
-    finally:
-        s.stop()
 
 
 def test_the_websocket_honours_references_and_speed(server):
@@ -497,31 +481,6 @@ def test_empty_references_and_overflowing_blend_weights_are_refused(server, buil
         (tmp_path / name).write_bytes(b"x")  # never read: the weights are refused first
     got, _ = at_cli(builds, tmp_path, capsys, "voice", f"{tmp_path / 'a.npz'}:1e308,{tmp_path / 'b.npz'}:1e308")
     assert "add up past the largest number" in got, got
-
-
-def ws_handshake(port: int, path: str = "/v1/audio/speech/stream", header: str = "") -> socket.socket:
-    """A raw WebSocket client with a tiny receive buffer, that will never read (`header`: one more header line)."""
-    s = socket.socket()
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    s.connect(("127.0.0.1", port))
-    key = base64.b64encode(b"0123456789abcdef").decode()
-    extra = f"{header}\r\n" if header else ""
-    s.sendall((f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\n{extra}"
-               f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n").encode())
-    head = b""
-    while b"\r\n\r\n" not in head:
-        head += s.recv(1)
-    assert b" 101 " in head.split(b"\r\n")[0], head
-    return s
-
-
-def ws_frame(obj: dict) -> bytes:
-    data = json.dumps(obj).encode()
-    mask = b"\x01\x02\x03\x04"
-    n = len(data)
-    size = bytes([0x80 | n]) if n < 126 else bytes([0x80 | 126]) + n.to_bytes(2, "big") if n < 65536 else \
-        bytes([0x80 | 127]) + n.to_bytes(8, "big")
-    return b"\x81" + size + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(data))
 
 
 def test_a_client_that_stops_reading_frees_its_slot_at_every_streaming_door(server):
@@ -567,7 +526,7 @@ def test_text_far_faster_than_speech_ends_the_session(server):
 async def ws_speak_raw(server, texts: list[str]) -> tuple[bytes, list]:
     import websockets
 
-    url = server.url.replace("http://", "ws://") + "/v1/audio/speech/stream"
+    url = ws_url(server)
     got = []
     async with websockets.connect(url, max_size=None) as ws:
         await ws.send(json.dumps({"type": "session.config", "response_format": "pcm", "max_rows": 40}))
@@ -692,57 +651,55 @@ def test_sigterm_answers_every_door_as_documented(builds, tmp_path):
 
     import httpx2 as httpx
     import websockets
-    from test_server import Server
 
-    port = free_port()
-    s = Server(builds["fp32"], tmp_path, "--max-batch", "1", "--wyoming", f"tcp://127.0.0.1:{port}")
-    body = {"model": "higgs-tts-3", "input": TEXT, "response_format": "pcm", "max_rows": 40}
-    out: dict = {}
+    with served(builds["fp32"], tmp_path, "--max-batch", "1", wyoming=True) as s:
+        port = s.wyoming_port
+        body = {"model": "higgs-tts-3", "input": TEXT, "response_format": "pcm", "max_rows": 40}
+        out: dict = {}
 
-    def post(key: str, extra: dict):
-        r = httpx.post(f"{s.url}/v1/audio/speech", json={**body, **extra}, timeout=60)
-        out[key] = (r.status_code, r.headers.get("retry-after"), r.text)
+        def post(key: str, extra: dict):
+            r = httpx.post(f"{s.url}/v1/audio/speech", json={**body, **extra}, timeout=60)
+            out[key] = (r.status_code, r.headers.get("retry-after"), r.text)
 
-    def hold():
-        with httpx.stream("POST", f"{s.url}/v1/audio/speech", timeout=60,
-                          json={**body, "input": HOLD_TEXT, "max_rows": HOLD_ROWS}) as r:
-            assert r.status_code == 200, r.read()
-            try:
-                for _ in r.iter_bytes():
-                    out["holding"] = True  # its first audio: it runs
-                out["holder"] = "whole"
-            except httpx.RemoteProtocolError:  # the chunked body ends without its last chunk: visibly incomplete
-                out["holder"] = "cut"
+        def hold():
+            with httpx.stream("POST", f"{s.url}/v1/audio/speech", timeout=60,
+                              json={**body, "input": HOLD_TEXT, "max_rows": HOLD_ROWS}) as r:
+                assert r.status_code == 200, r.read()
+                try:
+                    for _ in r.iter_bytes():
+                        out["holding"] = True  # its first audio: it runs
+                    out["holder"] = "whole"
+                except httpx.RemoteProtocolError:  # the chunked body ends without its last chunk: visibly incomplete
+                    out["holder"] = "cut"
 
-    async def sessions():
-        url = s.url.replace("http://", "ws://") + "/v1/audio/speech/stream"
-        async with websockets.connect(url) as waiter, AsyncTcpClient("127.0.0.1", port) as wy:
-            await waiter.send(json.dumps({"type": "session.config", "response_format": "pcm", "max_rows": 40}))
-            await waiter.recv()
-            for _ in range(1200):
-                if out.get("holding"):
-                    break
-                await asyncio.sleep(0.01)
-            await waiter.send(json.dumps({"type": "input.text", "text": "I wait for it. "}))
-            await waiter.send(json.dumps({"type": "input.commit"}))
-            await wy.write_event(Synthesize(text="I wait too.").event())
-            out["ready"] = True
-            got = []
-            try:
-                while True:
-                    m = await asyncio.wait_for(waiter.recv(), 60)
-                    if not isinstance(m, bytes):
-                        got.append(json.loads(m))
-            except websockets.ConnectionClosed as e:
-                out["ws"] = ([m.get("code") for m in got if m["type"] == "error"], e.rcvd.code if e.rcvd else None)
-            e = await asyncio.wait_for(wy.read_event(), 60)
-            out["wyoming"] = (e.type, e.data.get("code")) if e is not None else None
+        async def sessions():
+            url = ws_url(s)
+            async with websockets.connect(url) as waiter, AsyncTcpClient("127.0.0.1", port) as wy:
+                await waiter.send(json.dumps({"type": "session.config", "response_format": "pcm", "max_rows": 40}))
+                await waiter.recv()
+                for _ in range(1200):
+                    if out.get("holding"):
+                        break
+                    await asyncio.sleep(0.01)
+                await waiter.send(json.dumps({"type": "input.text", "text": "I wait for it. "}))
+                await waiter.send(json.dumps({"type": "input.commit"}))
+                await wy.write_event(Synthesize(text="I wait too.").event())
+                out["ready"] = True
+                got = []
+                try:
+                    while True:
+                        m = await asyncio.wait_for(waiter.recv(), 60)
+                        if not isinstance(m, bytes):
+                            got.append(json.loads(m))
+                except websockets.ConnectionClosed as e:
+                    out["ws"] = ([m.get("code") for m in got if m["type"] == "error"], e.rcvd.code if e.rcvd else None)
+                e = await asyncio.wait_for(wy.read_event(), 60)
+                out["wyoming"] = (e.type, e.data.get("code")) if e is not None else None
 
-    holder = threading.Thread(target=hold)
-    side = threading.Thread(target=lambda: asyncio.run(sessions()))
-    posts = [threading.Thread(target=post, args=("http", {})),
-             threading.Thread(target=post, args=("sse", {"stream_format": "sse"}))]
-    try:
+        holder = threading.Thread(target=hold)
+        side = threading.Thread(target=lambda: asyncio.run(sessions()))
+        posts = [threading.Thread(target=post, args=("http", {})),
+                 threading.Thread(target=post, args=("sse", {"stream_format": "sse"}))]
         holder.start()
         side.start()
         for _ in range(1200):
@@ -756,17 +713,12 @@ def test_sigterm_answers_every_door_as_documented(builds, tmp_path):
         for t in (*posts, side, holder):
             t.join(60)
         assert s.proc.wait(30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it has shut down
-    finally:
-        if s.proc.poll() is None:
-            s.stop()
     assert out["holder"] == "cut", out  # its audio stream, mid-way: never ended as if whole
     for key in ("http", "sse"):
         status, retry, text = out[key]
         assert status == 503 and retry == "1" and json.loads(text)["error"]["code"] == "shutting_down", out[key]
     assert out["ws"] == (["shutting_down"], 1012), out["ws"]
     assert out["wyoming"] == ("error", "shutting_down"), out["wyoming"]
-    log = s.log.read_text()
-    assert "Traceback" not in log, log[-3000:]
 
 
 # -- the dry run: what the model would read, checked as for real, nothing generated ------------------------------

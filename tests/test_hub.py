@@ -173,14 +173,12 @@ def test_a_token_lets_a_private_export_through(hub, tmp_path):
 
 # -- publishing the tiny export and running it from the Hub at every door --------------------------------------
 @pytest.fixture(scope="module")
-def published(builds, out_root, tmp_path_factory):
+def published(builds, out_root, tmp_path_factory, route_crossover):
     """The session's tiny int4 export pushed by `optimize.py --push-to-hub` (the build is up to date: the same
     output root and crossover as `builds`) to a fresh fake Hub; (hub, home for HF_HOME/HIGGS_CACHE, push result)."""
-    from conftest import ROUTE_CROSSOVER
-
     tmp = tmp_path_factory.mktemp("published")
     hub = FakeHub(tmp / "served", token=TOKEN)
-    given = ["none" if v is None else str(v) for v in ROUTE_CROSSOVER]
+    given = ["none" if v is None else str(v) for v in route_crossover]
     r = command(["optimize.py", "--synthetic", "tiny", "--device", "cpu", "--precision", "int4", "--output",
                  str(out_root), "--route-crossover", *given, "--push-to-hub", "org/tts"],
                 hub_env(hub, tmp, HIGGS_PART_CACHE=os.environ.get("HIGGS_PART_CACHE", "")))

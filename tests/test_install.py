@@ -26,8 +26,7 @@ from pathlib import Path
 
 import pytest
 import soundfile as sf
-
-from higgs_onnx.serve.process import ServerProcess
+from servers import served
 
 pytestmark = pytest.mark.slow
 
@@ -210,9 +209,7 @@ def test_every_help_works_in_the_base_install(base, tmp_path):
 def test_server_extra_serves_speech(server_venv, builds, tmp_path):
     names = installed(server_venv)
     assert {"fastapi", "uvicorn", "av", "wyoming"} <= names and not names & (HEAVY - {"fastapi", "uvicorn"})
-    server = ServerProcess(builds["int4"], tmp_path / "voices", tmp_path / "server.log", python=server_venv,
-                           cwd=tmp_path, env=clean_env())
-    try:
+    with served(builds["int4"], tmp_path, python=server_venv, cwd=tmp_path, env=clean_env()) as server:
         body = json.dumps({"model": "tts-1", "input": "Hello from the installed server.", "voice": "alloy",
                            "response_format": "wav"}).encode()
         req = urllib.request.Request(f"{server.url}/v1/audio/speech", data=body,
@@ -232,8 +229,6 @@ def test_server_extra_serves_speech(server_venv, builds, tmp_path):
             err = json.loads(e.value.read())["error"]
             assert e.value.code == 400 and err["param"] == field, err
             assert f"needs extra packages: pip install 'higgs-onnx[{extra}]'" in err["message"], err
-    finally:
-        server.stop()
     (tmp_path / "speech.wav").write_bytes(audio)
     info = sf.info(tmp_path / "speech.wav")
     assert audio[:4] == b"RIFF" and info.samplerate == 24000 and info.frames > 2400
@@ -276,9 +271,7 @@ def test_server_extra_serves_the_hub_and_a_community_folder(server_venv, hub_and
     env, ref, community = hub_and_community
     clip = base64.b64encode((DATA / "ref_en_24k.wav").read_bytes()).decode()
     for name, model in (("hub", ref), ("community", community)):
-        server = ServerProcess(model, tmp_path / f"voices-{name}", tmp_path / f"{name}.log", python=server_venv,
-                               cwd=tmp_path, env=env)
-        try:
+        with served(model, tmp_path / name, python=server_venv, cwd=tmp_path, env=env) as server:
             for fields, kind in (({"response_format": "wav"}, "audio/wav"), ({"response_format": "pcm"}, "audio/pcm"),
                                  ({"response_format": "wav", "ref_audio": clip,
                                    "ref_text": (DATA / "ref_en_24k.txt").read_text().strip()}, "audio/wav")):
@@ -288,5 +281,3 @@ def test_server_extra_serves_the_hub_and_a_community_folder(server_venv, hub_and
                 with urllib.request.urlopen(req, timeout=120) as resp:
                     assert resp.status == 200 and resp.headers["Content-Type"].startswith(kind), (name, fields)
                     assert len(resp.read()) > 4800, (name, kind)
-        finally:
-            server.stop()

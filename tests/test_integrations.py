@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile as sf
-from test_corpus import corpus, manifest
-from test_server import DATA, QUICK, TEXT, Server, assert_error
+from corpus_runs import corpus, manifest
+from servers import DATA, QUICK, TEXT, assert_error, served
 
 from higgs_onnx.loudness import measure
 
@@ -34,10 +34,8 @@ def webui(builds, tmp_path_factory):
     tts = HiggsTTS(builds["fp32"], verify=False)
     tts.make_voice(DATA / "ref_en_24k.wav", (DATA / "ref_en_24k.txt").read_text().strip()).save(
         tmp / "voices" / "narrator.npz")
-    s = Server(builds["fp32"], tmp, "--default-voice", "narrator", "--api-key", KEY)
-    yield s
-    s.stop()
-    assert "Traceback" not in s.log.read_text(), s.log.read_text()[-3000:]
+    with served(builds["fp32"], tmp, "--default-voice", "narrator", "--api-key", KEY) as s:
+        yield s
 
 
 def test_open_webui_lists_and_speech(webui):

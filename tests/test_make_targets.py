@@ -61,12 +61,10 @@ def wavs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def demo(builds, out_root, wavs):
+def demo(builds, out_root, wavs, route_crossover):
     """`make demo` into the session's export root, with the route crossover `builds` gave its int4 export: the
     target finds it up to date (a measured crossover would rebuild it, under the tests of this worker that use it)."""
-    from conftest import ROUTE_CROSSOVER
-
-    given = " ".join("none" if v is None else str(v) for v in ROUTE_CROSSOVER)
+    given = " ".join("none" if v is None else str(v) for v in route_crossover)
     return make("demo", out_root, wavs, f"OPTIMIZE_ARGS=--route-crossover {given}")
 
 

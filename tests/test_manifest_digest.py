@@ -125,7 +125,8 @@ def test_the_source_path_is_absolute_whatever_the_cwd(tiny_ckpt, tmp_path, monke
 
 
 @pytest.mark.slow
-def test_inference_refuses_an_edited_manifest_and_optimize_reassembles_it(builds, tiny_ckpt, out_root, tmp_path):
+def test_inference_refuses_an_edited_manifest_and_optimize_reassembles_it(builds, tiny_ckpt, out_root, tmp_path,
+                                                                           route_crossover):
     from higgs_onnx.export import Exporter, ExportOptions
     from higgs_onnx.runtime.model import HiggsTTS
 
@@ -143,9 +144,7 @@ def test_inference_refuses_an_edited_manifest_and_optimize_reassembles_it(builds
         edit(builds["int4"], lambda d: d["model"].update(max_positions=8))
         # with the crossover the session's build was given: a measured one would be written into the export every
         # other test of this worker uses (tests/test_route.py checks it is the given one)
-        from conftest import ROUTE_CROSSOVER
-
-        Exporter(str(tiny_ckpt), out_root, ExportOptions("cpu", "int4", route_crossover=ROUTE_CROSSOVER)).run()
+        Exporter(str(tiny_ckpt), out_root, ExportOptions("cpu", "int4", route_crossover=route_crossover)).run()
         assert load_manifest(builds["int4"], verify=True).data["model"]["max_positions"] != 8
         HiggsTTS(builds["int4"], verify=False)
     finally:

@@ -9,6 +9,7 @@ import threading
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from servers import served
 
 pytestmark = pytest.mark.slow
 KEY = "metrics-key"
@@ -18,13 +19,9 @@ BODY = {"model": "higgs-tts-3", "input": "Hello there.", "max_rows": 40, "respon
 
 @pytest.fixture(scope="module")
 def server(builds, tmp_path_factory):
-    from test_server import Server
-
-    s = Server(builds["fp32"], tmp_path_factory.mktemp("metrics"), "--api-key", KEY, "--max-batch", "1",
-               "--max-queue", "0")
-    yield s
-    s.stop()
-    assert "Traceback" not in s.log.read_text(), s.log.read_text()[-3000:]
+    with served(builds["fp32"], tmp_path_factory.mktemp("metrics"), "--api-key", KEY, "--max-batch", "1",
+                "--max-queue", "0") as s:
+        yield s
 
 
 def scrape(server) -> dict:
@@ -86,11 +83,8 @@ def test_metrics_count_what_was_sent_and_need_the_key(server):
 
 @pytest.fixture(scope="module")
 def roomy(builds, tmp_path_factory):
-    from test_server import Server
-
-    s = Server(builds["fp32"], tmp_path_factory.mktemp("metrics2"), "--api-key", KEY)
-    yield s
-    s.stop()
+    with served(builds["fp32"], tmp_path_factory.mktemp("metrics2"), "--api-key", KEY) as s:
+        yield s
 
 
 def test_takes_verdicts_and_voice_cache_hits(roomy):
@@ -127,15 +121,10 @@ def test_takes_verdicts_and_voice_cache_hits(roomy):
 
 
 def test_metrics_public_needs_no_key(builds, tmp_path):
-    from test_server import Server
-
-    s = Server(builds["fp32"], tmp_path, "--api-key", KEY, "--metrics-public")
-    try:
+    with served(builds["fp32"], tmp_path, "--api-key", KEY, "--metrics-public") as s:
         r = s.http.get("/metrics")
         assert r.status_code == 200 and "higgs_in_flight" in r.text
         assert s.http.get("/v1/models").status_code == 401  # the API itself still needs the key
-    finally:
-        s.stop()
 
 
 def test_ready_only_between_start_and_stop(tts):

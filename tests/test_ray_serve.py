@@ -21,6 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx2 as httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from servers import served
+from ws_clients import per_segment, session, ws_url
 
 pytestmark = pytest.mark.slow
 TEXT = "Hello there, this is a replica speaking."
@@ -78,8 +80,6 @@ def sse_audio(server, **body) -> tuple[bytes, list[dict]]:
 
 def answers(server) -> dict:
     """What a client gets for fixed seeds: wav (openai client), a streamed mp3 (openai client), SSE, WebSocket."""
-    from test_textstream import per_segment, session
-
     client = server.client()
     wav = client.audio.speech.create(model="tts-1", voice="alloy", input=TEXT, response_format="wav",
                                      extra_body={"seed": 3}).content
@@ -94,23 +94,16 @@ def answers(server) -> dict:
 
 @pytest.fixture(scope="module")
 def plain(builds, tmp_path_factory):
-    from test_server import Server
-
-    s = Server(builds["fp32"], tmp_path_factory.mktemp("plain"), "--threads", "1")
-    yield s
-    s.stop()
+    with served(builds["fp32"], tmp_path_factory.mktemp("plain"), "--threads", "1") as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
 def pair(builds, tmp_path_factory):
     """Two replicas, one thread each, metrics open."""
-    from test_server import Server
-
-    s = Server(builds["fp32"], tmp_path_factory.mktemp("ray2"), *RAY, "--replicas", "2", "--metrics-public",
-               timeout=240)
-    yield s
-    s.stop()
-    assert "Traceback" not in s.log.read_text(), s.log.read_text()[-3000:]
+    with served(builds["fp32"], tmp_path_factory.mktemp("ray2"), *RAY, "--replicas", "2", "--metrics-public",
+                timeout=240) as s:
+        yield s
 
 
 def test_two_replicas_answer_as_one_server_does(pair, plain):
@@ -185,7 +178,7 @@ def one_request(server, kind: str, i: int) -> str:
             return f"sse {last['error']['code']}"
         from websockets.sync.client import connect
 
-        url = server.url.replace("http://", "ws://") + "/v1/audio/speech/stream"
+        url = ws_url(server)
         with connect(url, max_size=None, open_timeout=60) as ws:
             ws.send(json.dumps({"type": "session.config", "response_format": "pcm", "seed": i}))
             ws.send(json.dumps({"type": "input.text", "text": LONG}))
@@ -237,11 +230,8 @@ def test_a_killed_replica_ends_what_it_held_and_is_replaced(pair):
 
 
 def test_autoscaling_adds_a_replica_under_load(builds, tmp_path):
-    from test_server import Server
-
-    s = Server(builds["fp32"], tmp_path, *RAY, "--replicas", "1", "--max-replicas", "2", "--max-batch", "1",
-               "--max-queue", "2", timeout=240)
-    try:
+    with served(builds["fp32"], tmp_path, *RAY, "--replicas", "1", "--max-replicas", "2", "--max-batch", "1",
+                "--max-queue", "2", timeout=240) as s:
         assert "1..2 replicas (autoscaling)" in s.banner
         assert len(replicas_seen(s, 1)) == 1
         stop = threading.Event()
@@ -281,8 +271,6 @@ def test_autoscaling_adds_a_replica_under_load(builds, tmp_path):
                 audio, events = f.result(timeout=120)
                 assert events[-1]["type"] == "speech.audio.done" and audio  # drained: whole
         assert s.proc.wait(timeout=60) == 0
-    finally:
-        s.stop()
 
 
 def test_a_replica_that_cannot_load_never_serves(builds, tmp_path):

@@ -26,81 +26,28 @@ import numpy as np
 import openai
 import pytest
 import soundfile as sf
-
-from higgs_onnx.serve.process import ServerProcess
+from servers import DATA, LONG, QUICK, TEXT, Server, assert_error, first_difference, served
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
-DATA = Path(__file__).resolve().parent / "data"
 RATE = 24000
 KEY = "test-key-123"
-TEXT = "Hello there world, this is the speech server."
-LONG = " ".join(["word"] * 300) + "."  # the tiny model speaks ~13 rows per word: runs to the row limit (s)
 LONG_ROWS = 2400  # LONG's prompt (~600 positions) + 2400 rows fit the server's 3072-position batch slot
-QUICK = {"max_rows": 120}  # a short utterance for tests that are not about the audio
-POLLS = 1200  # bounded polls of /health (0.05 s apart): a wait that never ends fails instead of hanging
-
-
-class Server(ServerProcess):
-    """A `python -m higgs_onnx.serve` subprocess (`serve/process.py`) with the tests' helpers."""
-
-    def __init__(self, model: Path, tmp: Path, *args: str, timeout: float = 120.0):
-        self.voices = tmp / "voices"
-        try:
-            super().__init__(model, self.voices, tmp / "server.log", *args, timeout=timeout)
-        except RuntimeError as e:
-            pytest.fail(str(e))
-        self.http = httpx.Client(base_url=self.url, timeout=120)
-
-    def client(self, key: str = "none") -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=120)
-
-    def health(self) -> dict:
-        r = self.http.get("/health")
-        assert r.status_code == 200, r.text
-        return r.json()
-
-    def stats(self) -> dict:
-        return self.health()["scheduler"]
-
-    def wait(self, done, what: str) -> dict:
-        """The scheduler stats once `done(stats)` holds (polled; fails after POLLS polls, never hangs)."""
-        for _ in range(POLLS):
-            stats = self.stats()
-            if done(stats):
-                return stats
-            time.sleep(0.05)
-        pytest.fail(f"{what}: not reached, scheduler {self.stats()}")
-
-    def settle(self) -> dict:
-        """The stats once nothing is in flight."""
-        return self.wait(lambda s: s["in_flight"] == 0, "nothing in flight")
-
-    def released(self) -> dict:
-        """The stats once nothing is in flight and no session keeps a context (a session's end gives its kept
-        context back as its handler ends, just after the client has its last event): fails if one stays kept."""
-        return self.wait(lambda s: s["in_flight"] == 0 and s["kept"] == 0, "nothing in flight or kept")
-
-    def stop(self) -> None:
-        super().stop(timeout=15)
 
 
 @pytest.fixture(scope="module")
 def server(builds, tmp_path_factory):
-    s = Server(builds["fp32"], tmp_path_factory.mktemp("server"))
-    yield s
-    s.stop()
-    assert "Traceback" not in s.log.read_text(), s.log.read_text()[-3000:]
+    with served(builds["fp32"], tmp_path_factory.mktemp("server")) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
 def tight(builds, tmp_path_factory):
     """One batch slot, no queue, an API key."""
-    s = Server(builds["fp32"], tmp_path_factory.mktemp("tight"), "--max-batch", "1", "--max-queue", "0",
-               "--api-key", KEY)
-    yield s
-    s.stop()
+    with served(builds["fp32"], tmp_path_factory.mktemp("tight"), "--max-batch", "1", "--max-queue", "0",
+                "--api-key", KEY) as s:
+        yield s
 
 
 def speech(server: Server, **body) -> httpx.Response:
@@ -109,26 +56,6 @@ def speech(server: Server, **body) -> httpx.Response:
 
 def pcm_seconds(data: bytes) -> float:
     return len(data) / 2 / RATE
-
-
-def first_difference(a: bytes, b: bytes) -> tuple[int, int, int]:
-    x, y = np.frombuffer(a, "<i2"), np.frombuffer(b, "<i2")
-    n = min(len(x), len(y))
-    diff = np.flatnonzero(x[:n] != y[:n])
-    return int(diff[0]) if len(diff) else n, len(x), len(y)
-
-
-def assert_error(r: httpx.Response, status: int, param: str | None = "any", code: str | None = "any") -> dict:
-    """An OpenAI error body with `status` (and `param`, `code` where given), one line, no traceback."""
-    assert r.status_code == status, (r.status_code, r.text)
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}, err
-    assert err["message"] and "\n" not in err["message"] and "Traceback" not in r.text, err
-    if param != "any":
-        assert err["param"] == param, err
-    if code != "any":
-        assert err["code"] == code, err
-    return err
 
 
 # -- basics ----------------------------------------------------------------------------------------------------
@@ -694,10 +621,9 @@ def test_retries_send_a_judged_take_whole(server):
 @pytest.fixture(scope="module")
 def strict(builds, tmp_path_factory):
     """A guard that calls every take of the tiny checkpoint overlong (they run ~2 x their text's reading time)."""
-    s = Server(builds["fp32"], tmp_path_factory.mktemp("strict"), "--guard", "overlong_factor=1.01", "--guard",
-               "slack_s=0")
-    yield s
-    s.stop()
+    with served(builds["fp32"], tmp_path_factory.mktemp("strict"), "--guard", "overlong_factor=1.01", "--guard",
+                "slack_s=0") as s:
+        yield s
 
 
 def test_the_server_draws_a_degenerate_take_again(strict):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_server import Server, first_difference
+from servers import Server, first_difference, served
 
 pytestmark = pytest.mark.slow
 
@@ -29,11 +29,9 @@ OUTPUT = Path(__file__).resolve().parent / "output"
 
 @pytest.fixture(scope="module", params=["int4", "fp32"])
 def det(request, builds, tmp_path_factory):
-    s = Server(builds[request.param], tmp_path_factory.mktemp(f"det_{request.param}"), "--max-batch", "4",
-               "--max-queue", "40")
-    yield request.param, s
-    s.stop()
-    assert "Traceback" not in s.log.read_text()
+    with served(builds[request.param], tmp_path_factory.mktemp(f"det_{request.param}"), "--max-batch", "4",
+                "--max-queue", "40") as s:
+        yield request.param, s
 
 
 def pcm(server: Server, seed: int, text: str = TEXT, **extra) -> bytes:

@@ -18,7 +18,7 @@ import time
 
 import httpx2 as httpx
 import pytest
-from test_server import DATA, QUICK, TEXT, Server, assert_error
+from servers import DATA, QUICK, TEXT, Server, assert_error, served
 
 from higgs_onnx.serve.limits import MAX_HEADER_BYTES, Timeouts, guarded_protocol
 
@@ -31,11 +31,8 @@ BOUND = 30.0  # a socket read that takes this long means the server hangs: fail
 
 @pytest.fixture(scope="module")
 def edge(builds, tmp_path_factory):
-    s = Server(builds["fp32"], tmp_path_factory.mktemp("edges"), *[x for kv in TIMEOUTS.items() for x in kv])
-    yield s
-    s.stop()
-    log = s.log.read_text()
-    assert "Traceback" not in log, log[-3000:]
+    with served(builds["fp32"], tmp_path_factory.mktemp("edges"), *[x for kv in TIMEOUTS.items() for x in kv]) as s:
+        yield s
 
 
 def connect(server: Server) -> socket.socket:

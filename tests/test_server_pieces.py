@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import soundfile as sf
+from servers import sentences, served
 
 from higgs_onnx.generation.contract import ContractError
 from higgs_onnx.generation.engine import GenerationStats
@@ -44,16 +45,6 @@ class FakeTTS:
             raise ContractError(f"the text is {len(text)} characters, which needs more rows than fit; split it into "
                                 "shorter requests, or read it as one recording with long-form: python inference.py "
                                 "--text-file FILE --out OUT.wav", "input", "context_length_exceeded", 413)
-
-
-def sentences(n: int, per_paragraph: int = 6) -> str:
-    """`n` sentences of ~50 characters, a paragraph every `per_paragraph`."""
-    out = []
-    for i in range(n):
-        out.append(f"Sentence number {i} is here, to be read aloud in turn.")
-        if i % per_paragraph == per_paragraph - 1:
-            out.append("\n\n")
-    return " ".join(out).strip()
 
 
 def plan(text: str, tts=None, tag=None, max_rows=None):
@@ -229,12 +220,8 @@ BODY = {"model": "higgs-tts-3", "input": LONG_TEXT, "max_rows": ROWS, "seed": 3}
 
 @pytest.fixture(scope="module")
 def server(builds, tmp_path_factory):
-    from test_server import Server
-
-    s = Server(builds["fp32"], tmp_path_factory.mktemp("pieces"), "--log-level", "INFO")  # INFO: the restart line
-    yield s
-    s.stop()
-    assert "Traceback" not in s.log.read_text(), s.log.read_text()[-3000:]
+    with served(builds["fp32"], tmp_path_factory.mktemp("pieces"), "--log-level", "INFO") as s:  # INFO: restarts
+        yield s
 
 
 def sse_events(r) -> list[dict]:

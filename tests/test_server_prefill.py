@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_server import LONG, Server
+from servers import LONG, served
 
 from higgs_onnx.generation.options import GenerationOptions
 from higgs_onnx.serve.scheduler import JobScheduler, ShuttingDown
@@ -189,8 +189,7 @@ def test_shutdown_with_jobs_in_flight_frees_everything(tts):
 def test_health_reports_the_scheduling_figures(builds, tmp_path):
     """The real server (uvicorn) with --prefill-chunk 16, the official openai client: three streams, then a clone
     request; /health shows its prefill in chunks and the codec's time."""
-    server = Server(builds["fp32"], tmp_path, "--prefill-chunk", str(CHUNK))
-    try:
+    with served(builds["fp32"], tmp_path, "--prefill-chunk", str(CHUNK)) as server:
         stats = server.stats()
         new = ("prefill_calls", "prefill_positions", "longest_stall_s", "codec_busy_s", "rows", "kept")
         assert all(k in stats for k in new) and stats["prefill_chunk"] == CHUNK, stats
@@ -229,17 +228,13 @@ def test_health_reports_the_scheduling_figures(builds, tmp_path):
         end = server.settle()
         assert (end["active"], end["kept"], end["waiting"], end["slots_in_use"]) == (0, 0, 0, 0), end
         assert end["cancelled"] >= 3, end
-    finally:
-        server.stop()
-    assert "Traceback" not in server.log.read_text()
 
 
 def test_a_client_leaving_mid_prefill_frees_its_slot(builds, tmp_path):
     """Over HTTP: a request whose long prompt is prefilled one position per step (`--prefill-chunk 1`) beside a
     running stream; its client closes the connection while /health shows it prefilling. The app cancels the job,
     its slot comes back at the next step (only the stream's is in use), and it did not prefill to its end."""
-    server = Server(builds["fp32"], tmp_path, "--prefill-chunk", "1", "--max-batch", "2")
-    try:
+    with served(builds["fp32"], tmp_path, "--prefill-chunk", "1", "--max-batch", "2") as server:
         stop = threading.Event()
 
         def stream() -> int:
@@ -270,6 +265,3 @@ def test_a_client_leaving_mid_prefill_frees_its_slot(builds, tmp_path):
             assert running.result() == 200
         end = server.settle()
         assert (end["active"], end["slots_in_use"], end["kept"], end["waiting"]) == (0, 0, 0, 0), end
-    finally:
-        server.stop()
-    assert "Traceback" not in server.log.read_text()

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from servers import served
 
 from higgs_onnx.text.ssml import SsmlError, to_text
 
@@ -111,10 +112,7 @@ def test_the_corpus_refuses_a_bad_document_before_any_work(tmp_path):
 
 @pytest.mark.slow
 def test_http_and_the_command_line_show_what_the_document_became(builds, tmp_path):
-    from test_server import Server
-
-    s = Server(builds["fp32"], tmp_path)
-    try:
+    with served(builds["fp32"], tmp_path) as s:
         body = {"model": "tts-1", "input": DOC, "ssml": True}
         dry = s.http.post("/v1/audio/speech", json={**body, "dry_run": True})
         assert dry.status_code == 200 and dry.json()["read"] == READ and dry.json()["steps"][0]["step"] == "ssml"
@@ -124,8 +122,6 @@ def test_http_and_the_command_line_show_what_the_document_became(builds, tmp_pat
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "input"
         assert "DTDForbidden" in bad.json()["error"]["message"]
         assert s.http.post("/v1/audio/speech", json={**body, "ssml": "yes"}).json()["error"]["param"] == "ssml"
-    finally:
-        s.stop()
     p = subprocess.run([sys.executable, "inference.py", "--model-path", str(builds["fp32"]), "--text", DOC, "--ssml",
                         "--dry-run"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and READ in p.stdout, p.stdout + p.stderr
@@ -148,18 +144,13 @@ def test_what_a_document_reads_as_is_refused_before_any_work(builds, tmp_path):
     instruction, a say-as without its kind: HTTP's 400 names it (the dry run too); a corpus row is a row error on the
     driver in the server's words, before Ray starts (no row to make, exit 1). `--ssml` as a server default: its help
     says it is refused, as its error does."""
-    from test_server import Server
-
-    s = Server(builds["fp32"], tmp_path / "server")
-    try:
+    with served(builds["fp32"], tmp_path / "server") as s:
         for doc, words in REFUSED:
             for dry_run in (True, False):
                 bad = s.http.post("/v1/audio/speech", json={"model": "tts-1", "input": doc, "ssml": True,
                                                             "dry_run": dry_run})
                 err = bad.json()["error"]
                 assert bad.status_code == 400 and err["param"] == "input" and words in err["message"], (doc, err)
-    finally:
-        s.stop()
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"id": f"r{i}", "text": doc, "ssml": True}) + "\n"
                             for i, (doc, _) in enumerate(REFUSED)))

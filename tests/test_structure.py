@@ -222,3 +222,32 @@ def test_docs_layout_names_every_module():
             missing.append(str(path.relative_to(PACKAGE)))
     assert not missing, f"docs/layout.md does not name {missing}"
     assert "PieceCue" not in layout  # merged into longform.captions.Cue
+
+
+TESTS = PACKAGE.parent / "tests"
+# the stream engine's modules (issue 52), converted by the change that moves the stream doors to serve/streams/
+NOT_YET = {"test_agents.py", "test_agents_cancel.py", "test_textstream.py", "test_wyoming.py"}
+
+
+def test_test_modules_share_helpers_through_support_modules_and_start_servers_in_one_place():
+    """A test module imports no other test module and no conftest (what two of them share lives in a support
+    module: servers.py, ws_clients.py, ...; a conftest value is a fixture), and starts a speech server only through
+    `servers.served` (one start, stop and log check)."""
+    found = []
+    for path in sorted(TESTS.glob("*.py")):
+        if path.name in NOT_YET:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and path.name != "servers.py"
+                  and node.func.id in ("Server", "ServerProcess")):
+                found.append(f"{path.name}:{node.lineno}: {node.func.id}(...), not servers.served")
+                continue
+            else:
+                continue
+            found += [f"{path.name}:{node.lineno}: imports {n}" for n in names
+                      if n.rpartition(".")[2].startswith("test_") or n.rpartition(".")[2] == "conftest"]
+    assert not found, found

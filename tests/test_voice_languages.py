@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import zipfile
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from servers import assert_error, served
 from wyoming.audio import AudioChunk, AudioStop
 from wyoming.client import AsyncTcpClient
 from wyoming.error import Error
@@ -51,15 +51,8 @@ def test_check_languages_normalizes_and_refuses_in_one_sentence():
 @pytest.fixture(scope="module")
 def both(builds, tmp_path_factory):
     """`serve --wyoming`: (the HTTP server, the Wyoming port), sharing one voices folder."""
-    from test_server import Server
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = Server(builds["fp32"], tmp_path_factory.mktemp("languages"), "--wyoming", f"tcp://127.0.0.1:{port}")
-    yield server, port
-    server.stop()
-    assert "Traceback" not in server.log.read_text(), server.log.read_text()[-3000:]
+    with served(builds["fp32"], tmp_path_factory.mktemp("languages"), wyoming=True) as server:
+        yield server, server.wyoming_port
 
 
 def upload(server, name: str, **fields):
@@ -110,8 +103,6 @@ def test_a_voice_is_described_under_its_own_languages(both):
 
 @pytest.mark.slow
 def test_bad_languages_are_refused_at_the_upload(both):
-    from test_server import assert_error
-
     server, _ = both
     for bad, named in (("deutsch", "deutsch"), ("en,en", "'en'"), ("en-GB-oxendict", "en-GB-oxendict")):
         err = assert_error(upload(server, "badlang", languages=bad), 400, "languages", "invalid_value")

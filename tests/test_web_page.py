@@ -246,7 +246,7 @@ def server_cues(url: str, body: dict) -> list[dict]:
 
 
 def test_read_along_highlights_the_piece_being_played(url, browser):
-    from test_server_pieces import sentences
+    from servers import sentences
 
     text = sentences(90)  # ~4,900 characters: read in pieces
     page = browser.new_page()
@@ -319,7 +319,7 @@ def test_read_along_word_by_word(url, browser):
     import concurrent.futures
     import json
 
-    from test_align import _chunks, _served
+    from word_streams import chunks, served_words
 
     from higgs_onnx.audio import read_audio
     from higgs_onnx.longform.captions import Cue
@@ -345,7 +345,7 @@ def test_read_along_word_by_word(url, browser):
     text = (DATA / "ref_en_24k.txt").read_text().strip()
     mono = data[:, 0]
     with concurrent.futures.ThreadPoolExecutor(1) as pool:  # Playwright's own loop runs in this thread
-        served = pool.submit(_served, Cue(0, None, text), [*_chunks(mono, sr), Cue(0, len(mono), text)], text,
+        served = pool.submit(served_words, Cue(0, None, text), [*chunks(mono, sr), Cue(0, len(mono), text)], text,
                              sr).result()
     start, end = (c.event("speech-1", sr) for c in served if isinstance(c, Cue))
     words = end["words"]
