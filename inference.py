@@ -25,10 +25,10 @@ from higgs_onnx.cli import add_log_level, run_main
 from higgs_onnx.generation.blend import MODES
 from higgs_onnx.generation.codec_stream import CODEC_MODES, StreamOptions
 from higgs_onnx.generation.options import DEFAULT_MAX_ROWS, GenerationOptions
-from higgs_onnx.generation.prompt import check_text
-from higgs_onnx.hub import cli_model_path, model_path_arg
-from higgs_onnx.job.options import TEXT, Shape, SpeechOptions, add_text_flags, text_values
-from higgs_onnx.runtime.session import PROVIDERS, check_threads
+from higgs_onnx.hub import local_model, model_path_arg
+from higgs_onnx.job.command import Command
+from higgs_onnx.job.options import add_text_flags
+from higgs_onnx.runtime.session import PROVIDERS
 
 log = logging.getLogger("inference")
 
@@ -136,250 +136,17 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def voice_files(args: argparse.Namespace) -> list[tuple[Path, float | None]] | None:
-    """`--voice` as [(file, weight or None)]: one voice, or a blend (`a.npz:0.7,b.npz:0.3`, names looked up in
-    `--voices`), checked before the model loads; what a blend cannot do is refused here."""
-    from higgs_onnx.generation.blend import normalise_weights, parse_spec
-
-    if args.voices is not None and not args.voices.is_dir():
-        raise NotADirectoryError(f"--voices {args.voices} is not a folder of saved voices")
-    if args.voice is None:
-        if args.blend_mode is not None:
-            raise ValueError("--blend-mode is for a blend of voices (--voice a.npz:0.7,b.npz:0.3)")
-        if args.voices is not None and args.script is None:
-            raise ValueError("--voices is for --voice (or --voices-map with --script): the names it looks up")
-        return None
-    spec = args.voice
-    pairs = [(spec, None)] if Path(spec).exists() else parse_spec(spec, "--voice")  # a file named a:b,c stays one
-
-    def find(name: str) -> Path:
-        path = voice_file(name, args.voices)
-        if not path.exists():
-            hint = "" if args.voices is not None or path.suffix else \
-                " (a saved voice's file, or a name in --voices DIR)"
-            raise FileNotFoundError(f"voice file {path} does not exist{hint}")
-        return path
-
-    files = [(find(name), w) for name, w in pairs]
-    normalise_weights([w for _, w in files], "--voice")  # negative, all-zero, some-but-not-all weights
-    if len(files) == 1:
-        if args.blend_mode is not None:
-            raise ValueError("--blend-mode is for a blend of voices (--voice a.npz:0.7,b.npz:0.3)")
-        return files
-    what = f"--voice {spec}: a blend of voices"
-    if args.text_file is not None and args.out is not None:
-        raise ValueError(f"{what} is not supported for long-form (--text-file with --out: each piece continues the "
-                         f"KV cache of the pieces before it); use one voice, or --out-dir for one file per line")
-    return files
-
-
-def check_dialogue_args(args: argparse.Namespace) -> None:
-    """--script, --voices-map and --captions: the flags that go together, the script read and its cast checked
-    (every speaker has a voice that exists), before the model loads."""
-    if args.voices_map is not None and args.script is None:
-        raise ValueError("--voices-map is for --script (each speaker's voice)")
-    long_out = args.out is not None and (args.text_file is not None or args.script is not None)
-    if args.captions is not None:
-        if not long_out:
-            raise ValueError("--captions is for one recording of many pieces: --text-file with --out, or --script")
-        from higgs_onnx.longform.captions import check_path
-
-        check_path(args.captions)
-        if str(args.out) != "-" and args.captions.resolve() == args.out.resolve():
-            raise ValueError(f"--captions {args.captions} is the --out file")
-    if args.caption_level is not None:
-        if args.captions is None:
-            raise ValueError("--caption-level is for --captions")
-    if args.caption_chars is not None:
-        if args.captions is None:
-            raise ValueError("--caption-chars is for --captions")
-        if not 20 <= args.caption_chars <= 600:
-            raise ValueError(f"--caption-chars must be from 20 to 600, got {args.caption_chars}")
-    if args.script is None:
-        return
-    if args.out is None or args.out_dir is not None:
-        raise ValueError("--script needs --out FILE (the whole dialogue as one recording; - streams raw PCM)")
-    if args.voices_map is None:
-        raise ValueError("--script needs --voices-map NAME=VOICE,... (e.g. alice=voices/alice.npz,bob=default)")
-    for flag, value in (("--voice", args.voice), ("--ref-audio", args.ref_audio), ("--lanes", args.lanes)):
-        if value is not None:
-            why = "the speakers are the lanes" if flag == "--lanes" else "each speaker's voice is in --voices-map"
-            raise ValueError(f"{flag} is not for --script: {why}")
-    from higgs_onnx.longform.files import read_text_file
-    from higgs_onnx.longform.script import check_cast, parse_script, parse_voice_map
-
-    turns = parse_script(read_text_file(args.script, "--script"), str(args.script))
-    cast = {}
-    for name, spec in parse_voice_map(args.voices_map).items():
-        cast[name] = None if spec.lower() == "default" else _voice_path(spec, name, args.voices)
-    check_cast(turns, cast, str(args.script))
-    args.turns, args.cast = turns, cast
-
-
-def voice_file(spec: str, folder: Path | None) -> Path:
-    """A saved voice's file: `spec` itself, or with `--voices DIR` a bare name is DIR/NAME.npz."""
-    path = Path(spec)
-    if folder is not None and not path.suffix and len(path.parts) == 1:
-        return folder / f"{spec}.npz"
-    return path
-
-
-def _voice_path(spec: str, name: str, folder: Path | None) -> Path:
-    path = voice_file(spec, folder)
-    if ":" in spec and not path.exists():
-        raise ValueError(f"--voices-map: {name}={spec}: a blend of voices is not for a dialogue (each turn continues "
-                         f"its speaker's KV cache); give one saved voice per speaker")
-    if not path.is_file():
-        hint = "" if folder is not None else " (a saved voice's .npz file, a name in --voices DIR, or default)"
-        raise FileNotFoundError(f"--voices-map: {name}={spec}: voice file {path} does not exist{hint}")
-    return path
-
-
-RETRIES = 2  # a file is written whole, so a degenerate take is drawn again by default (not with --takes)
-
-
-def check_args(args: argparse.Namespace) -> tuple[GenerationOptions, StreamOptions]:
-    # the job's options (`job.options`: the bounds and rules every door shares) and the stream's; ValueError
-    if args.out is not None and str(args.out) == "-":
-        if args.codes is not None or args.selftest:
-            raise ValueError("--out - (raw PCM on stdout) is for generated speech; name a file for --codes")
-        args.stream = True  # stdout only ever gets audio as it is made
-    if args.retries is None:  # redraws by default, where a take is judged whole before it is written
-        args.retries = 0 if args.takes != 1 or args.stream else RETRIES
-    args.job = SpeechOptions.build({"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
-                                    "seed": args.seed, "max_rows": args.max_rows, "speed": args.speed,
-                                    "takes": args.takes, "retries": args.retries, "loudness": args.loudness,
-                                    "blend_mode": args.blend_mode, "caption_level": args.caption_level,
-                                    "caption_language": args.caption_language,
-                                    **text_values(args)}, "cli")
-    options = args.job.generation
-    stream = StreamOptions(first_frames=args.first_frames, chunk_frames=args.chunk_frames, codec=args.stream_codec)
-    check_threads(args.threads)
-    if args.ref_text is not None and args.ref_audio is None:
-        raise ValueError("--ref-text needs --ref-audio (the recording it transcribes)")
-    if args.voice is not None and args.ref_audio is not None:
-        raise ValueError("use either --voice or --ref-audio, not both")
-    if args.save_voice is not None and args.ref_audio is None:
-        raise ValueError("--save-voice needs --ref-audio (the voice to save)")
-    if args.voice_languages is not None:
-        if args.save_voice is None:
-            raise ValueError("--voice-languages is for --save-voice (the languages the saved voice is offered for)")
-        from higgs_onnx.serve.voices import check_languages
-
-        args.voice_languages = check_languages(args.voice_languages, "--voice-languages")
-        if not args.voice_languages:
-            raise ValueError("--voice-languages needs at least one language code, e.g. en,de")
-    args.voice_files = voice_files(args)
-    words = args.captions is not None and args.out is not None and str(args.out) != "-"
-    args.job.check_rules("cli", Shape(voices=len(args.voice_files or [1]), live=bool(args.stream), words=words))
-    check_dialogue_args(args)
-    if args.text_file is not None and (args.out_dir is None) == (args.out is None) and not args.dry_run:
-        raise ValueError("--text-file needs one of --out FILE (the whole text as one recording) or --out-dir DIR "
-                         "(one file per line)" + (", not both" if args.out is not None else ""))
-    if args.resume and (args.text_file is None and args.script is None or args.out is None or str(args.out) == "-"):
-        raise ValueError("--resume continues a long-form or dialogue job: --text-file or --script with --out FILE")
-    if args.lanes is not None and (args.lanes < 1 or args.text_file is None):
-        raise ValueError("--lanes is for --text-file and must be >= 1" if args.lanes is not None and args.lanes < 1
-                         else "--lanes is for --text-file (with --out or --out-dir)")
-    if args.history < 0:
-        raise ValueError(f"--history must be >= 0, got {args.history}")
-    if args.takes > 1 and args.text is None:
-        raise ValueError("--takes is for --text (one utterance, its takes judged and the best kept); the pieces and "
-                         "lines of a --text-file or --script each speak once (--retries redraws a degenerate one)")
-    given = [f"--{n.replace('_', '-')}" for n in TEXT if getattr(args, n) is not None]
-    if given and (args.codes is not None or args.selftest or args.script is not None):
-        raise ValueError(f"{given[0]} is for --text or --text-file (a script's turns are read as written)")
-    if args.speed is not None and (args.codes is not None or args.selftest or args.script is not None or
-                                   args.text_file is not None and args.out is not None):
-        raise ValueError("--speed is for --text, or --text-file with --out-dir (a tag before each line); in a long "
-                         "text or a script, write the tag (<|prosody:speed_slow|>) where it should apply")
-    if args.save_takes is not None and args.takes < 2:
-        raise ValueError("--save-takes needs --takes N (N >= 2)")
-    if args.save_takes is not None and args.save_takes.exists() and not args.save_takes.is_dir():
-        raise ValueError(f"--save-takes {args.save_takes} is a file, not a folder")
-    if args.asr_model is not None and args.takes < 2:
-        raise ValueError("--asr-model needs --takes N (N >= 2): it ranks the takes by what is heard")
-    if args.text_file is not None and args.out_dir is not None and args.save_codes is not None:
-        raise ValueError("--save-codes is for single utterances")
-    if (args.text_file is not None or args.script is not None) and args.out is not None and args.save_codes is not None:
-        raise ValueError("--save-codes is for single utterances (long-form keeps each piece's codes in OUT.work/)")
-    if args.dry_run:
-        check_dry_run(args)
-        return options, stream
-    if (args.text is not None or args.codes is not None) and args.out is None:
-        raise ValueError("--out is required (e.g. --out hello.wav)")
-    from higgs_onnx.audio import WRITE_FORMATS
-    from higgs_onnx.outputs import check_output_dir, check_output_file
-
-    if args.out is not None and str(args.out) != "-":  # every output is checked before the model is loaded
-        if args.out.is_dir():
-            raise IsADirectoryError(f"--out {args.out} is a folder, not an audio file: name a file in it (e.g. "
-                                    f"{args.out / 'hello.wav'}), or use --text-file with --out-dir for one file per "
-                                    f"line")
-        check_output_file(args.out, "--out", WRITE_FORMATS, "hello.wav")
-        if args.text_file is None and args.script is None:  # a one-shot file a running long-form job would replace
-            from higgs_onnx.longform.files import check_not_locked
-
-            check_not_locked(args.out)
-    if (args.text_file is not None or args.script is not None) and args.out is not None and str(args.out) != "-":
-        from higgs_onnx.longform.files import check_outputs
-
-        check_outputs(args.out)  # OUT and its work folder OUT.work, before the model loads (creates nothing)
-    if args.out_dir is not None:
-        check_output_dir(args.out_dir, "--out-dir")
-    if args.save_voice is not None:
-        check_output_file(args.save_voice, "--save-voice", (".npz",), "voice.npz")
-    if args.save_codes is not None:
-        check_output_file(args.save_codes, "--save-codes", (".npy",), "rows.npy")
-    if args.text is not None:
-        check_text(args.text, "--text")  # special tokens need the tokenizer: checked after the load
-    if args.ref_text is not None:
-        check_text(args.ref_text, "--ref-text")
-    return options, stream
-
-
-def check_dry_run(args: argparse.Namespace) -> None:
-    """What `--dry-run` reads (--text, or the lines of --text-file) and the flags that would make it do work."""
-    if args.text is None and args.text_file is None:
-        raise ValueError("--dry-run is for --text or --text-file (each line): it shows what the model would read")
-    for flag, value in (("--ref-audio", args.ref_audio), ("--save-voice", args.save_voice), ("--out", args.out),
-                        ("--out-dir", args.out_dir), ("--save-codes", args.save_codes),
-                        ("--save-takes", args.save_takes), ("--asr-model", args.asr_model),
-                        ("--captions", args.captions), ("--stream", args.stream or None)):
-        if value is not None:
-            why = ("a reference would be encoded and prefilled by the model: save it once with --save-voice and "
-                   "use --voice") if flag == "--ref-audio" else "a dry run writes nothing; leave it out"
-            raise ValueError(f"{flag} is not for --dry-run: {why}")
-    if args.text is not None:
-        check_text(args.text, "--text")
-
-
-def require_extras(args: argparse.Namespace) -> None:
-    """The options whose packages come with an extra (higgs_onnx.extras), checked before the model loads: a missing
-    one is one line naming the extra (exit 2)."""
-    from higgs_onnx.extras import require, require_text
-
-    require_text(vars(args))
-    if args.caption_level == "word":
-        require("asr", "--caption-level word", ("pocketsphinx",))
-    if args.asr_model is not None:  # the error rates need jiwer, pocketsphinx's recogniser its package
-        require("asr", "--asr-model", ("jiwer", "pocketsphinx") if str(args.asr_model) == "pocketsphinx" else
-                ("jiwer",))
-    if args.loudness is not None:
-        require("loudness", "--loudness", ("pyloudnorm", "scipy"))
-
-
 def run(args: argparse.Namespace) -> int:
-    require_extras(args)  # an option whose extra is missing: the one line, before its bounds are checked
-    args.options, args.stream_options = check_args(args)
-    cli_model_path(args)  # hf://...: fetched once, before the model loads
-    if args.asr_model is not None:  # before the model loads: a missing recogniser is known now
+    cmd = Command.build(args)  # every flag checked, the texts read, the outputs checked: before the model loads
+    model = local_model(cmd.model)  # hf://...: fetched once, before the model loads
+    asr = None
+    if cmd.asr_model is not None:  # before the model loads: a missing recogniser is known now
         from higgs_onnx.asr import Transcriber
 
-        args.asr = Transcriber.load(args.asr_model)
+        asr = Transcriber.load(cmd.asr_model)
     from higgs_onnx.speak import speak_all
 
-    return speak_all(args)
+    return speak_all(cmd, model, asr)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -316,12 +316,23 @@ def cli_model_path(args, voices: bool = False) -> HubExport | None:
         if voices and getattr(args, "voices", None) is None and not_ours_to_write(args.model_path):
             args.voices = local_voices_dir(args.model_path)
         return None
-    export = resolve_info(args.model_path)
-    print(f"model: {export}", file=sys.stderr, flush=True)
+    export = fetched(args.model_path)
     args.model_path = export.path
     if voices and getattr(args, "voices", None) is None:
         args.voices = voices_dir(export)
     return export
+
+
+def fetched(ref: str) -> HubExport:
+    """A Hub reference's export, fetched once, with a line saying where it came from (stderr)."""
+    export = resolve_info(ref)
+    print(f"model: {export}", file=sys.stderr, flush=True)
+    return export
+
+
+def local_model(model_path) -> Path:
+    """A command's --model-path as its local folder: a Hub reference fetched once (`fetched`), before any work."""
+    return fetched(model_path).path if is_hub_ref(model_path) else Path(model_path)
 
 
 def push(folder: str | os.PathLike, repo_id: str, *, revision: str | None = None, private: bool = False,

@@ -1,7 +1,7 @@
-"""What `inference.py` runs once its flags are checked (`inference.check_args`): one utterance (whole or streamed,
-best of takes, retries, loudness), one file per line batched through one scheduler, a long text or a dialogue script
-as one recording (progress per piece, captions, resume), decoding given codes, and the codec self-test. The CLI is
-the thin door; this is its job."""
+"""What `inference.py` runs once its job is built and checked (`job.command.Command`): one utterance (whole or
+streamed, best of takes, retries, loudness), one file per line batched through one scheduler, a long text or a
+dialogue script as one recording (progress per piece, captions, resume), decoding given codes, and the codec
+self-test. A take's policy is the job's (`job.run.speak`), its finish (loudness, word timing) `job.finish`'s."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -17,160 +18,132 @@ from .generation.contract import ContractError
 from .generation.delay import read_code_rows
 from .generation.options import DEFAULT_MAX_ROWS
 from .generation.scheduler import choose_batch, measure_batch_gain
-from .job import run
+from .job import finish, run
+from .job.command import Command
 from .job.options import speed_tag
 from .job.run import SpeechJob
 from .longform import captions
 from .longform.dialogue import Dialogue
-from .longform.files import read_text_file
-from .longform.render import LongForm, LongFormOptions
-from .loudness import normalise
+from .longform.render import LongForm
 from .outputs import OutputError, write_or_keep
 from .runtime.model import HiggsTTS, Voice
 
 log = logging.getLogger("inference")
-CAPTION_CHARS = 150  # the pieces (cues) of a job with --captions: ~10 s, whole sentences
 
 
-def speak_all(args) -> int:
-    """What the command line asked for, its flags checked (`inference.check_args`): load the model, make the voice,
-    and speak the text, the lines, the long text or the script, or decode the codes."""
-
-    tts = HiggsTTS(args.model_path, provider=args.provider, threads=args.threads, verify=not args.no_verify)
-    if args.selftest:
+def speak_all(cmd: Command, model_path: Path, asr=None) -> int:
+    """Load the model, make the voice, and speak the text, the lines, the long text or the script, or decode the
+    codes. `asr`: the `asr.Transcriber` that hears the takes (--asr-model)."""
+    tts = HiggsTTS(model_path, provider=cmd.provider, threads=cmd.threads, verify=cmd.verify)
+    if cmd.task == "selftest":
         return selftest(tts)
-    if args.codes is not None:
-        return decode_codes(tts, args.codes, args.out, args)
-    if args.text is not None:  # the text's tokens too, before a reference is encoded
-        from .generation.prompt import encode_user_text
+    if cmd.task == "codes":
+        return decode_codes(tts, cmd)
+    from .generation.prompt import encode_user_text
 
-        encode_user_text(tts.tokenizer, tts.tokens, args.text, "--text")
-    if args.ref_text is not None:
-        from .generation.prompt import encode_user_text
-
-        encode_user_text(tts.tokenizer, tts.tokens, args.ref_text, "--ref-text")
-    voice = None
-    t0 = time.perf_counter()
-    if args.voice_files is not None:
-        from .generation.blend import Blend
-        from .runtime.model import Voice
-
-        voices = [Voice.load(path, tts.model_id) for path, _ in args.voice_files]
-        voice = voices[0]
-        if len(voices) > 1:
-            voice = Blend.make(voices, None if args.voice_files[0][1] is None else [w for _, w in args.voice_files],
-                               args.blend_mode or "mixture", [path.stem for path, _ in args.voice_files])
-            say = print if not args.stream else lambda *a: print(*a, file=sys.stderr)
-            say(f"voice: a blend of {voice.describe()} ({voice.mode}; one batch row per voice)")
-    elif args.ref_audio is not None:  # encoded and prefilled once, reused for every line
-        voice = tts.make_voice(args.ref_audio, args.ref_text)
-        say = print if not args.stream else lambda *a: print(*a, file=sys.stderr)
-        say(f"voice: reference encoded and prefilled in {time.perf_counter() - t0:.2f} s (reused for every line)")
-        if args.save_voice:
-            say(f"voice saved to {voice.save(args.save_voice, getattr(args, 'voice_languages', None))}")
-    args.speech = SpeechJob(args.job, tts.tokens.control_tags, "cli")  # the lead, made once (its rules: check_args)
-    pace_warning(tts, args)
-    if args.dry_run:
-        return dry_run(tts, args, voice)
-    if args.text is not None:
-        speak(tts, args.speech.prepare(args.text, "the text").text, args.out, args, voice)
+    if cmd.task == "text":  # the text's tokens too, before a reference is encoded
+        encode_user_text(tts.tokenizer, tts.tokens, cmd.texts[0], "--text")
+    if cmd.ref_text is not None:
+        encode_user_text(tts.tokenizer, tts.tokens, cmd.ref_text, "--ref-text")
+    voice = make_voice(tts, cmd)
+    job = SpeechJob(cmd.speech, tts.tokens.control_tags, "cli")  # the lead, made once (its rules: Command.build)
+    speed = cmd.speech.speed
+    if speed_tag(speed, tts.tokens.control_tags) is None and not 0.9 <= speed <= 1.1:
+        log.warning("--speed %g: this model has no prosody speed tag for it; the text is spoken at its own pace", speed)
+    if cmd.dry_run:
+        return dry_run(tts, cmd, job, voice)
+    if cmd.task == "script":
+        return speak_dialogue(tts, cmd)
+    texts = [job.prepare(text, "the text").text for text in cmd.texts]  # the lead once, before the first piece
+    if cmd.task == "text":
+        speak(tts, texts[0], cmd, voice, asr)
         return 0
-    if args.script is not None:
-        return speak_dialogue(tts, args)
-
-    text = read_text_file(args.text_file)  # empty, binary and non-UTF-8 files are refused here
-    if args.out is not None:  # the lead once, before the first piece (--speed is refused for a long text)
-        return speak_long(tts, args.speech.prepare(text, "the text").text, args, voice)
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    if not lines:
-        raise ValueError(f"{args.text_file} has no non-empty lines")
-    return speak_lines(tts, [args.speech.prepare(line, "the text").text for line in lines], args, voice)
+    if cmd.task == "long":
+        return run_job(lambda out: LongForm(tts, texts[0], out, voice, cmd.speech.generation, cmd.long_options,
+                                            resume=cmd.resume, stream_options=cmd.stream, lanes=cmd.lanes), cmd)
+    return speak_lines(tts, texts, cmd, voice)
 
 
-def dry_run(tts, args, voice) -> int:
+def make_voice(tts, cmd: Command):
+    """The voice: a saved one or a blend of saved ones (--voice), or a reference encoded and prefilled once (reused
+    for every line, saved with --save-voice); None: the model's own."""
+    say = (lambda *a: print(*a, file=sys.stderr)) if cmd.live else print
+    t0 = time.perf_counter()
+    if cmd.voice_files is not None:
+        from .generation.blend import Blend
+
+        voices = [Voice.load(path, tts.model_id) for path, _ in cmd.voice_files]
+        if len(voices) == 1:
+            return voices[0]
+        blend = Blend.make(voices, None if cmd.voice_files[0][1] is None else [w for _, w in cmd.voice_files],
+                           cmd.speech.blend_mode or "mixture", [path.stem for path, _ in cmd.voice_files])
+        say(f"voice: a blend of {blend.describe()} ({blend.mode}; one batch row per voice)")
+        return blend
+    if cmd.ref_audio is None:
+        return None
+    voice = tts.make_voice(cmd.ref_audio, cmd.ref_text)
+    say(f"voice: reference encoded and prefilled in {time.perf_counter() - t0:.2f} s (reused for every line)")
+    if cmd.save_voice:
+        say(f"voice saved to {voice.save(cmd.save_voice, cmd.voice_languages)}")
+    return voice
+
+
+def dry_run(tts, cmd: Command, job: SpeechJob, voice) -> int:
     """`--dry-run`: for the text (or each line of the text file), what the model would read and the prompt it would
     get, one JSON object per line on stdout. Each request is built and checked by the contract as for real (a line
     in a batching slot, as `--out-dir` runs it); nothing is generated, and no part of the model is loaded."""
-    if args.text is not None:
-        texts, slot = [args.text], None
-    else:
-        texts = [ln.strip() for ln in read_text_file(args.text_file).splitlines() if ln.strip()]
-        slot = tts.slot_positions
-        if not texts:
-            raise ValueError(f"{args.text_file} has no non-empty lines")
-    for i, text in enumerate(texts, 1):
-        ready = args.speech.prepare(text, "the text")
-        req = tts.request(ready.text, voice=voice, options=args.options, slot=slot)
+    slot = None if cmd.task == "text" else tts.slot_positions
+    for i, text in enumerate(cmd.texts, 1):
+        ready = job.prepare(text, "the text")
+        req = tts.request(ready.text, voice=voice, options=cmd.speech.generation, slot=slot)
         steps = [{"step": name, "text": after} for name, after in ready.reading.steps]
         print(json.dumps({"line": i, "text": text, "lead": ready.tag, "steps": steps,
                           **tts.prompt_figures(ready.text, req)}, ensure_ascii=False))
-    loaded = ", ".join(sorted(tts.ran_on())) or "none"
-    print(f"dry run: {len(texts)} request{'s' if len(texts) > 1 else ''} checked, nothing generated; model parts "
-          f"loaded: {loaded}", file=sys.stderr)
+    n, loaded = len(cmd.texts), ", ".join(sorted(tts.ran_on())) or "none"
+    print(f"dry run: {n} request{'s' if n > 1 else ''} checked, nothing generated; model parts loaded: {loaded}",
+          file=sys.stderr)
     return 0
 
 
-def pace_warning(tts, args) -> None:
-    """One warning when `--speed` asks for a pace this model has no prosody tag for."""
-    speed = args.job.speed
-    if speed_tag(speed, tts.tokens.control_tags) is None and not 0.9 <= speed <= 1.1:
-        log.warning("--speed %g: this model has no prosody speed tag for it; the text is spoken at its own pace", speed)
-
-
-def speak(tts, text: str, out: Path, args, voice) -> object:
-    """One utterance to `out` (a file, or '-' for PCM on stdout); returns its `GenerationStats`."""
+def speak(tts, text: str, cmd: Command, voice, asr=None) -> object:
+    """One utterance to --out (a file, or '-' for PCM on stdout); returns its `GenerationStats`."""
     from tqdm import tqdm
 
-    bar = tqdm(total=args.options.max_rows or DEFAULT_MAX_ROWS, unit="row", desc=out.name or "stdout", leave=False,
-               disable=not sys.stderr.isatty())
+    out = cmd.out
+    bar = tqdm(total=cmd.speech.generation.max_rows or DEFAULT_MAX_ROWS, unit="row", desc=out.name or "stdout",
+               leave=False, disable=not sys.stderr.isatty())
     progress = lambda n: bar.update(n - bar.n)  # noqa: E731
     try:
-        if args.stream:
-            stats = speak_streaming(tts, text, out, args, voice, progress)
-        else:
-            stats = speak_once(tts, text, out, args, voice, progress)
+        if cmd.live:
+            stats = speak_streaming(tts, text, cmd, voice, progress)
+        else:  # one whole take by the job's policy (best of takes, redraws), then its loudness
+            speech, lv = run.speak(tts, cmd.speech, text, voice, on_row=progress, save_takes=cmd.save_takes,
+                                   asr=asr)
+            say_level(out, lv)
+            write_or_keep(lambda: write_audio(out, speech.waveform, speech.sample_rate), speech.waveform,
+                          speech.sample_rate, out)
+            save_codes(cmd.save_codes, speech.rows, speech.codes)
+            report_takes(out, speech)
+            stats = speech.stats
     finally:
         bar.close()
     if stats.stop_reason == "max_rows":
-        limit = "--max-rows" if args.max_rows is not None else "the default row limit"
-        log.warning("%s: no end of speech within %d rows; the audio is cut at %s", out, stats.rows, limit)
+        log.warning("%s: no end of speech within %d rows; the audio is cut at %s", out, stats.rows, cmd.row_limit)
     elif stats.stop_reason != "eoc":  # the guard stopped it: a loop, or rambling far past the text
         log.warning("%s: stopped by the guard (%s) after %d rows", out, stats.stop_reason, stats.rows)
-    first = f"first audio after {stats.first_audio_s:.2f} s ({stats.chunks} chunks)" if args.stream else \
+    first = f"first audio after {stats.first_audio_s:.2f} s ({stats.chunks} chunks)" if cmd.live else \
         f"first row after {stats.first_row_s:.2f} s"
     ran = sorted(set(tts.ran_on().values()))
     print(f"{out}: {stats.audio_s:.2f} s audio in {stats.wall_s:.2f} s (RTF {stats.rtf:.2f}); {first}; "
           f"{stats.rows} rows; stop: {stats.stop_reason}; ran on {', '.join(ran)}",
-          file=sys.stderr if args.stream else sys.stdout)
+          file=sys.stderr if cmd.live else sys.stdout)
     return stats
 
 
-def speak_once(tts, text: str, out: Path, args, voice, progress):
-    """One whole take by the job's policy (`job.run.speak`: best of takes, redraws, loudness), written to `out`."""
-    speech, lv = run.speak(tts, args.job, text, voice, on_row=progress, save_takes=args.save_takes,
-                           asr=getattr(args, "asr", None))
-    if lv is not None:
-        say_level(out, lv)
-    wav = speech.waveform
-    write_or_keep(lambda: write_audio(out, wav, speech.sample_rate), wav, speech.sample_rate, out)
-    if args.save_codes:
-        save_codes(args.save_codes, speech.rows, speech.codes)
-    report_takes(out, speech)
-    return speech.stats
-
-
-def level(wav, sample_rate: int, args, out: Path):
-    """`wav` at `--loudness` (unchanged without it), with one line on what was done."""
-    if getattr(args, "loudness", None) is None:
-        return wav
-
-    wav, lv = normalise(wav, sample_rate, args.loudness)
-    say_level(out, lv)
-    return wav
-
-
-def say_level(out: Path, lv) -> None:
-    """One line on what a loudness target did."""
+def say_level(out, lv) -> None:
+    """One line on what a loudness target did (`job.finish.level`'s record; None: none was asked)."""
+    if lv is None:
+        return
     if lv.measured is None:
         print(f"{out}: too short or silent to measure its loudness; left as it is", file=sys.stderr)
     else:
@@ -178,14 +151,6 @@ def say_level(out: Path, lv) -> None:
             else ""
         print(f"{out}: loudness {lv.measured:.1f} -> {lv.reached:.1f} LUFS (gain {lv.gain_db:+.1f} dB){short}",
               file=sys.stderr)
-
-
-def level_file(path: Path, args) -> None:
-    """A written recording brought to `--loudness` in place (atomically: a temp file renamed over it)."""
-    import soundfile as sf
-
-    wav, sr = sf.read(path, dtype="float32")
-    write_audio(path, level(wav, sr, args, path), sr)
 
 
 def report_takes(out: Path, speech) -> None:
@@ -203,9 +168,12 @@ def report_takes(out: Path, speech) -> None:
               f"--retries N draws more)", file=sys.stderr)
 
 
-def save_codes(path: Path, rows, codes) -> None:
+def save_codes(path: Path | None, rows, codes) -> None:
+    """--save-codes: the delayed rows to FILE.npy and the raw codes to FILE.raw.npy."""
     import numpy as np
 
+    if path is None:
+        return
     try:
         np.save(path, rows)
         np.save(path.with_suffix(".raw.npy"), codes)
@@ -214,68 +182,73 @@ def save_codes(path: Path, rows, codes) -> None:
                           f"written") from None
 
 
-def speak_streaming(tts, text: str, out: Path, args, voice, progress):
-    """Audio written as each chunk is final: PCM to stdout, or a file growing under a partial name."""
-
-    to_stdout = str(out) == "-"
-    sink = None if to_stdout else GrowingAudioFile(out, tts.facts.sample_rate)
-    chunks = tts.stream(text, voice=voice, options=args.options, stream_options=args.stream_options,
-                        on_row=progress)
+def to_stdout(samples, close) -> None:
+    """Raw PCM on stdout as each array of samples comes; a reader that went away stops generation, said once.
+    `close()` ends the generation however the writing ends."""
     try:
-        for chunk in chunks:
-            if to_stdout:
-                sys.stdout.buffer.write(pcm16(chunk.samples))
-                sys.stdout.buffer.flush()
-            else:
-                sink.write(chunk.samples)
-            last = chunk
+        for chunk in samples:
+            sys.stdout.buffer.write(pcm16(chunk))
+            sys.stdout.buffer.flush()
     except BrokenPipeError:  # the player went away: stop generating, say so once
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         raise RuntimeError("stdout was closed by the reader; generation stopped") from None
-    except BaseException:
-        if sink is not None:
-            print(f"{sink.abandon()} holds the audio made before the stop", file=sys.stderr)
-        raise
     finally:
-        chunks.close()
-    if sink is not None:
+        close()
+
+
+def speak_streaming(tts, text: str, cmd: Command, voice, progress):
+    """Audio written as each chunk is final: PCM to stdout, or a file growing under a partial name."""
+    sink = None if cmd.to_stdout else GrowingAudioFile(cmd.out, tts.facts.sample_rate)
+    chunks = tts.stream(text, voice=voice, options=cmd.speech.generation, stream_options=cmd.stream, on_row=progress)
+    last = []
+
+    def audio():
+        for chunk in chunks:
+            last[:] = [chunk]
+            yield chunk.samples
+
+    if sink is None:
+        to_stdout(audio(), chunks.close)
+    else:
+        try:
+            for samples in audio():
+                sink.write(samples)
+        except BaseException:
+            print(f"{sink.abandon()} holds the audio made before the stop", file=sys.stderr)
+            raise
+        finally:
+            chunks.close()
         sink.commit()
-    if args.save_codes:
-        save_codes(args.save_codes, last.rows, last.codes)
-    return last.stats
+    save_codes(cmd.save_codes, last[0].rows, last[0].codes)
+    return last[0].stats
 
 
-def speak_lines(tts, lines: list[str], args, voice) -> int:
+def speak_lines(tts, lines: list[str], cmd: Command, voice) -> int:
     """One file per line, the lines generated together through one scheduler (`--lanes` at a time, one decoder
     call for all of them). Every line is checked against the request contract before any work."""
-
-    slot = tts.slot_positions
+    slot, options = tts.slot_positions, cmd.speech.generation
     requests = []
     for i, line in enumerate(lines, 1):
         try:
-            requests.append(tts.request(line, voice=voice, options=args.options, slot=slot))
+            requests.append(tts.request(line, voice=voice, options=options, slot=slot))
         except ContractError as e:
-            raise ContractError(f"line {i} of {args.text_file}: {e}", e.param, e.code, e.status) from None
+            raise ContractError(f"line {i} of {cmd.source}: {e}", e.param, e.code, e.status) from None
         except ValueError as e:
-            raise ValueError(f"line {i} of {args.text_file}: {e}") from None
-    lanes = args.lanes
-    if lanes is None:
-        lanes = choose_batch(measure_batch_gain(tts.backend, tuple(b for b in (1, 2, 4) if b <= len(lines))))
+            raise ValueError(f"line {i} of {cmd.source}: {e}") from None
+    lanes = cmd.lanes or choose_batch(measure_batch_gain(tts.backend, tuple(b for b in (1, 2, 4) if b <= len(lines))))
     lanes = min(lanes, len(lines))
-    width = getattr(voice, "width", 1)  # a voice blend takes a batch row per voice
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    say = sys.stderr if args.stream else sys.stdout
+    cmd.out_dir.mkdir(parents=True, exist_ok=True)
+    say = sys.stderr if cmd.live else sys.stdout
     t0, audio, made = time.perf_counter(), 0.0, 0
-    with tts.scheduler(lanes * width, slot) as sched:
-        mode = "stream" if args.stream else "speech"
-        handles = [sched.submit(r, mode, args.stream_options) for r in requests]
+    with tts.scheduler(lanes * getattr(voice, "width", 1), slot) as sched:  # a voice blend: a batch row per voice
+        handles = [sched.submit(r, "stream" if cmd.live else "speech", cmd.stream) for r in requests]
         sinks = {h.id: None for h in handles}
         pending = dict(zip((h.id for h in handles), enumerate(handles, 1), strict=True))
         try:
             while pending:
                 progressed = sched.step()
                 for hid, (i, h) in list(pending.items()):
-                    out = args.out_dir / f"{i:04d}.wav"
+                    out = cmd.out_dir / f"{i:04d}.wav"
                     events, ended = h.drain()
                     for chunk in events:  # --stream: each file grows under a partial name as its line is made
                         if sinks[hid] is None:
@@ -286,12 +259,13 @@ def speak_lines(tts, lines: list[str], args, voice) -> int:
                     if h.error is not None:
                         raise h.error
                     del pending[hid]
-                    if args.stream:
+                    if cmd.live:
                         sinks.pop(hid).commit()
                         stats = h.result.stats
                     else:
                         speech = h.result
-                        wav = level(speech.waveform, speech.sample_rate, args, out)
+                        wav, lv = finish.level(speech.waveform, speech.sample_rate, cmd.speech.loudness)
+                        say_level(out, lv)
                         write_or_keep(lambda w=wav, s=speech, o=out: write_audio(o, w, s.sample_rate), wav,
                                       speech.sample_rate, out)
                         stats = speech.stats
@@ -311,151 +285,96 @@ def speak_lines(tts, lines: list[str], args, voice) -> int:
             raise
         st = sched.stats()
     wall = time.perf_counter() - t0
-    print(f"{made} files in {args.out_dir}: {audio:.1f} s audio in {wall:.1f} s (RTF {wall / max(audio, 1e-9):.2f}); "
+    print(f"{made} files in {cmd.out_dir}: {audio:.1f} s audio in {wall:.1f} s (RTF {wall / max(audio, 1e-9):.2f}); "
           f"{lanes} lanes, mean batch {st['mean_batch']:.2f}", file=say)
     return 0
 
 
-def long_options(args):
-    """LongFormOptions from the flags: --history, and with --captions pieces cut near --caption-chars."""
-
-    if args.captions is None:
-        return LongFormOptions(history=args.history)
-    return LongFormOptions(history=args.history, target_chars=args.caption_chars or CAPTION_CHARS)
-
-
-def speak_long(tts, text: str, args, voice) -> int:
-    """The whole text as one recording: pieces in one voice, each saved to OUT.work/ as it finishes."""
-
-    def job(out: Path):
-        return LongForm(tts, text, out, voice, args.options, long_options(args), resume=args.resume,
-                        stream_options=args.stream_options, lanes=args.lanes)
-
-    return run_job(job, args, str(args.text_file))
-
-
-def speak_dialogue(tts, args) -> int:
+def speak_dialogue(tts, cmd: Command) -> int:
     """A dialogue script as one recording: each speaker a lane continuing its own context, turns in script order."""
-
-    loaded: dict[Path, object] = {}
-    voices = {}
-    for name, path in args.cast.items():
-        if path is not None and path not in loaded:
-            loaded[path] = Voice.load(path, tts.model_id)
-        voices[name] = None if path is None else loaded[path]
-
-    def job(out: Path):
-        return Dialogue(tts, args.turns, out, voices, args.options, long_options(args), resume=args.resume,
-                        stream_options=args.stream_options, where=str(args.script))
-
-    return run_job(job, args, str(args.script))
+    loaded = {path: Voice.load(path, tts.model_id) for path in set(cmd.cast.values()) if path is not None}
+    voices = {name: None if path is None else loaded[path] for name, path in cmd.cast.items()}
+    return run_job(lambda out: Dialogue(tts, list(cmd.turns), out, voices, cmd.speech.generation, cmd.long_options,
+                                        resume=cmd.resume, stream_options=cmd.stream, where=cmd.source), cmd)
 
 
-def word_cues(path: Path, cues: list, language: str = "en") -> list:
-    """The piece cues of the recording at `path` made a cue per word, each piece's words forced-aligned on its own
-    samples (`captions.timed`); a piece the aligner cannot time (not English, or no alignment) keeps its cue, and
-    the run says how many did."""
-    from .audio import read_audio
-
-    samples, rate = read_audio(path)
-    samples = samples[:, 0]  # the recording is mono
-    out, kept, why = [], 0, ""
-    for cue in cues:
-        got = captions.timed(cue, samples[cue.start:cue.end], rate, language)
-        if got.words:
-            out += got.words
-        else:
-            out.append(cue)
-            kept, why = kept + 1, why or got.words_reason
-    if kept:
-        print(f"--caption-level word: {kept} of {len(cues)} pieces keep a piece-level cue ({why})", file=sys.stderr)
-    return out
-
-
-def run_job(make, args, label: str) -> int:
+def run_job(make, cmd: Command) -> int:
     """Drive a long-form or dialogue job (`make(out)` builds it): progress per piece, the file (or raw PCM on
-    stdout), loudness, captions, and a summary."""
-    import tempfile
-
+    stdout), then its finish (loudness, captions with their words), and a summary."""
     with tempfile.TemporaryDirectory() as tmp:  # stdout: nothing to resume, the work goes here (removed however)
-        return _run_job(make, args, label, Path(tmp))
+        job = make(Path(tmp) / "stdout.wav" if cmd.to_stdout else cmd.out)
+        n, lanes, cast = len(job.pieces), len(job.lanes), getattr(job, "cast", None)
+        gains = "" if cmd.lanes is not None or job.gains is None else ", chosen from the measured batch gain " + \
+            ", ".join(f"G({b})={g:.2f}" for b, g in sorted(job.gains.items()))
+        who = f" for {len(cast)} speakers ({', '.join(cast)})" if cast else ""
+        print(f"{cmd.source}: {n} pieces of {sum(len(p.text) for p in job.pieces) / n:.0f} characters on average"
+              f" in {lanes} lane{'s' if lanes > 1 else ''}{who}{gains}{' (resuming)' if cmd.resume else ''}",
+              file=sys.stderr)
+        t0, cues, seconds = time.perf_counter(), [], [0.0]
 
-
-def _run_job(make, args, label: str, tmp: Path) -> int:
-    to_stdout = str(args.out) == "-"
-    job = make(tmp / "stdout.wav" if to_stdout else args.out)
-    n = len(job.pieces)
-    lanes = len(job.lanes)
-    chosen = "" if args.lanes is not None or job.gains is None else \
-        f", chosen from the measured batch gain {', '.join(f'G({b})={g:.2f}' for b, g in sorted(job.gains.items()))}"
-    cast = getattr(job, "cast", None)
-    who = f" for {len(cast)} speakers ({', '.join(cast)})" if cast else ""
-    print(f"{label}: {n} pieces of {sum(len(p.text) for p in job.pieces) / n:.0f} characters on average"
-          f" in {lanes} lane{'s' if lanes > 1 else ''}{who}{chosen}{' (resuming)' if args.resume else ''}",
-          file=sys.stderr)
-    seconds, t0, cues = 0.0, time.perf_counter(), []
-
-    def progress(p) -> None:
-        nonlocal seconds
-        seconds = p.seconds_so_far
-        cues.append(captions.cue_of(p))
-        eta = f", ETA {p.eta_s:.0f} s" if p.eta_s is not None else ""
-        note = " (from the work folder)" if p.resumed else f", stop: {p.stop_reason}" + (
-            " after a retry" if p.retried else "")
-        who = f" ({p.speaker})" if p.speaker else ""
-        print(f"piece {p.index + 1}/{n}{who}: {p.seconds_so_far:.1f} s of audio so far{eta}{note}", file=sys.stderr)
-        if p.stop_reason != "eoc" and not p.resumed:
-            log.warning("piece %d did not end on its own within its row budget (kept, cut at the limit)", p.index + 1)
-
-    if to_stdout:  # audio goes out while each piece is generated
-        chunks = job.stream(progress)
-        try:
-            for samples in chunks:
-                sys.stdout.buffer.write(pcm16(samples))
-                sys.stdout.buffer.flush()
-        except BrokenPipeError:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
-            raise RuntimeError("stdout was closed by the reader; generation stopped") from None
-        finally:
-            chunks.close()
-    else:
-        try:
-            job.write(progress)  # grows OUT.partial piece by piece, renames it at the end, removes OUT.work/
-            if args.loudness is not None:  # the whole recording at one level (one gain: pieces keep their balance)
-                level_file(args.out, args)
-        except (OutputError, ContractError):
-            raise  # their message says what to do (and resuming cannot make a piece fit)
-        except BaseException:
-            print(f"the finished pieces are kept in {job.work}: run again with --resume to continue",
+        def progress(p) -> None:
+            seconds[0] = p.seconds_so_far
+            cues.append(captions.cue_of(p))
+            eta = f", ETA {p.eta_s:.0f} s" if p.eta_s is not None else ""
+            note = " (from the work folder)" if p.resumed else f", stop: {p.stop_reason}" + (
+                " after a retry" if p.retried else "")
+            who = f" ({p.speaker})" if p.speaker else ""
+            print(f"piece {p.index + 1}/{n}{who}: {p.seconds_so_far:.1f} s of audio so far{eta}{note}",
                   file=sys.stderr)
-            raise
-    if args.captions is not None:
-        if args.caption_level == "word":
-            cues = word_cues(args.out, cues, args.job.caption_language)
-        try:
-            captions.write(args.captions, cues, job.tts.facts.sample_rate)
-        except OSError as e:
-            raise OutputError(f"the audio is written, but the captions cannot be: {args.captions} "
-                              f"({e.strerror or type(e).__name__})") from None
-        print(f"{args.captions}: {len(cues)} cues", file=sys.stderr)
-    wall = time.perf_counter() - t0
-    st = job.stats
-    print(f"{args.out}: {seconds:.1f} s audio from {n} pieces in {wall:.1f} s (RTF {wall / max(seconds, 1e-9):.2f}); "
-          f"{st.get('lanes', lanes)} lanes, mean batch {st.get('mean_batch', 0):.2f}; prompt positions prefilled "
-          f"{st.get('positions_prefilled', 0)} vs rows generated {st.get('rows_generated', 0)}",
-          file=sys.stderr if args.stream else sys.stdout)
+            if p.stop_reason != "eoc" and not p.resumed:
+                log.warning("piece %d did not end on its own within its row budget (kept, cut at the limit)",
+                            p.index + 1)
+
+        if cmd.to_stdout:  # audio goes out while each piece is generated
+            chunks = job.stream(progress)
+            to_stdout(chunks, chunks.close)
+        else:
+            try:
+                job.write(progress)  # grows OUT.partial piece by piece, renames it at the end, removes OUT.work/
+                say_level(cmd.out, finish.level_file(cmd.out, cmd.speech.loudness))  # one gain: pieces keep balance
+            except (OutputError, ContractError):
+                raise  # their message says what to do (and resuming cannot make a piece fit)
+            except BaseException:
+                print(f"the finished pieces are kept in {job.work}: run again with --resume to continue",
+                      file=sys.stderr)
+                raise
+        if cmd.captions is not None:
+            write_captions(cmd, cues, job.tts.facts.sample_rate)
+        wall, st = time.perf_counter() - t0, job.stats
+        print(f"{cmd.out}: {seconds[0]:.1f} s audio from {n} pieces in {wall:.1f} s (RTF "
+              f"{wall / max(seconds[0], 1e-9):.2f}); {st.get('lanes', lanes)} lanes, mean batch "
+              f"{st.get('mean_batch', 0):.2f}; prompt positions prefilled {st.get('positions_prefilled', 0)} vs rows "
+              f"generated {st.get('rows_generated', 0)}", file=sys.stderr if cmd.live else sys.stdout)
     return 0
 
 
-def decode_codes(tts, path: Path, out: Path, args=None) -> int:
+def write_captions(cmd: Command, cues: list, sample_rate: int) -> None:
+    """--captions: a cue per piece, or per word (`job.finish.file_words`, timed on the written audio)."""
+    if cmd.speech.caption_level == "word":
+        pieces = len(cues)
+        cues, kept, why = finish.file_words(cmd.out, cues, cmd.speech.caption_language)
+        if kept:
+            print(f"--caption-level word: {kept} of {pieces} pieces keep a piece-level cue ({why})", file=sys.stderr)
+    try:
+        captions.write(cmd.captions, cues, sample_rate)
+    except OSError as e:
+        raise OutputError(f"the audio is written, but the captions cannot be: {cmd.captions} "
+                          f"({e.strerror or type(e).__name__})") from None
+    print(f"{cmd.captions}: {len(cues)} cues", file=sys.stderr)
+
+
+def decode_codes(tts, cmd: Command) -> int:
+    """--codes: given code rows (delayed or raw) decoded to --out, at --loudness if asked."""
     import numpy as np
 
-    rows = read_code_rows(path, tts.facts.num_codebooks, tts.facts.codebook_vocab)
-    n = tts.facts.num_codebooks
-    delayed = len(rows) > 0 and rows[0, 1:].tolist() == [tts.facts.boc] * (n - 1)  # delayed rows start with BOC
+    f = tts.facts
+    rows = read_code_rows(cmd.codes, f.num_codebooks, f.codebook_vocab)
+    delayed = len(rows) > 0 and rows[0, 1:].tolist() == [f.boc] * (f.num_codebooks - 1)  # delayed rows start with BOC
     wav = tts.decode_rows(rows.astype(np.int64), delayed=delayed)
-    write_audio(out, level(wav, tts.facts.sample_rate, args, out), tts.facts.sample_rate)
-    print(f"{out}: {wav.size / tts.facts.sample_rate:.2f} s decoded from {'delayed' if delayed else 'raw'} rows")
+    leveled, lv = finish.level(wav, f.sample_rate, cmd.speech.loudness)
+    say_level(cmd.out, lv)
+    write_audio(cmd.out, leveled, f.sample_rate)
+    print(f"{cmd.out}: {wav.size / f.sample_rate:.2f} s decoded from {'delayed' if delayed else 'raw'} rows")
     return 0
 
 

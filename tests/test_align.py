@@ -196,26 +196,26 @@ def test_texts_and_audio_that_cannot_be_timed_say_why(en):
             align_words(audio, sr, text)
 
 
-def test_caption_cues_become_word_cues_where_the_aligner_can_time_them(capsys):
-    """speak.word_cues on a real recording: the English piece becomes a cue per word inside its own span, in order;
-    a German piece keeps its piece cue and the run says why."""
+def test_caption_cues_become_word_cues_where_the_aligner_can_time_them():
+    """job.finish.file_words on a real recording (the command line's --caption-level word): the English piece becomes
+    a cue per word inside its own span, in order; a German piece keeps its piece cue, and the count and the reason
+    come back."""
     import soundfile as sf
 
+    from higgs_onnx.job.finish import file_words
     from higgs_onnx.longform.captions import Cue
-    from higgs_onnx.speak import word_cues
 
     en = DATA / "ref_en_24k.wav"
     n = sf.info(str(en)).frames
     text = (DATA / "ref_en_24k.txt").read_text().strip()
-    assert word_cues(en, [Cue(0, n, text)], "de") == [Cue(0, n, text)]  # German: kept, said below
-    assert "1 of 1 pieces keep a piece-level cue (word timing is English only" in capsys.readouterr().err
-    got = word_cues(en, [Cue(0, n // 3, "悲しい"), Cue(0, n, text, "Ann")])
-    assert got[0] == Cue(0, n // 3, "悲しい")  # kept: not Latin script
+    cues, kept, why = file_words(en, [Cue(0, n, text)], "de")
+    assert cues == [Cue(0, n, text)] and kept == 1 and why.startswith("word timing is English only")
+    got, kept, _ = file_words(en, [Cue(0, n // 3, "悲しい"), Cue(0, n, text, "Ann")], "en")
+    assert got[0] == Cue(0, n // 3, "悲しい") and kept == 1  # kept: not Latin script
     words = got[1:]
     assert [c.text for c in words] == text.replace(".", "").split()
     assert all(0 <= a.start < a.end <= b.start <= b.end <= n for a, b in zip(words, words[1:], strict=False))
     assert {c.speaker for c in words} == {"Ann"}
-    assert "1 of 2 pieces keep a piece-level cue" in capsys.readouterr().err
 
 
 def test_the_servers_piece_cues_carry_the_words_timed_on_their_own_samples(en):
@@ -250,7 +250,7 @@ def test_the_servers_piece_cues_carry_the_words_timed_on_their_own_samples(en):
 
 
 def test_the_server_times_words_in_one_lower_priority_thread():
-    """job.finish.aligned: the server's aligner pool is one thread, niced below the process (Linux), and gives
+    """job.finish.time_words: the server's aligner pool is one thread, niced below the process (Linux), and gives
     what captions.timed gives."""
     import asyncio
     import os
@@ -267,7 +267,7 @@ def test_the_server_times_words_in_one_lower_priority_thread():
 
     async def run():
         loop = asyncio.get_running_loop()
-        await pieces.aligned(Cue(0, 0, "x"), np.zeros(0, np.float32), 24000, "en")  # makes the pool
+        await pieces.time_words(Cue(0, 0, "x"), np.zeros(0, np.float32), 24000, "en")  # makes the pool
         await loop.run_in_executor(pieces._aligner, probe)
 
     asyncio.run(run())

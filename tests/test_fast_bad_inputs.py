@@ -91,6 +91,25 @@ def test_output_is_a_folder_row(capsys, no_model, tmp_path):
     assert err.count("\n") == 1 and "Traceback" not in err and not any(folder.iterdir())
 
 
+TEXT_FILES = [("empty", b"", "is empty"), ("blank lines only", b"\n  \n\n", "is empty"),
+              ("Latin-1", "caf\u00e9 au lait\n".encode("latin-1"), "is not UTF-8 text (byte 3"),
+              ("binary", bytes(range(256)) * 20 + b"\x00" * 8, "is a binary file, not text")]
+
+
+@pytest.mark.parametrize("case, data, message", TEXT_FILES, ids=[r[0] for r in TEXT_FILES])
+def test_a_text_file_is_read_and_refused_before_the_model_loads(capsys, no_model, tmp_path, case, data, message):
+    """--text-file is read as the job is built: an unreadable one is one line (exit 2) before the model folder is
+    looked at, for a recording (--out) and for one file per line (--out-dir), and nothing is written."""
+    text = tmp_path / "text.txt"
+    text.write_bytes(data)
+    for where in (["--out", str(tmp_path / "long.wav")], ["--out-dir", str(tmp_path / "lines")]):
+        code = inference.main(["--model-path", str(no_model), "--text-file", str(text), *where])
+        err = capsys.readouterr().err
+        assert code == 2 and err == f"error: {text} {message}" + err.split(message, 1)[1], (where, err)
+        assert err.count("\n") == 1 and "model folder" not in err and "Traceback" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["text.txt"]
+
+
 CHECKPOINT_ROWS = [
     ("missing checkpoint", lambda d: shutil.rmtree(d), "does not exist"),
     ("missing file", lambda d: (d / "tokenizer.json").unlink(), "missing tokenizer.json"),

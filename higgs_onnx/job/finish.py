@@ -39,34 +39,51 @@ def _lower_priority() -> None:
         log.debug("the aligner thread keeps the process's priority")
 
 
-async def aligned(cue: Cue, samples: np.ndarray, sample_rate: int, language: str) -> Cue:
-    """`captions.timed` in one aligner pool (bounded, lower priority), not the default executor that the text steps
-    and voice uploads share: 8 word-timed streams queue their pieces here instead of taking every core from the
-    decoder. Raises what the aligner raises: callers use `time_words`, which has the failure rule."""
+async def time_words(cue: Cue, samples: np.ndarray, sample_rate: int, language: str) -> Cue:
+    """`cue` with its words timed on `samples` (its own, from `cue.start`) in `language` (`timed_piece`), in one
+    aligner pool (bounded, lower priority) off the event loop, not the default executor that the text steps and voice
+    uploads share: 8 word-timed streams queue their pieces here instead of taking every core from the decoder. An
+    aligner failure comes back as a cue without words (the one failure rule); only a cancellation propagates."""
     global _aligner, _aligning
     if _aligner is None:
         _aligner = ThreadPoolExecutor(ALIGNER_THREADS, thread_name_prefix="higgs-align", initializer=_lower_priority)
     _aligning += 1
     try:
-        return await asyncio.get_running_loop().run_in_executor(_aligner, timed, cue, samples, sample_rate, language)
+        return await asyncio.get_running_loop().run_in_executor(_aligner, timed_piece, cue, samples, sample_rate,
+                                                                language)
     finally:
         _aligning -= 1
 
 
-async def time_words(cue: Cue, samples: np.ndarray, sample_rate: int, language: str) -> Cue:
-    """`cue` with its words timed on `samples` (its own, from `cue.start`) in the aligner pool. The one failure
-    rule: an aligner exception is logged once and the cue comes back with `words` () and `words_reason` "word
-    timing failed (<exception type>)"; only a cancellation propagates."""
+aligned = time_words  # the stream doors' old name, until they call time_words
+
+
+def timed_piece(cue: Cue, samples: np.ndarray, sample_rate: int, language: str) -> Cue:
+    """`captions.timed` with the one failure rule: an aligner exception is logged once (with its traceback) and the
+    cue comes back with `words` () and `words_reason` "word timing failed (<exception type>)"."""
     try:
-        return await aligned(cue, samples, sample_rate, language)
+        return timed(cue, samples, sample_rate, language)
     except Exception as e:  # noqa: BLE001 - the words say so; the audio went on without them
-        return untimed(cue, e)
+        log.error("word timing of piece %d failed", cue.index, exc_info=e)
+        return dataclasses.replace(cue, words=(), words_reason=f"word timing failed ({type(e).__name__})")
 
 
-def untimed(cue: Cue, e: Exception) -> Cue:
-    """The failure rule's cue (and its one log line)."""
-    log.error("word timing of piece %d failed", cue.index, exc_info=e)
-    return dataclasses.replace(cue, words=(), words_reason=f"word timing failed ({type(e).__name__})")
+def file_words(path, cues: list[Cue], language: str) -> tuple[list[Cue], int, str]:
+    """The piece cues of the recording at `path` made a cue per word, each piece timed on its own samples
+    (`timed_piece`); a piece that cannot be timed keeps its cue. (cues, pieces kept whole, the first one's reason)."""
+    from ..audio import read_audio
+
+    samples, rate = read_audio(path)
+    samples = samples[:, 0]  # the recording is mono
+    out, kept, why = [], 0, ""
+    for cue in cues:
+        got = timed_piece(cue, samples[cue.start:cue.end], rate, language)
+        if got.words:
+            out += got.words
+        else:
+            out.append(cue)
+            kept, why = kept + 1, why or got.words_reason
+    return out, kept, why
 
 
 async def with_words(first, items: AsyncIterator, text: str, sample_rate: int, language: str = "en"):

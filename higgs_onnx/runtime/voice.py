@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import zipfile
 import zlib
 from dataclasses import dataclass
@@ -25,6 +26,39 @@ from ..outputs import atomic
 VOICE_FILE = "a voice file is the .npz written by inference.py --save-voice (or HiggsTTS.make_voice(...).save(path))"
 # what np.load / reading an archive member raises on a file that is not an intact .npz
 _NPZ_ERRORS = (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error)
+
+
+LANGUAGE = re.compile(r"([A-Za-z]{2,3})(?:-([A-Za-z]{2}|[0-9]{3}))?")  # en, yue, en-US, es-419
+MAX_LANGUAGES = 16
+
+
+class VoiceError(ValueError):
+    """A voice name or file that cannot be used; the message is meant for the client."""
+
+
+def check_languages(value, what: str = "languages") -> tuple[str, ...]:
+    """The language codes a voice is offered for, from a comma-separated string or a list of strings: each a 2-3
+    letter language with an optional region (`en`, `de`, `en-US`, `pt_BR`: `_` becomes `-`; written `pt-BR`), at
+    most MAX_LANGUAGES, none twice; () for none given. VoiceError (one sentence naming the bad one) otherwise."""
+    if isinstance(value, str):
+        value = value.split(",")
+    if not isinstance(value, (list, tuple)) or not all(isinstance(x, str) for x in value):
+        raise VoiceError(f"{what} must be language codes separated by commas, e.g. en,de")
+    out: list[str] = []
+    for raw in (x.strip() for x in value):
+        if not raw:
+            continue
+        m = LANGUAGE.fullmatch(raw.replace("_", "-"))
+        if m is None:
+            raise VoiceError(f"{what}: {raw[:40]!r} is not a language code: use a 2-3 letter language with an "
+                             f"optional region, e.g. en, de, zh, en-US or pt_BR")
+        code = m[1].lower() + (f"-{m[2].upper()}" if m[2] else "")
+        if code in out:
+            raise VoiceError(f"{what}: {code!r} is given twice")
+        out.append(code)
+    if len(out) > MAX_LANGUAGES:
+        raise VoiceError(f"{what}: {len(out)} language codes given, at most {MAX_LANGUAGES} are allowed")
+    return tuple(out)
 
 
 class VoiceFileError(ValueError):
@@ -72,7 +106,7 @@ def read_voice(path: Path) -> dict:
 
 def _check_meta(array: np.ndarray) -> dict:
     """The JSON `meta` of a voice file: ref_text, model_id and, in files that have it, `languages` (a list of
-    language codes, checked where they are used: `serve.voices.check_languages`); VoiceFileError otherwise."""
+    language codes, checked where they are used: `check_languages`); VoiceFileError otherwise."""
     try:
         meta = json.loads(str(array))
         ref_text, model_id, languages = meta["ref_text"], meta["model_id"], meta.get("languages")
@@ -110,7 +144,7 @@ class Voice:
 
     def save(self, path: str | os.PathLike, languages=None) -> Path:
         """An .npz (no pickle) with the rows, the prefix ids, the KV state and the owning export's id; `languages`
-        (codes checked by the caller: `serve.voices.check_languages`) go in its meta, the languages the voice is
+        (codes checked by the caller: `check_languages`) go in its meta, the languages the voice is
         offered for (None: the server's)."""
         path = Path(path)
         fields = {"ref_text": self.ref_text, "model_id": self.model_id}

@@ -19,17 +19,13 @@ from collections import OrderedDict
 from pathlib import Path
 
 from ..runtime.model import Voice, VoiceFileError
-from ..runtime.voice import read_voice_meta
+from ..runtime.voice import VoiceError, check_languages, read_voice_meta
+
+__all__ = ["DEFAULT", "UnknownVoice", "VoiceError", "VoiceExists", "VoiceStore", "check_languages", "check_name"]
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-LANGUAGE = re.compile(r"([A-Za-z]{2,3})(?:-([A-Za-z]{2}|[0-9]{3}))?")  # en, yue, en-US, es-419
-MAX_LANGUAGES = 16
 DEFAULT = "default"
 CACHE_SIZE = 16  # a 4b-model voice holds the KV cache of its prompt prefix: tens of MB each
-
-
-class VoiceError(ValueError):
-    """A voice name or file that cannot be used; the message is meant for the client."""
 
 
 class UnknownVoice(VoiceError):
@@ -46,31 +42,6 @@ def check_name(name: str) -> str:
     if name.lower() == DEFAULT:
         raise VoiceError(f"voice name {name!r} is reserved for zero-shot speech (no reference)")
     return name
-
-
-def check_languages(value, what: str = "languages") -> tuple[str, ...]:
-    """The language codes a voice is offered for, from a comma-separated string or a list of strings: each a 2-3
-    letter language with an optional region (`en`, `de`, `en-US`, `pt_BR`: `_` becomes `-`; written `pt-BR`), at
-    most MAX_LANGUAGES, none twice; () for none given. VoiceError (one sentence naming the bad one) otherwise."""
-    if isinstance(value, str):
-        value = value.split(",")
-    if not isinstance(value, (list, tuple)) or not all(isinstance(x, str) for x in value):
-        raise VoiceError(f"{what} must be language codes separated by commas, e.g. en,de")
-    out: list[str] = []
-    for raw in (x.strip() for x in value):
-        if not raw:
-            continue
-        m = LANGUAGE.fullmatch(raw.replace("_", "-"))
-        if m is None:
-            raise VoiceError(f"{what}: {raw[:40]!r} is not a language code: use a 2-3 letter language with an "
-                             f"optional region, e.g. en, de, zh, en-US or pt_BR")
-        code = m[1].lower() + (f"-{m[2].upper()}" if m[2] else "")
-        if code in out:
-            raise VoiceError(f"{what}: {code!r} is given twice")
-        out.append(code)
-    if len(out) > MAX_LANGUAGES:
-        raise VoiceError(f"{what}: {len(out)} language codes given, at most {MAX_LANGUAGES} are allowed")
-    return tuple(out)
 
 
 class VoiceStore:
