@@ -5,6 +5,7 @@ runtime facade's names importable from where callers import them."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "higgs_onnx"
@@ -251,3 +252,60 @@ def test_test_modules_share_helpers_through_support_modules_and_start_servers_in
             found += [f"{path.name}:{node.lineno}: imports {n}" for n in names
                       if n.rpartition(".")[2].startswith("test_") or n.rpartition(".")[2] == "conftest"]
     assert not found, found
+
+
+def repo_files() -> list[str]:
+    """The repository's files as git lists them: tracked, and new ones it does not ignore (deleted ones left out)."""
+    import subprocess
+
+    out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=PACKAGE.parent, capture_output=True,
+                         text=True, check=True).stdout
+    return [f for f in out.splitlines() if (PACKAGE.parent / f).is_file()]
+
+
+def layout_entries(layout: str) -> dict[str, str]:
+    """docs/layout.md's tree as {an entry's name column (what a line starting at column 0 names before its
+    description): the entry's whole text, its indented lines included}."""
+    tree = layout.split("```")[1]
+    entries: dict[str, str] = {}
+    key = None
+    for line in tree.splitlines():
+        if line and not line[0].isspace():
+            key = re.split(r"\s{2,}", line.strip(), maxsplit=1)[0]
+            entries[key] = line
+        elif key is not None:
+            entries[key] += "\n" + line
+    return entries
+
+
+def test_docs_layout_names_every_file_outside_the_package():
+    """Every file outside the package is named in docs/layout.md where it lives: a top-level file in the name column,
+    a benchmark, script or test support module (every .py outside the package but the test modules themselves) in its
+    folder's entry; and every Makefile target in the Makefile's."""
+    layout = (PACKAGE.parent / "docs" / "layout.md").read_text()
+    entries = layout_entries(layout)
+    names = {n for key in entries for n in key.split()}
+    missing = []
+    for f in repo_files():
+        folder, _, rest = f.partition("/")
+        if not rest:
+            if f not in names:
+                missing.append(f)
+        elif f.endswith(".py") and folder != "higgs_onnx" and not re.fullmatch(r"tests/test_\w+\.py", f):
+            if not re.search(rf"(?<![\w/]){re.escape(rest)}\b", entries.get(f"{folder}/", "")):
+                missing.append(f)
+    assert ".ci/run" in names and "benchmarks/" in entries and "tests/" in entries
+    assert not missing, f"docs/layout.md does not name {missing} in its folder's entry"
+    phony = re.search(r"^\.PHONY:(.*)$", (PACKAGE.parent / "Makefile").read_text(), re.M).group(1).split()
+    make = entries["Makefile"]
+    assert phony and not [t for t in phony if not re.search(rf"\b{re.escape(t)}\b", make)], (phony, make)
+
+
+def test_every_file_docs_layout_names_exists():
+    """The other way round: a file docs/layout.md names (a .py, .md, .txt, .toml or .tsv name, with or without its
+    folders) is a file of the repository, so a file that moves or goes takes its line with it."""
+    layout = (PACKAGE.parent / "docs" / "layout.md").read_text()
+    files = repo_files()
+    named = set(re.findall(r"(?<![\w./-])([\w./-]*\w\.(?:py|md|txt|toml|tsv))\b", layout))
+    gone = sorted(n for n in named if not any(f == n or f.endswith("/" + n) for f in files))
+    assert len(named) > 100 and not gone, f"docs/layout.md names files that do not exist: {gone}"
