@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import re
 import signal
 import socket
 import time
@@ -722,6 +723,21 @@ def test_sigterm_answers_every_door_as_documented(builds, tmp_path):
 
 
 # -- the dry run: what the model would read, checked as for real, nothing generated ------------------------------
+def documented_fields(page: str, after: str) -> set[str]:
+    """The field names of the first `{"name", ...}` set in docs/PAGE after the text `after` (a value given to a
+    name, `"object": "speech.dry_run"`, is not a name)."""
+    text = (ROOT / "docs" / page).read_text()
+    block = re.search(r"\{(\"[^{}]*)\}", text[text.index(after):]).group(1)
+    return set(re.findall(r'"(\w+)"', re.sub(r':\s*"[^"]*"', "", block)))
+
+
+def text_md_dry_run_example() -> dict:
+    """The dry run's line in docs/text.md's example, as JSON."""
+    text = (ROOT / "docs" / "text.md").read_text()
+    section = text[text.index("## See what the model will read: the dry run"):]
+    return json.loads(section.split("```json\n", 1)[1].split("```", 1)[0])
+
+
 def test_the_cli_dry_run_reads_the_text_as_the_model_would_and_loads_nothing(builds, tmp_path, capsys):
     from higgs_onnx.runtime.model import HiggsTTS
 
@@ -731,6 +747,8 @@ def test_the_cli_dry_run_reads_the_text_as_the_model_would_and_loads_nothing(bui
     assert inference.main([*argv, "--text", TEXT, "--speed", "0.5", "--max-rows", "50"]) == 0
     out, err = capsys.readouterr()
     [one] = [json.loads(x) for x in out.splitlines()]
+    # the fields the docs list are the ones it prints (inference.md's list, text.md's example)
+    assert set(one) == documented_fields("inference.md", "`--dry-run` (with") == set(text_md_dry_run_example()), one
     assert one["read"].endswith(TEXT) and one["read"] != TEXT and one["max_rows"] == 50, one  # the speed tag first
     assert "nothing generated; model parts loaded: none" in err, err
     tts = HiggsTTS(builds["fp32"], verify=False)
@@ -755,6 +773,7 @@ def test_the_server_dry_run_answers_json_and_generates_nothing(server):
     r = server.http.post("/v1/audio/speech", json=body)
     got = r.json()
     assert r.status_code == 200 and got["object"] == "speech.dry_run" and got["pieces"] is None, got
+    assert set(got) == documented_fields("server.md", "| `dry_run` | extra |"), got  # the fields server.md lists
     assert got["read"].endswith(TEXT) and got["lead"] and got["read"].startswith(got["lead"])
     sse = server.http.post("/v1/audio/speech", json={**body, "dry_run": False, "stream_format": "sse",
                                                       "max_rows": 40})
