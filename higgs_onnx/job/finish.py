@@ -55,8 +55,6 @@ async def time_words(cue: Cue, samples: np.ndarray, sample_rate: int, language: 
         _aligning -= 1
 
 
-aligned = time_words  # the stream doors' old name, until they call time_words
-
 
 def timed_piece(cue: Cue, samples: np.ndarray, sample_rate: int, language: str) -> Cue:
     """`captions.timed` with the one failure rule: an aligner exception is logged once (with its traceback) and the

@@ -32,7 +32,7 @@ from ..tags import CONTROL_TAG
 from ..text.directions import DirectionError
 from ..text.pipeline import Reading
 from ..text.ssml import SsmlError
-from .finish import aligned, joined, level, leveled, with_words  # noqa: F401 - aligned, joined: the stream doors'
+from .finish import level, leveled, with_words
 from .options import TEXT, OptionError, Shape, SpeechOptions, check_takes
 
 log = logging.getLogger(__name__)
