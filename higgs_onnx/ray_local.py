@@ -1,7 +1,7 @@
 """Ray for `python -m higgs_onnx.corpus` and `serve --ray`: `check_address` (a `--address` checked before Ray
-starts), and a local instance's processes: its own temporary folder (short enough for Ray's socket paths), the
-processes still using one after a run (found and stopped, SIGTERM then SIGKILL), and SIGTERM taken like Ctrl-C while
-a run goes on."""
+starts: its form, Ray Client for ray://, and a TCP answer within CONNECT_S), and a local instance's processes: its
+own temporary folder (short enough for Ray's socket paths), the processes still using one after a run (found and
+stopped, SIGTERM then SIGKILL), and SIGTERM taken like Ctrl-C while a run goes on."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ RAY_TEMP_PREFIX = "higgs-ray-"
 # Ray puts its unix sockets at <temp>/session_<date>_<time>_<us>_<pid>/sockets/plasma_store (~65 bytes after
 # <temp>), and a socket path has at most 107 bytes: a longer $TMPDIR falls back to /tmp.
 MAX_RAY_TEMP_BASE = 32
+CONNECT_S = 10.0  # a cluster address that does not answer a TCP connection within this is refused
 
 
 class StopSignal:
@@ -180,3 +181,23 @@ def check_address(address: str | None) -> None:
         raise ValueError(f"--address {address} needs Ray Client, which is not installed: pip install "
                          f"\"ray[client]=={version}\" (or join the cluster with --address auto / HEAD:6379 from a "
                          f"node of it)")
+    check_reachable(address)
+
+
+def check_reachable(address: str) -> None:
+    """A HEAD:PORT or ray://HEAD:PORT address must answer a TCP connection within CONNECT_S: Ray itself would retry
+    a GCS address for ever, and Ray Client tries for about 30 s before its one line. `auto` finds a local cluster's
+    address on its own (and fails fast)."""
+    import socket
+
+    if address == "auto":
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not port.isdigit() or "/" in host:
+        raise ValueError(f"--address {address!r}: give HEAD:PORT (the head's GCS port, 6379 by default), 'auto' or "
+                         f"ray://HEAD:10001")
+    try:
+        socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=CONNECT_S).close()
+    except OSError as e:
+        raise ValueError(f"--address {address}: no Ray cluster answers there ({e.strerror or e}); start one with "
+                         f"`ray start --head` or leave --address out for a local one") from None

@@ -13,7 +13,10 @@ docs/server.md documents for a server that stops:
 - a WebSocket session open: an error message in its door's own shape (ours, Cartesia's, ElevenLabs'), then a close
   with code 1011;
 - Ray's own plain-text 429 / 503 (every replica full, none running): the same JSON error body as ours, also to a
-  WebSocket upgrade (an HTTP answer to the handshake, or close code 1013 where the server cannot send one).
+  WebSocket upgrade (an HTTP answer to the handshake, or close code 1013 where the server cannot send one);
+- Ray's own plain-text 404 (no application deployed: while it starts, and while a SIGTERM drains the replicas until
+  the port closes): a JSON 503 `no_replica` with `Retry-After`, never a 404 a client or a balancer reads as
+  permanent. Our app answers every path itself (its 404s are JSON), so a plain 404 can only be Ray's.
 
 It imports nothing heavy: it runs in the proxy's process, which loads no model.
 """
@@ -30,6 +33,8 @@ from .metrics import door_of
 
 log = logging.getLogger("higgs_onnx.serve.ray")
 RETRY_AFTER_S = 1
+RAY_ANSWERS = (404, 429, 503)  # Ray's own plain-text answers, rewritten (`ray_answer`)
+NO_APP = "no replica is running (the server is starting or stopping); try again"
 LOST = ("the replica serving this request stopped before it finished (it is restarted; other replicas answer "
         "meanwhile); try again")
 
@@ -37,6 +42,15 @@ LOST = ("the replica serving this request stopped before it finished (it is rest
 def middlewares() -> list[Middleware]:
     """The proxy callback Ray Serve calls once when its proxy starts."""
     return [Middleware(ReplicaLoss)]
+
+
+def ray_answer(status: int, text: str) -> tuple[int, bytes]:
+    """Ray's own plain-text answer as ours: (status, JSON body). 404 (no application: starting or draining) and 503
+    are `no_replica` 503s, 429 stays `rate_limit_exceeded`."""
+    if status == 429:
+        return 429, error_body(429, f"every replica is busy; {text or 'try again'}", "rate_limit_exceeded")
+    note = NO_APP if status == 404 else f"no replica is running; {text or 'try again'}"
+    return 503, error_body(503, note, "no_replica")
 
 
 def socket_error(door: str | None) -> dict:
@@ -73,7 +87,7 @@ class ReplicaLoss:
             if kind == "http.response.start":
                 headers = dict(message.get("headers") or [])
                 ctype = headers.get(b"content-type", b"").decode("latin-1")
-                if message["status"] in (429, 503) and not ctype.startswith("application/json"):
+                if message["status"] in RAY_ANSWERS and not ctype.startswith("application/json"):
                     state["held"] = message  # Ray's own plain-text answer: rewritten once its body is in
                     return
                 state["started"] = True
@@ -83,11 +97,7 @@ class ReplicaLoss:
                 if message.get("more_body", False):
                     return
                 held, state["held"] = state["held"], None
-                status = held["status"]
-                text = state["body"].decode("utf-8", "replace").strip() or "no replica can take the request"
-                note = ("every replica is busy; " if status == 429 else "no replica is running; ") + text
-                await self.answer(send, status, error_body(status, note, "rate_limit_exceeded" if status == 429
-                                                           else "no_replica"))
+                await self.answer(send, *ray_answer(held["status"], state["body"].decode("utf-8", "replace").strip()))
                 state["started"] = state["ended"] = True
                 return
             elif kind == "http.response.body" and not message.get("more_body", False):
@@ -130,11 +140,8 @@ class ReplicaLoss:
                 if kind == "http.response.start":
                     state["status"], state["closed"] = message["status"], True
                 elif not message.get("more_body", False):
-                    status = state["status"] or 503
                     if denial:
-                        body = error_body(status, "every replica is busy; try again" if status == 429 else
-                                          "no replica can take the session; try again",
-                                          "rate_limit_exceeded" if status == 429 else "no_replica")
+                        status, body = ray_answer(state["status"] or 503, "")
                         await send({"type": "websocket.http.response.start", "status": status,
                                     "headers": [(b"content-type", b"application/json"),
                                                 (b"retry-after", str(RETRY_AFTER_S).encode())]})

@@ -22,8 +22,15 @@ replica (the less busy of two, by ongoing requests); docs/server.md, "Scaling", 
   with the replica's error when none comes up); `check_health` fails when its scheduler's thread has died, and
   Ray Serve replaces it. A replica killed mid-request: the proxy middleware (`ray_proxy`) answers what it held.
 - **Metrics.** Each replica's series carry `replica="<id>"`; each replica pushes its families to one small actor
-  (`MetricsBoard`) every `PUSH_S`, and a scrape answered by any replica returns every live replica's. Ray's own
-  metrics (serve_*, per replica and proxy) are on each node's Ray metrics port.
+  (`MetricsBoard`) every `PUSH_S`, and a scrape answered by any replica returns every live replica's: a replica
+  whose actor is gone (killed, or stopped by Ray Serve) leaves the next scrape, looked up by its actor's name; one
+  silent for STALE_S leaves it too. Ray's own metrics (serve_*, per replica and proxy) are on each node's Ray
+  metrics port.
+- **Stopping.** SIGTERM / Ctrl-C deletes the application: the replicas finish what they hold (at most DRAIN_S)
+  while Ray's proxy answers every new request with our JSON 503 `no_replica` (`ray_proxy`: Ray's own answer would
+  be a plain 404); then a local Ray instance is shut down whole (its proxy, and so the port, with it). Serve's own
+  `serve.shutdown()` is not called: its controller call never returns by design and ends as a dead worker's error
+  in Ray's logs, which a clean stop must not write.
 """
 
 from __future__ import annotations
@@ -32,7 +39,6 @@ import argparse
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -50,7 +56,6 @@ NAMESPACE = "higgs-onnx"
 BOARD = "higgs-metrics-board"
 PROXY_CALLBACK = "higgs_onnx.serve.ray_proxy:middlewares"
 LIGHT_REQUESTS = 32  # beside the jobs: health checks, voice lists, WebSocket sessions waiting for text
-CONNECT_S = 10.0  # a cluster address that does not answer a TCP connection within this is refused
 PUSH_S = 1.0  # a replica's metrics reach the board this often
 STALE_S = 10.0  # a replica silent this long is gone from the scrape
 UPSCALE_DELAY_S = 3.0
@@ -62,22 +67,32 @@ REPO = str(Path(__file__).resolve().parents[2])
 
 @ray.remote(num_cpus=0)
 class MetricsBoard:
-    """Every replica's latest metric families (prometheus-client's `Metric` objects), by replica."""
+    """Every live replica's latest metric families (prometheus-client's `Metric` objects), by replica. `actor`: the
+    replica's Ray actor (name, namespace), looked up at each scrape: a dead actor's name is gone from Ray's registry
+    at once, so a killed replica's series leave the next scrape, not STALE_S later."""
 
     def __init__(self):
-        self.seen: dict[str, tuple[float, list]] = {}
+        self.seen: dict[str, tuple[float, list, tuple[str, str] | None]] = {}
 
-    def put(self, name: str, families: list) -> None:
-        self.seen[name] = (time.monotonic(), families)
+    def put(self, name: str, families: list, actor: tuple[str, str] | None = None) -> None:
+        self.seen[name] = (time.monotonic(), families, actor)
 
-    def gather(self, name: str, families: list) -> list:
-        self.put(name, families)
+    def gather(self, name: str, families: list, actor: tuple[str, str] | None = None) -> list:
+        self.put(name, families, actor)
         now = time.monotonic()
-        self.seen = {k: v for k, v in self.seen.items() if now - v[0] < STALE_S}
-        return [f for _, fams in self.seen.values() for f in fams]
+        self.seen = {k: v for k, v in self.seen.items() if now - v[0] < STALE_S and (k == name or alive(v[2]))}
+        return [f for _, fams, _ in self.seen.values() for f in fams]
 
-    def drop(self, name: str) -> None:
-        self.seen.pop(name, None)
+
+def alive(actor: tuple[str, str] | None) -> bool:
+    """Whether a replica's named actor is still registered (None: not known, counted alive until STALE_S)."""
+    if actor is None:
+        return True
+    try:
+        ray.get_actor(actor[0], namespace=actor[1])
+    except ValueError:  # no such actor: it died (a replica is never restarted under its name)
+        return False
+    return True
 
 
 class Board:
@@ -86,12 +101,19 @@ class Board:
 
     def __init__(self, name: str):
         self.name = name
+        from ray.serve._private.constants import SERVE_NAMESPACE  # Serve's actors' namespace (ray is pinned)
+
+        actor = ray.get_runtime_context().get_actor_name()  # the replica's actor, registered under this name
+        self.me = (actor, SERVE_NAMESPACE) if actor else None
         self.actor = MetricsBoard.options(name=BOARD, namespace=NAMESPACE, get_if_exists=True,
                                           lifetime="detached").remote()
 
+    def put(self, families: list) -> None:
+        self.actor.put.remote(self.name, families, self.me)
+
     def gather(self, families: list) -> list:
         try:
-            return ray.get(self.actor.gather.remote(self.name, families), timeout=5)
+            return ray.get(self.actor.gather.remote(self.name, families, self.me), timeout=5)
         except Exception as e:  # noqa: BLE001 - the scrape still answers, with this replica's series
             log.warning("the metrics board is unreachable (%s); this replica's metrics only", e)
             return families
@@ -117,7 +139,7 @@ class HiggsSpeech:
         while True:
             time.sleep(PUSH_S)
             try:
-                self.metrics.board.actor.put.remote(self.name, self.metrics.families())
+                self.metrics.board.put(self.metrics.families())
             except Exception as e:  # noqa: BLE001 - the next push tries again
                 log.debug("metrics push: %s", e)
 
@@ -125,22 +147,6 @@ class HiggsSpeech:
         """Ray Serve's health check: the scheduler's loop must run (a replica whose loop died is replaced)."""
         if not self.scheduler.alive:
             raise RuntimeError("the scheduler's loop has stopped")
-
-
-def check_reachable(address: str) -> None:
-    """A HEAD:PORT address must answer a TCP connection (Ray itself would retry for ever); `auto` and `ray://`
-    addresses fail fast on their own."""
-    if address == "auto" or "://" in address:
-        return
-    host, _, port = address.rpartition(":")
-    if not port.isdigit():
-        raise ValueError(f"--address {address!r}: give HEAD:PORT (the head's GCS port, 6379 by default), 'auto' or "
-                         f"ray://HEAD:10001")
-    try:
-        socket.create_connection((host or "127.0.0.1", int(port)), timeout=CONNECT_S).close()
-    except OSError as e:
-        raise ValueError(f"--address {address}: no Ray cluster answers there ({e.strerror or e}); start one with "
-                         f"`ray start --head` or leave --address out for a local one") from None
 
 
 def deployment(args: argparse.Namespace):
@@ -175,8 +181,7 @@ def start_ray(args: argparse.Namespace, temp: str | None) -> None:
     path = os.environ.get("PYTHONPATH", "")
     if REPO not in path.split(os.pathsep):
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, path) if p)
-    if args.address is not None:
-        check_reachable(args.address)
+    if args.address is not None:  # checked (its form, a TCP answer) by serve's check_args: ray_local.check_address
         try:
             ray.init(address=args.address, namespace=NAMESPACE, log_to_driver=False)
         except ConnectionError as e:
@@ -233,15 +238,12 @@ def serve_on_ray(args: argparse.Namespace) -> int:
     finally:
         stop.shield()
         try:
-            if ray.is_initialized():  # never a Ray started just to be stopped
-                try:
-                    if deployed:
-                        serve.delete(APP)  # replicas drain while the proxies still answer
-                    if not args.address:
-                        serve.shutdown()
+            if ray.is_initialized() and deployed:  # never a Ray started just to be stopped
+                try:  # the replicas drain while the proxies answer new requests with 503 no_replica (ray_proxy)
+                    serve.delete(APP)
                 except Exception as e:  # noqa: BLE001 - Ray already gone: nothing to stop
-                    log.info("serve shutdown: %s", e)
-            ray.shutdown()
+                    log.info("serve delete: %s", e)
+            ray.shutdown()  # a local instance stops whole, its proxy (the port) with it; a cluster keeps its own
             if temp is not None:
                 stop_leftovers(temp)
                 shutil.rmtree(temp, ignore_errors=True)
