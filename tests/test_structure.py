@@ -227,7 +227,7 @@ def test_docs_layout_names_every_module():
 
 TESTS = PACKAGE.parent / "tests"
 # the stream engine's modules (issue 52), converted by the change that moves the stream doors to serve/streams/
-NOT_YET = {"test_agents.py", "test_agents_cancel.py", "test_textstream.py", "test_wyoming.py"}
+NOT_YET = {"test_agents.py", "test_agents_cancel.py"}
 
 
 def test_test_modules_share_helpers_through_support_modules_and_start_servers_in_one_place():

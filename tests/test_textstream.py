@@ -11,6 +11,8 @@ import json
 
 import numpy as np
 import pytest
+from servers import served
+from ws_clients import events, per_segment, session, ws_url
 
 from higgs_onnx.textin import TextSegmenter
 
@@ -55,58 +57,8 @@ pytest_slow = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def ws_server(builds, tmp_path_factory):
-    from test_server import Server
-
-    s = Server(builds["fp32"], tmp_path_factory.mktemp("ws"), "--ws-idle-timeout", "1.5")
-    yield s
-    s.stop()
-    log = s.log.read_text()
-    assert "Traceback" not in log, log[-3000:]
-
-
-def url(server) -> str:
-    return server.url.replace("http://", "ws://") + "/v1/audio/speech/stream"
-
-
-async def session(server, config: dict, messages: list, *, read_all: bool = True, pause: float = 0.0) -> list:
-    """Send `config` and `messages` (dicts as JSON, bytes as binary frames, str raw), then read until session.done,
-    an error that closes, or the close; returns everything received (bytes and parsed JSON)."""
-    import websockets
-
-    got = []
-    async with websockets.connect(url(server), max_size=None) as ws:
-        if config is not None:
-            await ws.send(json.dumps({"type": "session.config", **config}))
-        for m in messages:
-            await ws.send(m if isinstance(m, (bytes, str)) else json.dumps(m))
-            if pause:
-                await asyncio.sleep(pause)
-        if not read_all:
-            return got
-        try:
-            while True:
-                m = await asyncio.wait_for(ws.recv(), 120)
-                got.append(m if isinstance(m, bytes) else json.loads(m))
-                if isinstance(got[-1], dict) and got[-1]["type"] == "session.done":
-                    break
-        except websockets.ConnectionClosed:
-            pass
-    return got
-
-
-def events(got: list, kind: str) -> list[dict]:
-    return [m for m in got if isinstance(m, dict) and m["type"] == kind]
-
-
-def per_segment(got: list) -> list[bytes]:
-    """The audio bytes of each segment (between its audio.start and audio.done)."""
-    out = []
-    for m in got:
-        if isinstance(m, dict) and m["type"] == "audio.start":
-            out.append(b"")
-        elif isinstance(m, bytes):
-            out[-1] += m
-    return out
+    with served(builds["fp32"], tmp_path_factory.mktemp("ws"), "--ws-idle-timeout", "1.5") as s:
+        yield s
 
 
 TEXT = "Hello there, this is the first sentence. And here comes a second one! A third follows it."
@@ -126,7 +78,7 @@ def test_segments_continue_one_context_and_audio_comes_while_text_arrives(ws_ser
     audio = [m for m in got if isinstance(m, bytes)]
     assert sum(map(len, audio)) == sum(d["total_bytes"] for d in dones) > 0
     # the last segment's cache is given back at the end (when the session closes, just after session.done)
-    stats = ws_server.wait(lambda s: s["in_flight"] == 0 and s["kept"] == 0, "the session's cache given back")
+    stats = ws_server.released()
     prefilled = stats["prefill_positions"] - before
     alone = asyncio.run(session(ws_server, {"response_format": "pcm", "seed": 1, "continuation": False},
                                 [*words, {"type": "input.done"}]))
@@ -145,7 +97,7 @@ def test_audio_of_the_first_sentence_arrives_before_the_input_ends(ws_server):
     import websockets
 
     async def run():
-        async with websockets.connect(url(ws_server)) as ws:
+        async with websockets.connect(ws_url(ws_server)) as ws:
             await ws.send(json.dumps({"type": "session.config", "response_format": "pcm"}))
             await ws.recv()
             await ws.send(json.dumps({"type": "input.text", "text": "The first sentence is here. Then"}))
@@ -193,7 +145,7 @@ def test_a_client_that_vanishes_mid_audio_frees_everything(ws_server):
     import websockets
 
     async def run():
-        ws = await websockets.connect(url(ws_server))
+        ws = await websockets.connect(ws_url(ws_server))
         await ws.send(json.dumps({"type": "session.config", "response_format": "pcm"}))
         await ws.recv()
         await ws.send(json.dumps({"type": "input.text", "text": "A long sentence that keeps the model talking for a "
@@ -203,7 +155,7 @@ def test_a_client_that_vanishes_mid_audio_frees_everything(ws_server):
         ws.transport.abort()  # gone without a close frame
 
     asyncio.run(run())
-    stats = ws_server.wait(lambda s: s["in_flight"] == 0 and s["kept"] == 0, "the vanished session's work freed")
+    stats = ws_server.released()  # the vanished session's work freed
     assert stats["cancelled"] >= 1
 
 
@@ -229,12 +181,10 @@ def test_an_idle_session_gives_its_kept_context_to_a_waiting_job(builds, tmp_pat
     next segment starts again from the voice."""
     import threading
 
-    from test_server import Server
     from websockets.sync.client import connect
 
-    s = Server(builds["fp32"], tmp_path, "--max-batch", "1", "--max-queue", "2", "--ws-idle-timeout", "60")
-    try:
-        with connect(url(s), max_size=None) as ws:
+    with served(builds["fp32"], tmp_path, "--max-batch", "1", "--max-queue", "2", "--ws-idle-timeout", "60") as s:
+        with connect(ws_url(s), max_size=None) as ws:
             ws.send(json.dumps({"type": "session.config", "response_format": "pcm", "seed": 1}))
 
             def segment_done() -> dict:
@@ -257,7 +207,4 @@ def test_an_idle_session_gives_its_kept_context_to_a_waiting_job(builds, tmp_pat
             ws.send(json.dumps({"type": "input.commit"}))
             assert segment_done()["continued"] is False  # its context was given back: from the voice again
             ws.send(json.dumps({"type": "input.done"}))
-        s.wait(lambda st: st["kept"] == 0 and st["in_flight"] == 0, "everything freed")
-    finally:
-        s.stop()
-    assert "Traceback" not in s.log.read_text()
+        s.released()  # everything freed

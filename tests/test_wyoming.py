@@ -1,7 +1,8 @@
 """The Wyoming server (Home Assistant's voice protocol), driven by the `wyoming` package's own client over a real
 TCP socket on loopback: describe / info with the saved voices, synthesize, the streaming events Home Assistant sends
-for an LLM's answer, bad requests answered with an error event (the connection stays), malformed or oversized
-frames closing the connection, a client that vanishes mid-audio, and `serve --wyoming` sharing the HTTP server's
+for an LLM's answer (the stream engine, serve/streams/wyoming.py: a block per sentence), bad requests and job fields
+Wyoming has no place for answered with an error event (the connection stays), malformed or oversized frames closing
+the connection, a client that vanishes mid-audio, and `serve --wyoming` (servers.served) sharing the HTTP server's
 scheduler."""
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from servers import served
 from wyoming.audio import AudioChunk, AudioStart, AudioStop
 from wyoming.client import AsyncTcpClient
 from wyoming.error import Error
+from wyoming.event import Event
 from wyoming.info import Describe, Info
 from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped, SynthesizeVoice
 
@@ -143,6 +146,65 @@ def test_home_assistants_streaming_flow(wyoming):
     assert len(audio_of(got)) > 0
 
 
+def test_each_stream_speaks_a_block_per_sentence_and_a_bad_sentence_is_an_error_in_its_place(wyoming):
+    """The stream engine under Wyoming's streaming synthesis: two streams in turn on one connection, their text in
+    pieces that cut words; each sentence is its own audio-start / audio-chunk / audio-stop block, then
+    synthesize-stopped ends the stream. A sentence that cannot be spoken (a special token) is an error event where
+    its block would be, and its stream goes on to the next sentence."""
+    async def stream(c, pieces: list[str]) -> list:
+        await c.write_event(SynthesizeStart().event())
+        for piece in pieces:
+            await c.write_event(SynthesizeChunk(text=piece).event())
+        await c.write_event(SynthesizeStop().event())
+        return await read_until(c, lambda e: SynthesizeStopped.is_type(e.type))
+
+    async def run():
+        async with AsyncTcpClient("127.0.0.1", wyoming) as c:
+            return (await stream(c, ["One sen", "tence here. And a sec", "ond one", "! The last", " one."]),
+                    await stream(c, ["Bad <|im_", "start|> token. ", "A good one."]))
+
+    first, second = asyncio.run(run())
+    blocks = []
+    for e in first:
+        if AudioStart.is_type(e.type):
+            blocks.append([])
+        elif AudioChunk.is_type(e.type):
+            blocks[-1].append(len(e.payload or b""))
+    kinds = [e.type for e in first if not AudioChunk.is_type(e.type)]
+    assert kinds == ["audio-start", "audio-stop"] * 3 + ["synthesize-stopped"], kinds
+    assert len(blocks) == 3 and all(sum(b) > 0 for b in blocks), blocks
+    kinds = [e.type for e in second if not AudioChunk.is_type(e.type)]
+    assert kinds == ["error", "audio-start", "audio-stop", "synthesize-stopped"], kinds
+    assert Error.from_event(second[0]).code == "special_token" and len(audio_of(second)) > 0
+
+
+def test_a_field_wyoming_has_no_place_for_is_refused_by_name_and_nothing_is_spoken(wyoming):
+    """A synthesis event whose data carries a job field Wyoming's events have no place for (ssml, speed) is answered
+    with one error event naming it, in the options table's words (job.options.refuse), before anything is spoken; a
+    refused synthesize-start opens no stream. The connection stays: the next plain synthesize speaks."""
+    async def run():
+        async with AsyncTcpClient("127.0.0.1", wyoming) as c:
+            answers = []
+            for event in (Event("synthesize", {"text": "Not spoken.", "ssml": True}),
+                          Event("synthesize", {"text": "Not spoken.", "speed": 1.2}),
+                          Event("synthesize-start", {"ssml": True}), SynthesizeChunk(text="No stream. ").event()):
+                await c.write_event(event)
+                answers.append(await asyncio.wait_for(c.read_event(), 60))
+            await c.write_event(Synthesize(text="Now it speaks.").event())
+            return answers, await read_until(c, lambda e: AudioStop.is_type(e.type))
+
+    answers, got = asyncio.run(run())
+    assert all(Error.is_type(e.type) for e in answers), answers
+    errors = [Error.from_event(e) for e in answers]
+    assert [(x.code, x.text) for x in errors[:3]] == [
+        ("unsupported_parameter", "ssml is not supported by Wyoming: Wyoming has no such field"),
+        ("unsupported_parameter", "speed is not supported by Wyoming: Wyoming has no such field"),
+        ("unsupported_parameter", "ssml is not supported by Wyoming: Wyoming has no such field")]
+    assert errors[3].code == "bad_order"  # the refused synthesize-start opened nothing
+    assert [e.type for e in got if not AudioChunk.is_type(e.type)] == ["audio-start", "audio-stop"]
+    assert len(audio_of(got)) > 0
+
+
 def test_bad_requests_get_an_error_event_and_the_connection_stays(wyoming):
     async def run():
         async with AsyncTcpClient("127.0.0.1", wyoming) as c:
@@ -226,27 +288,26 @@ def test_bad_flags_are_one_line(builds):
 
 
 def test_serve_answers_wyoming_on_its_own_scheduler(builds, tmp_path):
-    from test_server import Server
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    """`serve --wyoming`: the HTTP server's scheduler speaks Wyoming's requests (a refused one submits nothing), and
+    its Wyoming door is announced over mDNS while it runs."""
     name = f"higgs-serve-{os.getpid()}"
-    server = Server(builds["fp32"], tmp_path, "--wyoming", f"tcp://127.0.0.1:{port}", "--zeroconf", name)
-    try:
+    with served(builds["fp32"], tmp_path, "--zeroconf", name, wyoming=True) as server:
+        port = server.wyoming_port
         info = discover(name)  # the HTTP server's Wyoming door is announced too
         assert info is not None and info.port == port
         before = server.stats()["submitted"]
 
         async def run():
             async with AsyncTcpClient("127.0.0.1", port) as c:
+                await c.write_event(Event("synthesize", {"text": "Not this one.", "ssml": True}))
+                refused = await asyncio.wait_for(c.read_event(), 60)
                 await c.write_event(Synthesize(text="One scheduler for both.").event())
-                return audio_of(await read_until(c, lambda e: AudioStop.is_type(e.type)))
+                return refused, audio_of(await read_until(c, lambda e: AudioStop.is_type(e.type)))
 
-        assert len(asyncio.run(run())) > 0
-        assert server.stats()["submitted"] == before + 1  # the HTTP server's scheduler made it
-    finally:
-        server.stop()
+        refused, audio = asyncio.run(run())
+        assert Error.is_type(refused.type) and Error.from_event(refused).code == "unsupported_parameter"
+        assert len(audio) > 0
+        assert server.stats()["submitted"] == before + 1  # the HTTP server's scheduler made it, and only it
     assert discover(name, 2.0) is None  # withdrawn when the server stops
     r = subprocess.run([sys.executable, "-m", "higgs_onnx.serve", "--model-path", str(builds["fp32"]), "--zeroconf"],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
