@@ -11,7 +11,8 @@ goes through it:
 
 `Server` is what it yields: the process, an httpx client on its URL, the official `openai` client, /health and the
 scheduler's counters, polled a bounded number of times (a wait that never ends fails instead of hanging). Also here:
-the OpenAI error body's check (`assert_error`) and the inputs several server modules share.
+the OpenAI error body's check (`assert_error`), the inputs several server modules share, and `in_process(app)`: the
+real app served in this process (for a stand-in patched into it).
 """
 
 from __future__ import annotations
@@ -108,6 +109,32 @@ def served(model: str | os.PathLike, tmp: Path, *args: str, **kw) -> Iterator[Se
             s.stop()
     log = s.log.read_text()
     assert "Traceback" not in log, log[-3000:]
+
+
+@contextmanager
+def in_process(app) -> Iterator[str]:
+    """`app` (the real ASGI app, with a stand-in patched into it) served by uvicorn on a free port in a thread of
+    this process for the block; its http:// URL. For what a subprocess cannot be given: a session that speaks real
+    speech in place of the model."""
+    import threading
+
+    import uvicorn
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
+    thread.start()
+    for _ in range(POLLS):
+        if server.started:
+            break
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
 
 
 def assert_error(r: httpx.Response, status: int, param: str | None = "any", code: str | None = "any") -> dict:

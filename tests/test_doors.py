@@ -133,13 +133,23 @@ def at_python(tts, name, value):
 
 # the agent doors' fields that carry our value as it is (a JSON number, a query number); the others are mapped from
 # the protocol's own values (add_timestamps, apply_text_normalization) and tested in test_agents.py
-AGENT_ASKS = {("cartesia", "speed"), ("elevenlabs", "speed"), ("elevenlabs", "seed")}
+AGENT_ASKS = {("cartesia", "speed"), ("elevenlabs", "speed"), ("elevenlabs", "seed"), ("cartesia_bytes", "speed"),
+              ("cartesia_bytes", "caption_language")}
 
 
 def at_agent(server, door, name, value):
     import websockets
     from websockets.sync.client import connect
 
+    if door == "cartesia_bytes":  # a JSON body: the field where its Cartesia name puts it (generation_config.speed)
+        body = {"transcript": "Hi."}
+        *path, leaf = OPTIONS[name].label(door).split(".")
+        at = body
+        for key in path:
+            at = at.setdefault(key, {})
+        at[leaf] = value
+        r = server.http.post("/tts/bytes", json=body)
+        return None if r.status_code == 200 else (r.json()["error"]["message"], r.json()["error"]["code"])
     base = server.url.replace("http://", "ws://")
     if door == "cartesia":
         with connect(base + "/tts/websocket") as ws:
@@ -157,7 +167,7 @@ def at_agent(server, door, name, value):
 
 
 def ask(door, name, value, server, builds, tts, tmp, capsys):
-    if door in ("cartesia", "elevenlabs"):
+    if door in ("cartesia", "cartesia_bytes", "elevenlabs"):
         return at_agent(server, door, name, value)
     if door == "http":
         return at_http(server, name, value)
@@ -179,7 +189,7 @@ def cases(kind: str) -> list:
     for name, opt in OPTIONS.items():
         for door in DOORS:
             state = opt.at(door)
-            if door in ("cartesia", "elevenlabs") and (door, name) not in AGENT_ASKS:
+            if door in ("cartesia", "cartesia_bytes", "elevenlabs") and (door, name) not in AGENT_ASKS:
                 continue
             if kind == "bound" and state == "honoured" and name in BAD and door != "wyoming":
                 if not (door == "python" and name == "blend_mode"):  # a Blend's mode: test_blend_modes_refused
@@ -192,13 +202,14 @@ def cases(kind: str) -> list:
 def test_the_table_covers_every_field_and_door():
     """Every field has a state at every door; Wyoming carries text and a voice name only; the docs hold the
     table as the code makes it."""
-    assert set(DOORS) == {"cli", "http", "websocket", "wyoming", "corpus", "python", "cartesia", "elevenlabs"}
+    assert set(DOORS) == {"cli", "http", "websocket", "wyoming", "corpus", "python", "cartesia", "cartesia_bytes",
+                          "elevenlabs"}
     for name, opt in OPTIONS.items():
         assert {opt.at(d) for d in DOORS} <= {"honoured", "always", "refused", "absent"}
         assert (opt.at("wyoming") == "honoured") == (name == "voice"), name
     for page in ("server.md", "integrations.md"):
         assert door_table() in (ROOT / "docs" / page).read_text(), f"docs/{page}: the fields x doors table is stale"
-    assert len(cases("bound")) == 59 and len(cases("refused")) == 29
+    assert len(cases("bound")) == 61 and len(cases("refused")) == 29
 
 
 @pytest.mark.parametrize("door, name", cases("bound"))

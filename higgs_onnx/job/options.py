@@ -42,15 +42,18 @@ DOORS = {
     "corpus": "a corpus row (python -m higgs_onnx.corpus)",
     "python": "the Python API (HiggsTTS)",
     "cartesia": "Cartesia's TTS WebSocket (/tts/websocket)",
+    "cartesia_bytes": "Cartesia's bytes endpoint (POST /tts/bytes)",
     "elevenlabs": "ElevenLabs' stream-input WebSockets (/v1/text-to-speech/{voice_id}/multi-stream-input)",
 }
 # The voice-agent doors (docs/agents.md) speak another vendor's protocol: a field of ours is honoured there only as
 # one of the protocol's own fields (named here, as the door's messages name it); every other is absent, and the
-# protocol's fields with no meaning here are refused by name by the door itself (serve/cartesia.py, elevenlabs.py).
+# protocol's fields with no meaning here are refused by name by the door itself (serve/streams/cartesia.py,
+# elevenlabs.py, serve/cartesia_bytes.py).
 ALWAYS = "always: "
 AGENT_FIELDS = {
     "cartesia": {"voice": "voice.id", "speed": "generation_config.speed", "caption_level": "add_timestamps",
                  "caption_language": "language"},
+    "cartesia_bytes": {"voice": "voice.id", "speed": "generation_config.speed", "caption_language": "language"},
     "elevenlabs": {"voice": "voice_id", "speed": "voice_settings.speed", "normalize": "apply_text_normalization",
                    "seed": "seed", "caption_level": ALWAYS + "alignment", "caption_language": "language_code"},
 }

@@ -31,7 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ..job.options import SpeechOptions
-from . import dialogue_routes, info_routes, speech_routes, stream_routes, voice_routes
+from . import cartesia_bytes, dialogue_routes, info_routes, speech_routes, stream_routes, voice_routes
 from .http import STATIC, ApiError, HostGuard, LoggedCut, client_of, error_response, validation_message
 from .limits import BodyDeadline, BodyTimeout, ClientGone, Timeouts
 from .metrics import CONTENT_TYPE, Metrics, RequestCounter
@@ -137,6 +137,7 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
         app.include_router(router, prefix="/v1", dependencies=[Depends(guard)])
     for sockets in (stream_routes, cartesia, elevenlabs):  # their own checks, before the WebSocket is accepted
         app.include_router(sockets.router(svc))
+    app.include_router(cartesia_bytes.router(svc))  # Cartesia's POST /tts/bytes: its own key header (X-API-Key)
     app.include_router(root)
 
     async def metrics_guard(request: Request) -> None:

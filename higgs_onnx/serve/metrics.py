@@ -24,7 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # path -> door, for the requests counter (other paths are not counted: pages, health, models)
 HTTP_DOORS = {"/v1/audio/speech": "http", "/v1/audio/dialogue": "dialogue", "/v1/audio/voices": "voices",
-              "/v1/voices": "voices"}
+              "/v1/voices": "voices", "/tts/bytes": "cartesia_bytes"}
 SOCKET_DOORS = {"/v1/audio/speech/stream": "websocket", "/tts/websocket": "cartesia"}
 FIRST_AUDIO_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 RTF_BUCKETS = (0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 4.0, 8.0)

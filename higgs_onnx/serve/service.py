@@ -343,12 +343,12 @@ class SpeechService:
 
     async def stream_body(self, job, first, chunks: AsyncIterator, fmt: str, sse: bool, input_chars: int,
                           tag: str | None, takes: list | None = None, level=None,
-                          sglang: bool = False) -> AsyncIterator[bytes]:
+                          sglang: bool = False, enc=None) -> AsyncIterator[bytes]:
         """The response body. `sse`: OpenAI's speech.audio.delta / speech.audio.done events, or (`sglang`: `stream:
         true` with `stream_format: "sse"`) sglang-omni's audio.speech.chunk objects, the last with finish_reason
         and usage, then `data: [DONE]`. A long input's `captions.Cue`s among the chunks become
         `audio.speech.piece.start` / `audio.speech.piece` events in both (each after the audio before it); the audio
-        formats leave them out."""
+        formats leave them out. `enc`: the audio's encoder (default: `fmt`'s at the model's rate)."""
         index = itertools.count()
 
         def event(obj: dict) -> bytes:
@@ -367,7 +367,7 @@ class SpeechService:
                 return event(chunk_event(data))
             return event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
 
-        enc, stats, chunk, cues = encoder(fmt, self.sample_rate), None, first, []
+        enc, stats, chunk, cues = enc or encoder(fmt, self.sample_rate), None, first, []
         try:
             while chunk is not None:
                 if isinstance(chunk, Cue):

@@ -45,30 +45,48 @@ def router(svc: SpeechService) -> APIRouter:
         voice = await svc.job_voice(inline, r)
         if r.model_extra:
             log.info("ignored fields: %s", ", ".join(sorted(r.model_extra)))
-        try:  # an input beyond one request: read in pieces (serve/pieces.py); None: one request, as ever
-            pieces = await asyncio.to_thread(plan_pieces, svc.tts, svc.scheduler.slot_positions, ready.reading.text,
-                                             ready.tag, voice, options)
-        except ContractError as e:
-            raise svc.contract_error(e, {"ref_text": "voice"}) from None
-        except ValueError as e:
-            raise ApiError(400, str(e), "input", "invalid_value") from None
-        svc.optioned(job.check, Shape(pieces=len(pieces or ()), voices=getattr(voice, "width", 1), words=sse))
+        pieces = await planned(svc, job, ready, voice, sse)
         if job.options.dry_run:
             return await svc.dry_run(r.input, ready.text, ready.tag, voice, options, pieces, ready.reading)
-        read_pieces = (lambda: svc.read_pieces(pieces, voice, options, ready.tag)) if pieces else None
-        try:  # the job's policy (job.run.Runner): takes, redraws, loudness, word timing
-            made = await svc.runner(request).run(job.options, ready, voice, read_pieces)
-        except Gone:
+        made = await produced(svc, request, job, ready, voice, pieces)
+        if made is None:
             return Response(status_code=499)
-        if made.first is None:  # ended without a chunk and without an error: never a 200 with no audio
-            log.error("request %s ended without audio", made.job.id)
-            raise ApiError(500, "the generation ended without audio; no audio to send", None, "no_audio")
         body = svc.stream_body(made.job, made.first, made.rest, r.response_format, sse, len(r.input), ready.tag,
                                made.takes, made.level, sglang=sse and r.stream)
         return JobResponse(made.job, body, media_type="text/event-stream" if sse else FORMATS[r.response_format]
                            .media_type, headers=speech_headers(r, made, pieces, svc.sample_rate))
 
     return router
+
+
+async def planned(svc: SpeechService, job, ready, voice, words: bool) -> list | None:
+    """The input's pieces when it does not fit one request (serve/pieces.py; None: one request, as ever), and the
+    rules between the job's fields checked with its shape (pieces, a blend's voices, a place for `words`)."""
+    options = job.options.generation
+    try:
+        pieces = await asyncio.to_thread(plan_pieces, svc.tts, svc.scheduler.slot_positions, ready.reading.text,
+                                         ready.tag, voice, options)
+    except ContractError as e:
+        raise svc.contract_error(e, {"ref_text": "voice"}) from None
+    except ValueError as e:
+        raise ApiError(400, str(e), "input", "invalid_value") from None
+    svc.optioned(job.check, Shape(pieces=len(pieces or ()), voices=getattr(voice, "width", 1), words=words))
+    return pieces
+
+
+async def produced(svc: SpeechService, request: Request, job, ready, voice, pieces):
+    """The job run by its policy (job.run.Runner: takes, redraws, loudness, word timing) up to its first audio:
+    what a speech response streams; None when the client left first. Every door that answers one text with its
+    audio over HTTP (POST /v1/audio/speech, Cartesia's /tts/bytes) runs its job here."""
+    read_pieces = (lambda: svc.read_pieces(pieces, voice, job.options.generation, ready.tag)) if pieces else None
+    try:
+        made = await svc.runner(request).run(job.options, ready, voice, read_pieces)
+    except Gone:
+        return None
+    if made.first is None:  # ended without a chunk and without an error: never a 200 with no audio
+        log.error("request %s ended without audio", made.job.id)
+        raise ApiError(500, "the generation ended without audio; no audio to send", None, "no_audio")
+    return made
 
 
 async def read_speech(request: Request):
