@@ -7,9 +7,12 @@
    the context arrives before the probe's answer), and the decoder steps the scheduler ran for it after the cancel;
 3. 50 cancelled turns: the scheduler's slots in use, kept KV contexts and running jobs afterwards (all should be 0);
 4. two contexts on one socket: how their chunks interleave (the number of switches between them) and each one's
-   first audio, against a context alone.
+   first audio, against a context alone;
+5. with `--cut-turns N`: N turns cut at random points over every stream door by four client threads (the suite's
+   `tests/agent_clients.cut_turns`, in batches of 250, a busy loop beside the server with `--busy`): the cancel to
+   the context's last message per protocol, and the slots, kept contexts and jobs left after each batch.
 
-    python benchmarks/agents.py --model-path onnx/cpu_int4 [--turns 20] [--json out.json]
+    python benchmarks/agents.py --model-path onnx/cpu_int4 [--turns 20] [--cut-turns 2000 --busy] [--json out.json]
 """
 
 from __future__ import annotations
@@ -137,10 +140,38 @@ def interleaving(url: str) -> dict:
             "switches_between_contexts": switches}
 
 
+def cut(server, turns: int, busy: bool) -> dict:
+    import subprocess
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from agent_clients import cut_turns, summary
+
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
+    cuts, after = [], []
+    t0 = time.perf_counter()
+    try:
+        for batch in range(0, turns, 250):
+            cuts += cut_turns(server, min(250, turns - batch), seed=52 + batch)
+            for _ in range(400):
+                s = health(server.url)
+                if s["in_flight"] == 0 and s["kept"] == 0 and s["slots_in_use"] == 0:
+                    break
+                time.sleep(0.05)
+            after.append({k: s[k] for k in ("slots_in_use", "kept", "active", "in_flight")})
+    finally:
+        if spin is not None:
+            spin.kill()
+            spin.wait()
+    return {"turns": len(cuts), "busy_loop_beside": busy, "seconds": round(time.perf_counter() - t0, 1),
+            "per_protocol": summary(cuts), "after_each_batch": after}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-path", required=True)
     ap.add_argument("--turns", type=int, default=20)
+    ap.add_argument("--cut-turns", type=int, default=0, help="turns cut at random points over every stream door")
+    ap.add_argument("--busy", action="store_true", help="a busy loop beside the server while turns are cut")
     ap.add_argument("--json")
     args = ap.parse_args()
     from higgs_onnx.serve.process import ServerProcess
@@ -160,6 +191,9 @@ def main() -> int:
                               ("two_contexts_one_socket", lambda: interleaving(url))):
                 report[name] = run()
                 print(name, json.dumps(report[name]), flush=True)
+            if args.cut_turns:
+                report["cut_turns"] = cut(server, args.cut_turns, args.busy)
+                print("cut_turns", json.dumps(report["cut_turns"]), flush=True)
             report["scheduler"] = {k: health(http)[k] for k in ("slots_in_use", "kept", "in_flight")}
         finally:
             server.stop(timeout=15)

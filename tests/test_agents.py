@@ -13,9 +13,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import socket
 import subprocess
-import threading
 import time
 from pathlib import Path
 
@@ -23,6 +21,8 @@ import numpy as np
 import pytest
 import soundfile as sf
 import websockets
+from agent_clients import CARTESIA, FIRST, KEY, RATE, SECOND, cartesia, eleven, recv, until, ws_url
+from servers import in_process, served
 from websockets.sync.client import connect
 
 from higgs_onnx.generation.stream import AudioChunk
@@ -36,28 +36,12 @@ REPO = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).resolve().parent / "data"
 AGENTS_PY = REPO / ".venv-agents" / "bin" / "python"
 RUN = Path(__file__).resolve().parent / "agents" / "pipecat_run.py"
-KEY = "agent-key-7"
-RATE = 24000
-FIRST = ("This is the first turn and it goes on and on for a good long while so that the user has plenty of time "
-         "to cut it short")
-SECOND = "A second turn on the same socket."
-CARTESIA = {"model_id": "sonic-3.6", "voice": {"mode": "id", "id": "default"}, "language": "en",
-            "output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": RATE},
-            "add_timestamps": True}
 
 
 @pytest.fixture(scope="module")
 def server(builds, tmp_path_factory):
-    from test_server import Server
-
-    s = Server(builds["fp32"], tmp_path_factory.mktemp("agents"), "--api-key", KEY, "--send-timeout", "2")
-    yield s
-    s.stop()
-    assert "Traceback" not in s.log.read_text(), s.log.read_text()[-3000:]
-
-
-def ws_url(server, path: str) -> str:
-    return server.url.replace("http://", "ws://") + path
+    with served(builds["fp32"], tmp_path_factory.mktemp("agents"), "--api-key", KEY, "--send-timeout", "2") as s:
+        yield s
 
 
 def pipecat(service: str, url: str, *texts: str, interrupt: int = 0, voice: str = "default", rate: int = RATE,
@@ -111,31 +95,6 @@ def test_a_wrong_key_is_refused_before_the_socket_opens(server):
             pass
     with connect(ws_url(server, f"/tts/websocket?api_key={KEY}")):  # a browser's way: the query
         pass
-
-
-# -- raw clients --------------------------------------------------------------------------------------------------
-def cartesia(server, path: str = "/tts/websocket"):
-    return connect(ws_url(server, path), additional_headers={"X-API-Key": KEY}, max_size=None)
-
-
-def eleven(server, query: str = "", voice: str = "default", single: bool = False):
-    kind = "stream-input" if single else "multi-stream-input"
-    return connect(ws_url(server, f"/v1/text-to-speech/{voice}/{kind}{query}"), additional_headers={"xi-api-key": KEY},
-                   max_size=None)
-
-
-def recv(ws, timeout: float = 60) -> dict:
-    return json.loads(ws.recv(timeout=timeout))
-
-
-def until(ws, done, timeout: float = 120) -> list[dict]:
-    """Messages until `done(msg)` holds (that one included)."""
-    got, end = [], time.monotonic() + timeout
-    while True:
-        msg = recv(ws, max(0.1, end - time.monotonic()))
-        got.append(msg)
-        if done(msg):
-            return got
 
 
 def test_two_contexts_on_one_socket_interleave_and_a_cancel_stops_only_its_own(server):
@@ -330,11 +289,43 @@ def test_stream_input_speaks_one_context_and_closes(server):
         assert e.value.rcvd.code == 1000
 
 
+def test_stream_input_whose_first_message_ends_it_is_answered_at_once(server):
+    """`{"text": ""}` first: nothing to speak; the socket says so and closes, not silent until the idle timeout."""
+    with eleven(server, single=True) as ws:
+        t0 = time.monotonic()
+        ws.send(json.dumps({"text": ""}))
+        m = recv(ws, timeout=10)
+        assert m["error"] == "empty_context" and m["param"] == "text" and time.monotonic() - t0 < 5, m
+        with pytest.raises(websockets.exceptions.ConnectionClosed) as e:
+            ws.recv(timeout=10)
+        assert e.value.rcvd.code == 1008
+
+
+def test_close_context_drops_text_that_was_never_flushed(server):
+    """ElevenLabs' barge-in: an unfinished sentence (what an LLM had streamed when the user spoke), then
+    `close_context`: nothing of it is spoken, `isFinal` at once. After a flush, what was flushed is spoken (one
+    segment: its one alignment) and what came after it, unflushed, is dropped."""
+    with eleven(server) as ws:
+        ws.send(json.dumps({"text": " ", "context_id": "held"}))
+        ws.send(json.dumps({"text": "An unfinished sentence that the model was still writing when", "context_id":
+                            "held"}))
+        ws.send(json.dumps({"context_id": "held", "close_context": True}))
+        got = until(ws, lambda m: m.get("isFinal") and m.get("contextId") == "held", timeout=10)
+        assert not any(m.get("audio") for m in got), "held text was spoken"
+        ws.send(json.dumps({"text": "A flushed sentence.", "context_id": "turn", "flush": True}))
+        ws.send(json.dumps({"text": " And words after the flush that never", "context_id": "turn"}))
+        ws.send(json.dumps({"context_id": "turn", "close_context": True}))
+        got = until(ws, lambda m: m.get("isFinal") and m.get("contextId") == "turn")
+        assert any(m.get("audio") for m in got)
+        assert sum(1 for m in got if m.get("alignment")) == 1, "only the flushed segment is spoken"
+    server.released()
+
+
 def test_a_client_that_stops_reading_frees_its_contexts(server):
     """Both protocols: a client that sends text and never reads keeps nothing past the send timeout (2 s)."""
     port = int(server.url.rsplit(":", 1)[1])
     sentences = " ".join(["Word " + "word " * 40 + "word."] * 6)
-    from test_doors import ws_frame, ws_handshake
+    from ws_clients import ws_frame, ws_handshake
 
     cart = ws_handshake(port, "/tts/websocket", f"X-API-Key: {KEY}")
     cart.sendall(ws_frame({**CARTESIA, "context_id": "a", "transcript": sentences, "continue": False}))
@@ -354,24 +345,25 @@ def test_a_client_that_stops_reading_frees_its_contexts(server):
         el.close()
 
 
-def test_contexts_waiting_for_text_hold_no_slot(server):
-    """MAX_CONTEXTS contexts each speak a sentence and then wait for more (`continue: true`): none keeps its KV
-    context while it waits, so a plain request still gets a slot at once."""
+def test_contexts_waiting_for_text_keep_their_kv_context_until_a_job_waits(server):
+    """The engine's one kept-KV rule at an agent socket: MAX_CONTEXTS contexts each speak a sentence and then wait for
+    more (`continue: true`): while nobody waits they keep their KV contexts (the next segment continues the voice),
+    and a plain request that finds every slot kept is served at once: a kept context is given back to it."""
     before = server.settle()["finished"]
     with cartesia(server) as ws:
         for i in range(MAX_CONTEXTS):
-            ws.send(json.dumps({**CARTESIA, "context_id": f"w{i}", "transcript": "One sentence. More", "continue": True,
-                                "max_buffer_delay_ms": 5000, "add_timestamps": False}))
-        # a context gives its KV context back once its segment's last audio is sent, just after the job is counted
-        # finished: wait for both (a context that kept it while waiting for text never gets there)
+            ws.send(json.dumps({**CARTESIA, "context_id": f"w{i}", "transcript": "One sentence.", "continue": True,
+                                "add_timestamps": False}))
         stats = server.wait(lambda s: s["finished"] >= before + MAX_CONTEXTS and s["in_flight"] == 0
-                            and s["kept"] == 0 and s["slots_in_use"] == 0, "the first sentences spoken, nothing kept")
-        assert stats["kept"] == 0 and stats["slots_in_use"] == 0, stats
+                            and s["kept"] == s["slots_in_use"] > 0, "the first sentences spoken, their contexts kept")
+        assert stats["kept"] == min(MAX_CONTEXTS, stats["max_batch"]), stats
+        t0 = time.monotonic()
         r = server.http.post("/v1/audio/speech", json={"model": "higgs-tts-3", "input": "Hi.", "max_rows": 40,
                                                        "response_format": "pcm"},
                              headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
-        assert r.status_code == 200 and r.content
-    server.released()
+        assert r.status_code == 200 and r.content and time.monotonic() - t0 < 30
+        assert server.settle()["kept"] < stats["kept"]  # one was given back to the request
+    server.released()  # the socket closed: every kept context given back
 
 
 def test_fifty_cancelled_turns_leave_no_slot(server):
@@ -406,7 +398,7 @@ class Recorded:
     parts: dict[str, np.ndarray] = {}
 
     def __init__(self, *args, **kwargs):
-        self.index, self.last_continued, self.read_text = 0, False, None
+        self.index, self.last_continued, self.read_text, self.prev = 0, False, None, None
 
     async def speak(self, text: str):
         samples = self.parts[text.strip()]
@@ -424,8 +416,6 @@ class Recorded:
 @pytest.fixture(scope="module")
 def recorded(tts, tmp_path_factory):
     """An in-process server (the real app, uvicorn and aligner) whose sessions speak the recording."""
-    import uvicorn
-
     from higgs_onnx.serve.app import create_app
     from higgs_onnx.serve.scheduler import JobScheduler
     from higgs_onnx.serve.service import SpeechService
@@ -435,19 +425,8 @@ def recorded(tts, tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setattr(SpeechService, "speech_session", lambda self, *a, **k: Recorded())
     app = create_app(tts, JobScheduler(tts, max_batch=1), tmp_path_factory.mktemp("voices"))
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen()
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
-    thread.start()
-    for _ in range(400):
-        if server.started:
-            break
-        time.sleep(0.05)
-    yield f"ws://127.0.0.1:{listener.getsockname()[1]}", parts
-    server.should_exit = True
-    thread.join(10)
+    with in_process(app) as url:
+        yield url.replace("http://", "ws://"), parts
     mp.undo()
 
 

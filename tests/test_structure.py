@@ -226,8 +226,6 @@ def test_docs_layout_names_every_module():
 
 
 TESTS = PACKAGE.parent / "tests"
-# the stream engine's modules (issue 52), converted by the change that moves the stream doors to serve/streams/
-NOT_YET = {"test_agents.py", "test_agents_cancel.py"}
 
 
 def test_test_modules_share_helpers_through_support_modules_and_start_servers_in_one_place():
@@ -236,8 +234,6 @@ def test_test_modules_share_helpers_through_support_modules_and_start_servers_in
     `servers.served` (one start, stop and log check)."""
     found = []
     for path in sorted(TESTS.glob("*.py")):
-        if path.name in NOT_YET:
-            continue
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.ImportFrom):
                 names = [node.module or ""]
