@@ -49,9 +49,9 @@ class AgentCodec(Codec):
             raise e
 
 
-async def session_of(svc, door: str, values: dict) -> tuple:
-    """(session, text steps) of a context whose job fields are `values` (our names, mapped from the protocol's:
-    `job.options.AGENT_FIELDS`) at `door`; Refused naming the protocol's field for a bad one."""
+async def session_of(svc, door: str, values: dict, stream: str | None = None) -> tuple:
+    """(session, text steps) of a context (`stream`) whose job fields are `values` (our names, mapped from the
+    protocol's: `job.options.AGENT_FIELDS`) at `door`; Refused naming the protocol's field for a bad one."""
     from ...job.options import OPTIONS, OptionError, Shape, SpeechOptions
     from ...job.run import SpeechJob
     from ..http import ApiError
@@ -68,9 +68,9 @@ async def session_of(svc, door: str, values: dict) -> tuple:
         voice = await svc.resolve_voice(values.get("voice"))
         job.check(Shape(voices=getattr(voice, "width", 1), continues=True))
     except OptionError as e:
-        raise Refused(e.message, named(e.param), e.code) from None
+        raise Refused(e.message, named(e.param), e.code, stream) from None
     except ApiError as e:
-        raise Refused(e.message, named(e.param), e.code or "invalid_value") from None
+        raise Refused(e.message, named(e.param), e.code or "invalid_value", stream) from None
     return svc.speech_session(voice, options.generation, job.lead), job.reader()
 
 
@@ -110,6 +110,26 @@ def _spread(times: list, durs: list, a: int, b: int, t0: float, t1: float) -> No
     for i in range(n):
         times[a + i], durs[a + i] = t0 + i * step, step
 
+
+
+def check_key(svc, key, param: str) -> None:
+    """A key sent in a message (ElevenLabs' older clients do): it must be the server's, when it has one (the
+    socket's own key was checked when it opened)."""
+    import hmac
+
+    expected = svc.api_key
+    if not isinstance(key, str) or expected is not None and not hmac.compare_digest(key.encode(), expected.encode()):
+        raise Refused(f"{param} is not this server's API key", param, "invalid_api_key")
+
+
+async def accepted(ws, svc, header: str, query: str) -> bool:
+    """Accept the socket when its key (the vendor's `header`, or `query` parameter) is the server's; else close it
+    before it opens (1008)."""
+    if (e := svc.refusal(key_of(ws, header, query), True)) is not None:
+        await ws.close(1008, e.message[:120])
+        return False
+    await ws.accept()
+    return True
 
 
 def key_of(ws, header: str, query: str) -> dict:

@@ -29,7 +29,7 @@ from __future__ import annotations
 from fastapi import APIRouter, WebSocket
 
 from ...job.options import OptionError, check_caption_language
-from .agent import AgentCodec, key_of
+from .agent import AgentCodec, accepted
 from .engine import Refused, Stream
 from .pcm import Output
 from .websocket import serve
@@ -197,10 +197,7 @@ def router(svc) -> APIRouter:
 
     @router.websocket("/tts/websocket")
     async def cartesia(ws: WebSocket):
-        if (e := svc.refusal(key_of(ws, "x-api-key", "api_key"), True)) is not None:
-            await ws.close(1008, e.message[:120])  # before the socket opens
-            return
-        await ws.accept()
-        await serve(ws, Cartesia, svc, svc.ws_idle_s, "cartesia socket")
+        if await accepted(ws, svc, "x-api-key", "api_key"):
+            await serve(ws, Cartesia, svc, svc.ws_idle_s, "cartesia socket")
 
     return router

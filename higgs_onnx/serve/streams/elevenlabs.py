@@ -1,31 +1,18 @@
-"""ElevenLabs' stream-input WebSockets on this server's scheduler (docs/agents.md): the multi-context one,
-`/v1/text-to-speech/{voice_id}/multi-stream-input` (what Pipecat's `ElevenLabsTTSService(url=...)` speaks), and the
-single-context `/v1/text-to-speech/{voice_id}/stream-input`. A codec of the stream engine
-(engine.py: contexts, audio, word timing, barge-in).
-
-The query: `model_id` (the server's names, or any of ElevenLabs' `eleven_...`: all this model), `output_format`
-(`pcm_8000` ... `pcm_48000`: 16-bit PCM at that rate), `auto_mode` (true: each sentence is spoken once it is whole;
-false: at each clause, sooner, as a chunk schedule would), `apply_text_normalization` (auto, on, off: our
-`normalize`), `language_code` (the word aligner's language), `seed`, `inactivity_timeout` (seconds, at most 180),
-`enable_logging` (either: the server logs no text), `enable_ssml_parsing` and `sync_alignment` (false only).
-Anything else is refused by name before any text.
+"""ElevenLabs' stream-input WebSockets (docs/agents.md), a codec of the stream engine (engine.py): the multi-context
+`/v1/text-to-speech/{voice_id}/multi-stream-input` (Pipecat's `ElevenLabsTTSService(url=...)`) and the single-context
+`/v1/text-to-speech/{voice_id}/stream-input`. The query (`Query`) is checked before any text.
 
 Multi-context messages: `{text: " ", context_id, voice_settings?: {speed}}` opens a context (any text does);
-`{text, context_id}` adds text; `{context_id, flush: true}` speaks what it holds now; `{text: ""}` keeps the socket
-alive; `{context_id, close_context: true}` ends the context; text it holds that was never flushed is dropped
-(an unfinished sentence an LLM was writing when the user spoke). After a flush (Pipecat's end of a turn) what was
-flushed is spoken and `isFinal` follows; without one, or a second time, it is a barge-in: decoding stops within one
-decoder step, its slot is freed and nothing more is sent for it (a context with nothing spoken or queued just ends:
-`isFinal`). `{close_socket: true}` cancels every context and
-closes the socket. Answers: `{audio, isFinal: null, alignment: null, contextId}` as audio is made; once a segment's
-words are timed, `{audio: null, alignment, normalizedAlignment, contextId}` (`chars`, `charStartTimesMs`,
-`charDurationsMs` from the segment's start, a closing space running to its end: `agents.char_times`;
-`wordsReason` when the aligner could not time it); `{isFinal: true, contextId}`; errors `{error, message, param,
-contextId}`.
-
-Single-context (`stream-input`): the same without `context_id`; its first message carries text (`{text: " "}`
-opens it); `{text: ""}` ends the input: what is held is spoken, `isFinal` follows and the socket closes (as the
-first message, it is refused and the socket closes: there is nothing to speak).
+`{text, context_id}` adds text; `{context_id, flush: true}` speaks what it holds; `{text: ""}` keeps the socket
+alive; `{context_id, close_context: true}` ends the context, dropping held text never flushed (what an LLM was
+writing when the user spoke): after a flush (Pipecat's end of a turn) what was flushed is spoken, then `isFinal`;
+without one while it speaks, or a second time, it is a barge-in (decoding stops within one step, its slot is freed,
+nothing more is sent for it); with nothing spoken or queued it just ends. `{close_socket: true}` cancels every
+context and closes. Answers: `{audio, isFinal: null, alignment: null, contextId}`; once a segment's words are timed
+`{audio: null, alignment, normalizedAlignment, contextId}` (`agent.char_times`; `wordsReason` when they could not
+be); `{isFinal: true, contextId}`; errors `{error, message, param, contextId}`. `stream-input`: the same without
+`context_id`; `{text: ""}` ends the input (what is held is spoken, `isFinal`, the socket closes; first, it is
+refused: nothing to speak).
 """
 
 from __future__ import annotations
@@ -36,7 +23,7 @@ import re
 from fastapi import APIRouter, WebSocket
 
 from ...job.options import OptionError, check_caption_language
-from .agent import AgentCodec, char_times, key_of, session_of
+from .agent import AgentCodec, accepted, char_times, check_key, session_of
 from .engine import Close, Refused, Stream
 from .pcm import RATES, Output
 from .websocket import serve
@@ -45,6 +32,8 @@ QUERY = {"model_id", "output_format", "auto_mode", "apply_text_normalization", "
          "inactivity_timeout", "enable_logging", "enable_ssml_parsing", "sync_alignment", "xi_api_key"}
 FIELDS = {"text", "context_id", "voice_settings", "flush", "close_context", "close_socket", "try_trigger_generation",
           "xi_api_key"}
+BOOLS = {"auto_mode": None, "enable_logging": None, "enable_ssml_parsing": "SSML is not read here",
+         "sync_alignment": "alignment comes once a segment's words are timed, after its audio"}  # why true is refused
 NORMALIZE = {"auto": "auto", "on": True, "off": False}
 MAX_INACTIVITY_S = 180
 MODEL_PREFIX = "eleven_"
@@ -76,12 +65,10 @@ class Query:
                           f"{', '.join(map(str, RATES))}", "output_format", "unsupported_format")
         self.output = Output.check("pcm_s16le", int(rate), svc.sample_rate)
         self.granularity = {"true": "sentence", "false": "clause"}.get(q.get("auto_mode", "true").lower())
-        for name in ("auto_mode", "enable_logging", "enable_ssml_parsing", "sync_alignment"):
+        for name, why in BOOLS.items():
             if q.get(name, "false").lower() not in ("true", "false"):
                 raise Refused(f"{name} must be true or false, got {q[name]!r:.40}", name)
-        for name, why in (("enable_ssml_parsing", "SSML is not read here"),
-                          ("sync_alignment", "alignment comes once a segment's words are timed, after its audio")):
-            if q.get(name, "false").lower() == "true":
+            if why and q.get(name, "false").lower() == "true":
                 raise Refused(f"{name}=true is not served here: {why}", name, "unsupported_parameter")
         self.values = {"voice": voice_id, "caption_level": "word"}
         if "apply_text_normalization" in q:
@@ -148,7 +135,7 @@ class ElevenLabs(AgentCodec):
             if name in msg and not isinstance(msg[name], bool):
                 raise Refused(f"{name} must be true or false, got {msg[name]!r:.40}", name)
         if "xi_api_key" in msg:
-            self.check_key(msg["xi_api_key"])
+            check_key(self.engine.svc, msg["xi_api_key"], "xi_api_key")
         if msg.get("close_socket"):
             extra = sorted(set(msg) - {"close_socket", "xi_api_key"})
             if extra:
@@ -199,16 +186,6 @@ class ElevenLabs(AgentCodec):
             stream.flushed = True
             engine.flush(stream)
 
-    def check_key(self, key) -> None:
-        """A key sent in a message (ElevenLabs' older clients do): it must be the server's, when it has one (the
-        socket's own key was checked when it opened)."""
-        import hmac
-
-        expected = self.engine.svc.api_key
-        if not isinstance(key, str) or expected is not None and not hmac.compare_digest(key.encode(),
-                                                                                        expected.encode()):
-            raise Refused("xi_api_key is not this server's API key", "xi_api_key", "invalid_api_key")
-
     async def close_context(self, cid: str, stream: Stream | None) -> None:
         """The end of a turn after a flush (what was flushed is spoken), else a barge-in; held text that was never
         flushed is dropped either way."""
@@ -235,10 +212,7 @@ class ElevenLabs(AgentCodec):
                 elif value is not None:
                     raise Refused(f"voice_settings.{name} is not served here: this model has no such control "
                                   f"(speed is)", f"voice_settings.{name}", "unsupported_parameter", cid)
-        try:
-            session, reader = await self.session_of(values)
-        except Refused as e:
-            raise Refused(e.message, e.param, e.code, cid) from None
+        session, reader = await session_of(self.engine.svc, self.name, values, cid)
         stream = Stream(cid, session, reader, self.query.language, self.query.granularity)
         stream.state["output"] = self.query.output
         return self.engine.open(stream)
@@ -253,10 +227,8 @@ def router(svc) -> APIRouter:
     router = APIRouter()
 
     async def door(ws: WebSocket, voice_id: str, codec: type[ElevenLabs]):
-        if (e := svc.refusal(key_of(ws, "xi-api-key", "xi_api_key"), True)) is not None:
-            await ws.close(1008, e.message[:120])  # before the socket opens
+        if not await accepted(ws, svc, "xi-api-key", "xi_api_key"):
             return
-        await ws.accept()
         try:
             query = Query(svc, voice_id, ws.query_params)
             await session_of(svc, codec.name, query.values)  # the voice and the job, checked before any text
