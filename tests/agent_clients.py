@@ -155,6 +155,15 @@ class Door:
         return bool(m.get("isFinal") or m.get("error")) and m.get("contextId") == cid
 
     def start(self, cid: str, words: bool):
+        from websockets.exceptions import ConnectionClosed
+
+        try:
+            return self._start(cid, words)
+        except ConnectionClosed:  # closed by the server while it sat idle (its inactivity timeout): a new one
+            self.ws = None
+            return self._start(cid, words)
+
+    def _start(self, cid: str, words: bool):
         ws = self.open()
         if self.protocol == "websocket":
             ws = self.ws = connect(ws_url(self.server, "/v1/audio/speech/stream"), max_size=None,
