@@ -15,7 +15,7 @@ from .hub import cli_model_path, model_path_arg
 from .job.options import SpeechOptions, add_text_flags, text_values
 from .job.run import SpeechJob
 from .runtime.model import HiggsTTS
-from .serve.scheduler import JobScheduler
+from .serve.scheduler import JobScheduler, add_idle_unload, idle_note
 from .serve.voices import VoiceError, VoiceStore, check_languages
 from .serve.wyoming_server import DEFAULT_LANGUAGES, Announcement, WyomingService, check_uri, check_zeroconf, start
 
@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--languages", default=",".join(DEFAULT_LANGUAGES), help="languages the voices are listed with "
                     "(Home Assistant offers a voice for these; default %(default)s)")
     ap.add_argument("--max-batch", type=int, default=4, help="requests generated together (default %(default)s)")
+    add_idle_unload(ap)
     add_text_flags(ap, "every text", SSML_REFUSED)
     ap.add_argument("--threads", type=int, default=0, help="intra-op threads (0 = one per core)")
     ap.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the model files")
@@ -60,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
     cli_model_path(args, voices=True)  # hf://...: fetched once; its voices folder in our cache, not the download
     tts = HiggsTTS(args.model_path, threads=args.threads, verify=not args.no_verify)
     store = VoiceStore(args.voices or Path(args.model_path) / "voices", tts.model_id)
-    service = WyomingService(tts, JobScheduler(tts, max_batch=args.max_batch), store, languages, args.default_voice,
+    scheduler = JobScheduler(tts, max_batch=args.max_batch, idle_unload=args.idle_unload)
+    service = WyomingService(tts, scheduler, store, languages, args.default_voice,
                              job=SpeechJob(base, tts.tokens.control_tags, "wyoming"))
     try:
         service.voice(None)
@@ -75,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
             where = ", ".join(str(s.getsockname()) for s in server.sockets)
             print(f"higgs-onnx Wyoming server on {args.uri} ({where}); voices: "
                   f"{', '.join(['default', *store.names()])}"
-                  f"{'' if mdns is None else f'; announced as {mdns.info.name}'}", flush=True)
+                  f"{'' if mdns is None else f'; announced as {mdns.info.name}'}"
+                  f"{idle_note(args.idle_unload)}", flush=True)
             try:
                 async with server:
                     await server.serve_forever()

@@ -40,7 +40,7 @@ def test_metrics_count_what_was_sent_and_need_the_key(server):
     from websockets.sync.client import connect
 
     assert server.http.get("/metrics").status_code == 401  # behind --api-key (no --metrics-public)
-    assert server.http.get("/ready").json() == {"ready": True}
+    assert server.http.get("/ready").json() == {"ready": True, "model_state": "loaded"}  # no --idle-unload
     for path in ("/ready", "/health"):  # probes that send HEAD (load balancers, Kubernetes): the GET's status
         head = server.http.head(path)
         assert head.status_code == 200 and head.content == b"", (path, head.status_code)

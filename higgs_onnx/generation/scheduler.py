@@ -22,6 +22,12 @@ Codec work never runs on the decoder loop: a `CodecWorker` thread turns each req
 (`audio="stream"`: `AudioChunk`s from an incremental codec as rows are made; `audio="speech"`: one decode at the
 end, a `Speech`), so the decoder never waits for a codec call. `audio=None` leaves the rows to the caller.
 
+With `idle_unload` seconds, the loop's thread lets the model go when nothing has been in flight, queued or kept
+(a kept KV context is a stream that will go on) for that long: the slot pool, the backend and every ONNX Runtime
+session (`HiggsTTS.unload`; voices stay), and makes them again before it admits the next request, which waits for
+it (`model_state`: loaded, unloading, unloaded, loading). Streams' codecs are then made when a request is admitted,
+on the loop's thread, never by `submit`'s caller (a server's event loop).
+
 A `Handle` is what `submit` returns: `chunks()`, `speech()`, `wait()` block (driving the steps themselves when no
 thread runs the loop), `cancel()` frees the slot at the next step. Each request samples with its own seeded RNG,
 so its codes do not depend on its batch-mates (up to the rounding of batched kernels, see `serve.scheduler`).
@@ -213,6 +219,7 @@ class Handle:
             "cancelled" if error is not None else "done"
         self.sched._count({"done": "finished"}.get(self.state, self.state))
         self.finished.set()
+        self.streamer = None  # its codec session is not held by a handle kept after its end (an idle unload frees it)
         self._emit(END)
 
     def release(self) -> None:
@@ -334,18 +341,38 @@ class CodecWorker:
         return speech_from(req, raw, self.decode_audio, self.sample_rate, self.codebook_size)
 
 
+def check_idle_unload(seconds: float | None) -> float | None:
+    """The idle time before the model is unloaded: seconds > 0 (a finite number), or None (never); ValueError names
+    the rule (the one bound of `--idle-unload` at every door)."""
+    if seconds is None:
+        return None
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < float("inf"):
+        raise ValueError(f"the idle time before unloading must be a number of seconds > 0, got {seconds!r}")
+    return float(seconds)
+
+
 class Scheduler:
     """Owns the waiting and running requests and one slot pool (see the module docstring).
 
     `backend`: the generation backend; `codec`: what makes audio (`decode_audio(codes)`, `codec_stream(options)`,
     `facts`), e.g. a `HiggsTTS`; `slots`: requests decoded together; `positions`: positions of one slot (None: no
     pool, every request a cache of its own sized for it, stepped one by one: a batch of one). `max_waiting` bounds
-    the queue (`QueueFull` beyond it; None: unbounded)."""
+    the queue (`QueueFull` beyond it; None: unbounded). `idle_unload`: seconds idle after which the loop's thread
+    unloads the model (see the module docstring); `codec` is then the model (`unload()`, `load()` -> the backend,
+    `loaded`, `loaded_at`: a `HiggsTTS`)."""
 
     def __init__(self, backend, codec, slots: int = 1, positions: int | None = None,
-                 prefill: PrefillPolicy | None = None, max_waiting: int | None = None, name: str = "higgs-engine"):
+                 prefill: PrefillPolicy | None = None, max_waiting: int | None = None, name: str = "higgs-engine",
+                 idle_unload: float | None = None):
         if slots < 1:
             raise ValueError(f"a scheduler needs >= 1 slot, got {slots}")
+        self.idle_unload = check_idle_unload(idle_unload)
+        if self.idle_unload is not None and not callable(getattr(codec, "unload", None)):
+            raise TypeError("idle_unload needs a model that can unload (a HiggsTTS as the scheduler's codec)")
+        self.model_state = "loaded"  # -> "unloading" -> "unloaded" (idle) -> "loading" (a request came) -> "loaded"
+        self.unloads = self.reloads = 0
+        self.reload_s: float | None = None  # how long the last load took
+        self._quiet_since = time.monotonic()  # when the loop last saw work (the idle clock)
         self.backend, self.codec, self.slots, self.name = backend, codec, slots, name
         self.pool = None if positions is None else backend.pool(slots, positions)
         self.engine = Engine(backend, self.pool)
@@ -415,7 +442,8 @@ class Scheduler:
             from .codec_stream import StreamOptions
 
             handle.stream_options = stream_options or StreamOptions()
-            handle.streamer = self._streamer(request, handle.stream_options)
+            if self.idle_unload is None:  # else made at admission, on the loop's thread, once the model is loaded
+                handle.streamer = self._streamer(request, handle.stream_options)
         with self._wake:
             if self.max_waiting is not None and len(self._waiting) >= self.max_waiting:
                 raise QueueFull(f"{len(self._waiting)} requests are waiting")
@@ -531,6 +559,10 @@ class Scheduler:
         while not self._stop.is_set():
             try:
                 worked = self.step()
+                if worked:
+                    self._quiet_since = time.monotonic()
+                else:
+                    self._unload_if_idle()
             except Exception:  # noqa: BLE001 - step handles request errors; this is a bug, keep serving
                 log.exception("scheduler step failed")
                 worked = False
@@ -543,11 +575,67 @@ class Scheduler:
     def idle(self) -> bool:
         return not self._waiting and not self._running
 
+    @property
+    def _busy(self) -> bool:
+        """Anything in flight (waiting, running, or its codec work not done) or kept for a continuation."""
+        c = self.counts
+        return bool(self._waiting or self._running or self._kept) or \
+            c["submitted"] > c["finished"] + c["failed"] + c["cancelled"]
+
+    def _unload_if_idle(self) -> None:
+        """(the loop's thread, nothing stepped) Unload the model once nothing has been busy, and no session made
+        (a voice), for `idle_unload` seconds: the pool, the engine, the backend, then every session."""
+        if self.idle_unload is None:
+            return
+        now = time.monotonic()
+        if self._busy:
+            self._quiet_since = now
+            return
+        quiet = now - max(self._quiet_since, self.codec.loaded_at)
+        if quiet < self.idle_unload or (self.engine is None and not self.codec.loaded):
+            return
+        with self._stepping:
+            with self._lock:  # a request submitted meanwhile keeps it loaded
+                if self._busy:
+                    return
+                self.model_state = "unloading"
+                self.backend = self.pool = self.engine = None
+            parts = self.codec.unload()
+            self.unloads += 1
+            self.model_state = "unloaded"  # its memory is back with the system now
+        log.info("nothing to do for %.0f s: the model is unloaded (%d sessions let go); the next request loads it",
+                 quiet, len(parts))
+
+    def _reload(self) -> bool:
+        """(under `_stepping`) Load the model again for the requests waiting (they wait for it); a load that fails
+        fails them with its error, and the next request tries again."""
+        self.model_state = "loading"
+        t0 = time.perf_counter()
+        try:
+            backend = self.codec.load()
+            pool = None if self.positions is None else backend.pool(self.slots, self.positions)
+        except Exception as e:  # noqa: BLE001 - the waiting requests fail with it; the server goes on
+            self.model_state = "unloaded"
+            log.error("loading the model again failed: %s", e, exc_info=log.isEnabledFor(logging.DEBUG))
+            with self._lock:
+                left, self._waiting = list(self._waiting), deque()
+            for h in left:
+                h._end(e)
+            return False
+        self.backend, self.pool, self.engine = backend, pool, Engine(backend, pool)
+        self.reload_s = time.perf_counter() - t0
+        self.reloads += 1
+        self.model_state = "loaded"
+        log.info("the model is loaded again in %.2f s", self.reload_s)
+        return True
+
     def step(self) -> bool:
         """One iteration: admit, one prefill chunk, one decode step, retire. Returns False when there was nothing
         to do (the caller may wait)."""
         with self._stepping:
             self._retire_cancelled()
+            if self.engine is None and (not self._waiting or not self._reload()):
+                return False  # unloaded: loaded again only for a request
             self._admit()
             if not self._running:
                 return False
@@ -615,6 +703,8 @@ class Scheduler:
                         raise ValueError(f"request {prev.id} is not finished or did not keep its cache")
                     self._kept.remove(prev)
                     cache = prev.request.hand_over()
+                if head.audio == "stream" and head.streamer is None:  # `submit` left it to the loop (idle_unload)
+                    head.streamer = self._streamer(head.request, head.stream_options)
                 self.engine.admit(head.request, cache)
             except Exception as e:  # noqa: BLE001 - this request fails, the others go on
                 if cache is not None and head.request.cache is None:
@@ -741,7 +831,9 @@ class Scheduler:
                 "prefill_positions": self.prefill_positions, "decode_s": round(self.decode_s, 3),
                 "prefill_s": round(self.prefill_s, 3), "longest_stall_s": round(self.longest_stall_s, 4),
                 "codec_busy_s": round(self.codec_worker.busy_s, 3), **self.counts,
-                "exclusive_widest_batch": self.exclusive_widest}
+                "exclusive_widest_batch": self.exclusive_widest, "model_state": self.model_state,
+                "idle_unload_s": self.idle_unload, "unloads": self.unloads, "reloads": self.reloads,
+                "reload_s": None if self.reload_s is None else round(self.reload_s, 3)}
 
 
 _GAINS: dict[tuple[int, tuple[int, ...]], dict[int, float]] = {}

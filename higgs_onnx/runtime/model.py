@@ -7,6 +7,7 @@
         play(chunk.samples)
     sched = tts.scheduler(4, 1024)                  # several requests, one batched decoder call per step
     h = sched.submit(tts.request("Hi.", seed=1, slot=1024), "speech"); sched.run_until_idle(); h.speech()
+    tts.unload(); tts.load()                        # sessions let go (voices kept), made again (serve --idle-unload)
 
 `HiggsTTS` is the facade only: it composes the pieces and every job goes through its scheduler.
 
@@ -18,8 +19,9 @@
 
 Thread safety: one `HiggsTTS` may be shared by threads. Each call makes its own `Request` (KV cache, sampler RNG,
 rows), the ONNX Runtime sessions allow concurrent runs, and the lazily made sessions, the backend and the voice
-cache are guarded by locks; concurrent calls compete for the same cores, so they do not run faster together
-(batching them into one decoder call is what a shared `scheduler(slots, positions)` does).
+cache are guarded by locks (a call running while another thread unloads keeps its session until it returns);
+concurrent calls compete for the same cores, so they do not run faster together (batching them into one decoder
+call is what a shared `scheduler(slots, positions)` does).
 """
 
 from __future__ import annotations
@@ -86,6 +88,7 @@ class HiggsTTS:
         self._backend: OnnxBackend | None = None
         self._synth: Synthesizer | None = None
         self._prompts: Synthesizer | None = None
+        self._reload: tuple[str, ...] = ()  # the parts `unload` let go, made again by `load`
         self._lock = threading.Lock()  # the backend and the synthesizer are made once, whichever thread asks first
 
     # -- the parts -------------------------------------------------------------------------------------------
@@ -118,12 +121,46 @@ class HiggsTTS:
     def backend(self) -> OnnxBackend:
         """The generation backend (`runtime.backend.OnnxBackend`), public: `backend.decoder` is the KV-cache
         decoder (benchmarks time its steps), `backend.pool(slots, positions)` a slot pool, `backend.kv_memory`
-        where the cache lives. Made on first use."""
-        if self._backend is None:
+        where the cache lives. Made on first use (again after `unload`)."""
+        backend = self._backend  # a local: `unload` may let it go from another thread meanwhile
+        if backend is None:
             with self._lock:
-                if self._backend is None:
-                    self._backend = OnnxBackend(self.parts, self.kv_cache, self.step_graph, self.route)
-        return self._backend
+                backend = self._backend
+                if backend is None:
+                    backend = self._backend = OnnxBackend(self.parts, self.kv_cache, self.step_graph, self.route)
+        return backend
+
+    # -- idle unload ---------------------------------------------------------------------------------------------
+    def unload(self) -> list[str]:
+        """Let go of every ONNX Runtime session (the parts', the backend's decoder, the synthesizer on it) and give
+        the memory back to the system; the manifest, tokenizer, facts and voices stay. Returns the parts that were
+        loaded. Whatever runs next makes what it needs again (`load` makes them all at once). The caller makes sure
+        nothing holds a KV cache of this model (a scheduler does it when idle: `scheduler(idle_unload=...)`); a call
+        already running keeps its session until it returns."""
+        from ..memory import release_memory
+
+        with self._lock:
+            self._backend = self._synth = None
+            names = self.parts.unload()
+        if names:
+            self._reload = tuple(n for n in names if n in self.manifest.parts)  # not a stateful twin: the backend's
+        release_memory()  # the sessions' heap (weights, arenas) back to the system, not kept by the allocator
+        return names
+
+    def load(self) -> OnnxBackend:
+        """Make again the sessions `unload` let go (before any unload: the backend's) and return the backend."""
+        self.preload(self._reload)
+        return self.backend
+
+    @property
+    def loaded(self) -> bool:
+        """Whether any session of the model exists (its memory is held)."""
+        return self._backend is not None or bool(self.parts.loaded())
+
+    @property
+    def loaded_at(self) -> float:
+        """`time.monotonic()` when the last session was made (0: never)."""
+        return self.parts.made_at
 
     @property
     def kv_memory(self) -> str:
@@ -163,13 +200,15 @@ class HiggsTTS:
     def synthesizer(self) -> Synthesizer:
         """The prompt side (text + voice -> `Request`) on this model's backend and codec. Internal: run requests
         with `run(request, ...)` or a `scheduler()`, not with `synthesizer.speak` / `synthesizer.engine`."""
-        if self._synth is None:
+        synth = self._synth  # a local, as `backend`'s
+        if synth is None:
             backend = self.backend
             with self._lock:
-                if self._synth is None:
-                    self._synth = Synthesizer(backend, self, self.tokenizer, self.tokens, self.facts)
-                    self._synth.guard = self.guard
-        return self._synth
+                synth = self._synth
+                if synth is None:
+                    synth = self._synth = Synthesizer(backend, self, self.tokenizer, self.tokens, self.facts)
+                    synth.guard = self.guard
+        return synth
 
     @property
     def model_id(self) -> str:
@@ -359,11 +398,13 @@ class HiggsTTS:
         return self.scheduler(request.width, max(len(m.prompt) + m.max_rows for m in request.members))
 
     def scheduler(self, slots: int = 1, positions: int | None = None, prefill: PrefillPolicy | None = None,
-                  max_waiting: int | None = None) -> Scheduler:
+                  max_waiting: int | None = None, idle_unload: float | None = None) -> Scheduler:
         """A `Scheduler` on this model: `slots` requests decoded together in one pool of `positions` per slot
         (None: a batch of one on caches of their own, as `generate` / `stream` use). Requests for it are made with
-        `request(..., slot=positions)`. Caller-driven until `start()` gives it a thread."""
-        return Scheduler(self.backend, self, slots, positions, prefill, max_waiting)
+        `request(..., slot=positions)`. Caller-driven until `start()` gives it a thread. `idle_unload`: seconds
+        with nothing in flight, queued or kept after which its thread unloads this model (`unload`), loaded again
+        before the next request starts (the server's --idle-unload)."""
+        return Scheduler(self.backend, self, slots, positions, prefill, max_waiting, idle_unload=idle_unload)
 
     def make_voice(self, ref_audio, ref_text: str | None = None) -> Voice:
         """Encode a reference and prefill its prompt prefix once; kept in memory for later calls."""

@@ -4,6 +4,7 @@ sessions made on first use, each checked against what the manifest recorded.
     parts = ModelParts("onnx/cpu_int4")              # manifest (+ file hashes), provider, facts, tokenizer
     parts.part("llm_decoder")                       # the session, made once (thread-safe), I/O checked
     parts.ran_on()                                  # {part: the provider/device its session runs on}
+    parts.unload()                                  # every session let go (an idle server's memory back)
 
 `HiggsTTS` (runtime.model) composes this with the backend (runtime.backend), the codec (runtime.codec) and the
 voices (runtime.voice); nothing here generates.
@@ -17,6 +18,7 @@ import json
 import logging
 import os
 import threading
+import time
 
 import numpy as np
 
@@ -81,15 +83,18 @@ class ModelParts:
         self.threads = threads
         self._sessions: dict[str, Part] = {}
         self._lock = threading.Lock()  # each session is made once, by whichever thread asks first
+        self.made_at = 0.0  # time.monotonic() when the last session was made (an idle unload counts from it)
 
     def part(self, name: str, stateful: bool = False) -> Part:
         """The part's session (an ONNX Runtime `Part`, or an OpenVINO `OvPart`), made on first use; its inputs and
         outputs are checked against the manifest and the model facts (`check_io`). `stateful`: the decoder compiled
         with its KV cache as state (the OpenVINO runtime only), a session of its own."""
         key = f"{name} (stateful)" if stateful else name
-        if key not in self._sessions:
+        part = self._sessions.get(key)  # a local: `unload` may empty the dict from another thread meanwhile
+        if part is None:
             with self._lock:
-                if key not in self._sessions:
+                part = self._sessions.get(key)
+                if part is None:
                     path = graph_for(self.manifest, name, self.provider)  # a cuda graph's CPU rewrite, cached
                     part = open_part(name, path, self.provider, self.threads, stateful)
                     check_io(self.manifest, self.facts, name, part)
@@ -97,11 +102,20 @@ class ModelParts:
                     if io:  # another layout's names (foreign.py)
                         part = RenamedPart(part, io, self.facts.hop)
                     self._sessions[key] = part
-        return self._sessions[key]
+                    self.made_at = time.monotonic()
+        return part
 
     def loaded(self) -> list[str]:
         """The parts whose sessions exist so far."""
         return sorted(self._sessions)
+
+    def unload(self) -> list[str]:
+        """Let go of every session (the manifest, facts and tokenizer stay); returns the names of the parts that
+        were loaded (`part` makes each again on its next use). A run in progress keeps its own session until it
+        returns."""
+        with self._lock:
+            names, self._sessions = sorted(self._sessions), {}
+        return names
 
     def ran_on(self) -> dict[str, str]:
         """{part: the provider/device its session runs on} for the parts loaded so far (each was checked at load:

@@ -35,6 +35,7 @@ from ..runtime.session import PROVIDERS
 from ..runtime.voice_cache import DEFAULT_VOICE_CACHE_BYTES
 from .launch import is_loopback, load, timeouts_of
 from .limits import MAX_HEADER_BYTES, Timeouts, guarded_protocol
+from .scheduler import add_idle_unload, idle_note
 
 log = logging.getLogger("higgs_onnx.serve")
 SSML_REFUSED = ('is per request, not a server default (a WebSocket or Wyoming session\'s text arrives in pieces): send '
@@ -93,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--voice-cache-mb", type=int, default=DEFAULT_VOICE_CACHE_BYTES >> 20, metavar="MB",
                     help="memory for voices made from references, least recently used out (a real-model voice is "
                     "~80 MB; default %(default)s)")
+    add_idle_unload(ap)
     ap.add_argument("--guard", action="append", default=[], metavar="KEY=VALUE", help="a threshold of the guard "
                     "(docs/guard.md), e.g. --guard loop_rows=48 --guard overlong_factor=3; repeatable")
     ray = ap.add_argument_group("Ray Serve: replicas of this server behind one address (docs/server.md, Scaling)")
@@ -223,6 +225,7 @@ def serve(args: argparse.Namespace) -> int:
     banner = (f"higgs-onnx speech server: http://{shown}:{port}/ (model {Path(tts.manifest.folder).name}, "
               f"batch {args.max_batch}, queue {args.max_queue}, prefill chunk "
               f"{args.prefill_chunk or 'by time'}, voices in {voices}"
+              f"{idle_note(args.idle_unload)}"
               f"{', API key required' if args.api_key else ''})")
 
     class Server(uvicorn.Server):

@@ -151,9 +151,10 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
     @app.api_route("/ready", methods=["GET", "HEAD"], include_in_schema=False)
     async def ready():
         """Readiness: 200 once the model is loaded and the scheduler runs; 503 while it drains (SIGTERM). HEAD
-        answers alike, without the body (load balancers and Kubernetes probes send HEAD)."""
+        answers alike, without the body (load balancers and Kubernetes probes send HEAD). An idle server whose model
+        is unloaded (--idle-unload) is ready: 200 with `model_state` "unloaded" (its next request loads it)."""
         if scheduler.ready:
-            return {"ready": True}
+            return {"ready": True, "model_state": scheduler.model_state}
         return error_response(503, "the server is not ready (starting or draining)", None, "not_ready",
                               {"Retry-After": "1"})
     app.mount("/static", StaticFiles(directory=STATIC), name="static")

@@ -80,7 +80,8 @@ def load(args: argparse.Namespace, metrics_labels: dict | None = None):
             VoiceStore(voices, tts.model_id).get(args.default_voice)
         except VoiceError as e:
             raise ValueError(f"--default-voice: {e}") from None
-    scheduler = JobScheduler(tts, max_batch=args.max_batch, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk)
+    scheduler = JobScheduler(tts, max_batch=args.max_batch, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
+                             idle_unload=args.idle_unload)
     app = create_app(tts, scheduler, voices, args.api_key,
                      allowed_hosts=LOOPBACK_NAMES if is_loopback(args.host) else None,
                      timeouts=timeouts_of(args), default_voice=args.default_voice,

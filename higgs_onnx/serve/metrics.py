@@ -9,6 +9,8 @@ What it exports, all prefixed `higgs_`:
   `max_queue`) and its counters (`jobs_total{outcome}` with `rejected` for a full queue's 429, `decoder_steps_total`,
   `rows_total`, `decode_seconds_total`, `prefill_seconds_total`: rows per second and step time are their rates);
 - histograms of each finished job's `time_to_first_audio_seconds` and `real_time_factor` (wall / audio);
+- `model_loaded` (1, or 0 while the idle model is unloaded or loading again: `--idle-unload`), `model_unloads_total`,
+  `model_reloads_total` and `model_reload_seconds` (the last load after an unload);
 - `aligner_pending`: pieces waiting for, or in, the word aligner's thread;
 - `takes_total{policy, verdict}`: takes the guard judged (`best_of`: a request's `takes`; `redraw`: its `retries`) by
   verdict (`good`, or the failure the guard found), and `redraws_total`: the takes drawn again after a bad one;
@@ -112,6 +114,15 @@ class _SchedulerCollector:
                                 ("max_batch", "max_batch", "jobs stepped together (--max-batch)"),
                                 ("max_queue", "max_queue", "jobs that may wait (--max-queue)")):
             yield GaugeMetricFamily(f"higgs_{name}", what, value=s[key])
+        loaded = int(s["model_state"] == "loaded")
+        yield GaugeMetricFamily("higgs_model_loaded", "1 while the model's sessions are loaded, 0 while it is "
+                                "unloaded (idle: --idle-unload) or loading again", value=loaded)
+        for name, key, what in (("model_unloads", "unloads", "times the idle model was unloaded (--idle-unload)"),
+                                ("model_reloads", "reloads", "times a request loaded the unloaded model again")):
+            yield CounterMetricFamily(f"higgs_{name}", what, value=s[key])
+        if s["reload_s"] is not None:
+            yield GaugeMetricFamily("higgs_model_reload_seconds", "how long the last load after an unload took",
+                                    value=s["reload_s"])
         yield GaugeMetricFamily("higgs_aligner_pending", "pieces waiting for, or in, the word aligner's thread",
                                 value=aligner_pending())
         jobs = CounterMetricFamily("higgs_jobs", "jobs by how they ended (rejected: the queue was full, a 429)",

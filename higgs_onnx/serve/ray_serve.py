@@ -48,6 +48,7 @@ import ray
 from ray import serve
 
 from .launch import load, voices_of
+from .scheduler import idle_note
 
 log = logging.getLogger("higgs_onnx.serve.ray")
 APP = "higgs"
@@ -226,7 +227,7 @@ def serve_on_ray(args: argparse.Namespace) -> int:
                  if args.max_replicas and args.max_replicas > args.replicas else f"{args.replicas} replica(s)")
         print(f"higgs-onnx speech server on Ray Serve: http://{shown}:{port}/ ({scale}, {args.threads or 1} "
               f"thread(s) each, model {args.model_path.name}, batch {args.max_batch}, queue {args.max_queue}, "
-              f"voices in {voices_of(args)}"
+              f"voices in {voices_of(args)}{idle_note(args.idle_unload)}"
               f"{', API key required' if args.api_key else ''}; Ray {args.address or 'local'})", flush=True)
         while True:
             time.sleep(1.0)

@@ -27,6 +27,7 @@ the jobs behind it start once it is done. Its rows and samples then equal the re
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import itertools
 import threading
@@ -37,13 +38,38 @@ from ..generation.codec_stream import StreamOptions
 from ..generation.contract import ContractError
 from ..generation.engine import Request
 from ..generation.options import GenerationOptions
-from ..generation.scheduler import END, Cancelled, Handle, PrefillPolicy, QueueFull
+from ..generation.scheduler import END, Cancelled, Handle, PrefillPolicy, QueueFull, check_idle_unload
 from ..generation.stream import AudioChunk
 
-__all__ = ["Job", "QueueFull", "JobScheduler", "ShuttingDown"]
+__all__ = ["Job", "QueueFull", "JobScheduler", "ShuttingDown", "add_idle_unload", "idle_note"]
 
 
 STOP_GRACE_S = 5.0  # a shutdown waits this long for the decoder loop's current step (docs/server.md)
+
+
+def idle_seconds(text: str) -> float:
+    """`--idle-unload`'s value (argparse's type): the core's one bound (`check_idle_unload`), as one line, exit 2."""
+    try:
+        value: float | str = float(text)
+    except ValueError:
+        value = text
+    try:
+        return check_idle_unload(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def idle_note(seconds: float | None) -> str:
+    """What a server's ready line says of `--idle-unload` (nothing without it)."""
+    return f", unloaded after {seconds:g} s idle" if seconds else ""
+
+
+def add_idle_unload(ap: argparse.ArgumentParser) -> None:
+    """`--idle-unload SECONDS`, one definition for every server command (serve, serve --ray, the Wyoming server)."""
+    ap.add_argument("--idle-unload", type=idle_seconds, metavar="SECONDS", help="unload the model (its ONNX Runtime "
+                    "sessions: the memory they hold goes back to the system) after this many seconds with nothing in "
+                    "flight, queued or kept, and load it again for the next request, which waits for it; voices "
+                    "stay (default: never; docs/server.md, Idle unload)")
 
 
 class ShuttingDown(RuntimeError):
@@ -127,16 +153,19 @@ class JobScheduler:
     """The server's scheduler: `max_batch` requests share each decoder call, `max_queue` more may wait.
 
     `prefill_chunk`: prompt positions per prefill chunk while others decode (None: sized by time, about one decode
-    step's worth; a fixed number makes the calls the same whatever the machine's speed)."""
+    step's worth; a fixed number makes the calls the same whatever the machine's speed). `idle_unload`: seconds
+    with nothing in flight, queued or kept after which the scheduler's thread unloads the model, loaded again for
+    the next job (`model_state`; None: never)."""
 
-    def __init__(self, tts, max_batch: int = 4, max_queue: int = 16, prefill_chunk: int | None = None):
+    def __init__(self, tts, max_batch: int = 4, max_queue: int = 16, prefill_chunk: int | None = None,
+                 idle_unload: float | None = None):
         if max_batch < 1 or max_queue < 0:
             raise ValueError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch}, {max_queue}")
         self.tts, self.max_batch, self.max_queue = tts, max_batch, max_queue
         # positions of one pool slot: what every request is built for, and what the pool is made with
         self.slot_positions = tts.slot_positions
         self.prefill = PrefillPolicy(chunk=prefill_chunk)  # ValueError for a chunk < 1
-        self.core = tts.scheduler(max_batch, self.slot_positions, self.prefill)
+        self.core = tts.scheduler(max_batch, self.slot_positions, self.prefill, idle_unload=idle_unload)
         self._lock = threading.Lock()
         self._pending = 0  # jobs submitted and not ended
         self._stopping = threading.Event()
@@ -154,6 +183,11 @@ class JobScheduler:
     def ready(self) -> bool:
         """Started and not stopping (the server's readiness)."""
         return self._started and not self._stopping.is_set()
+
+    @property
+    def model_state(self) -> str:
+        """"loaded", "unloading" then "unloaded" (idle: `idle_unload`), "loading" (a job came and waits for it)."""
+        return self.core.model_state
 
     @property
     def starved(self) -> bool:
@@ -240,4 +274,5 @@ class JobScheduler:
                 "codec_busy_s": core["codec_busy_s"], "submitted": counts.get("submitted", 0),
                 "started": core["started"],
                 **{k: counts.get(k, 0) for k in ("finished", "failed", "cancelled", "rejected")},
-                "exclusive": core["exclusive"], "exclusive_widest_batch": core["exclusive_widest_batch"]}
+                "exclusive": core["exclusive"], "exclusive_widest_batch": core["exclusive_widest_batch"],
+                **{k: core[k] for k in ("model_state", "idle_unload_s", "unloads", "reloads", "reload_s")}}
