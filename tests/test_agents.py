@@ -144,7 +144,7 @@ def test_every_cartesia_message_and_setting_is_checked_by_name(server):
                 "container": "raw", "encoding": "pcm_s16le", "sample_rate": 11025}}, "output_format.sample_rate",
              "unsupported_format"),
             ({**CARTESIA, "context_id": "b", "transcript": "Hi.", "voice": {"mode": "embedding", "embedding": [0]}},
-             "voice.embedding", "unsupported_parameter"),
+             "voice.mode", "unsupported_parameter"),
             ({**CARTESIA, "context_id": "b", "transcript": "Hi.", "voice": {"mode": "id", "id": "nobody"}},
              "voice.id", "voice_not_found"),
             ({**CARTESIA, "context_id": "b", "transcript": "Hi.", "model_id": "gpt-9"}, "model_id",

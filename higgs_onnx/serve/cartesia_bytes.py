@@ -36,14 +36,12 @@ from .limits import MAX_INPUT_CHARS
 from .service import SpeechService
 from .speech_routes import planned, produced
 from .streams.agent import key_of
-from .streams.cartesia import MODEL_PREFIX
+from .streams.cartesia import check_generation, check_model, check_output, check_voice
 from .streams.engine import Refused
-from .streams.pcm import Output, PcmStream
+from .streams.pcm import PcmStream
 
 DOOR = "cartesia_bytes"
 FIELDS = ("transcript", "model_id", "voice", "output_format", "language", "generation_config")
-CONTAINERS = ("raw", "wav", "mp3")
-MP3_BIT_RATE = 64000  # serve.formats' MP3 (64 kbit/s CBR)
 # our fields' names in this door's errors: the options table's (`AGENT_FIELDS`), and the input is the transcript
 NAMES = {"input": "transcript", **AGENT_FIELDS[DOOR]}
 
@@ -52,26 +50,9 @@ def bad(message: str, param: str, code: str = "invalid_value") -> ApiError:
     return ApiError(400, message, param, code)
 
 
-def obj(body: dict, name: str, what: str) -> dict:
-    """The body's object `name` ({} when left out or null); ApiError naming it when it is not an object."""
-    value = body.get(name)
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise bad(f"{name} must be an object {what}, got {value!r:.40}", name)
-    return value
-
-
-def only(value: dict, name: str, allowed: tuple[str, ...], why: str) -> None:
-    """Refuse the first key of `value` outside `allowed`, by its dotted name."""
-    extra = sorted(set(value) - set(allowed))
-    if extra:
-        raise bad(f"{name}.{extra[0]} is not served here: {why}", f"{name}.{extra[0]}", "unsupported_parameter")
-
-
 def check_body(body: dict, svc: SpeechService) -> tuple[str, str, dict, dict]:
     """(transcript, voice name, the job's fields by our names, the output format) of a body; ApiError naming the
-    first field it refuses."""
+    first field it refuses (Cartesia's fields are checked as its socket checks them: streams/cartesia.py)."""
     unknown = sorted(set(body) - set(FIELDS))
     if unknown:
         raise bad(f"{unknown[0]} is not a field of Cartesia's bytes endpoint here; the fields are "
@@ -82,54 +63,17 @@ def check_body(body: dict, svc: SpeechService) -> tuple[str, str, dict, dict]:
     if len(transcript) > MAX_INPUT_CHARS:
         raise bad(f"transcript is {len(transcript)} characters long; the limit is {MAX_INPUT_CHARS}", "transcript",
                   "string_above_max_length")
-    model = body.get("model_id")
-    if model is not None and (not isinstance(model, str) or model not in svc.models
-                              and not model.startswith(MODEL_PREFIX)):
-        raise ApiError(400, f"model_id {model!r:.60} is not served here; use one of {', '.join(svc.models)} (or a "
-                       f"Cartesia model name: all are this model)", "model_id", "model_not_found")
-    voice = obj(body, "voice", '{"mode": "id", "id": NAME}')
-    if voice.get("mode", "id") != "id":
-        raise bad(f"voice.mode {voice.get('mode')!r:.40} is not served here: a voice is a saved voice named by id "
-                  f'({{"mode": "id", "id": NAME}})', "voice.mode", "unsupported_parameter")
-    only(voice, "voice", ("mode", "id"), 'a voice is a saved voice named by id ({"mode": "id", "id": NAME})')
-    name = voice.get("id", "default")
-    if not isinstance(name, str) or not name.strip():
-        raise bad(f"voice.id must be a voice's name, got {name!r:.40}", "voice.id")
-    gen = obj(body, "generation_config", "{speed}")
-    only(gen, "generation_config", ("speed",), "this model has no such control (its emotions are inline tags in "
-         "the transcript, docs/text.md)")
-    values = {"voice": name, "speed": gen.get("speed"), "caption_language": body.get("language")}
-    return transcript, name, values, check_format(obj(body, "output_format", "{container, encoding, sample_rate}"),
-                                                  svc.sample_rate)
-
-
-def check_format(fmt: dict, native: int) -> dict:
-    """The output: {"fmt": a key of FORMATS, "enc": a raw PCM encoder or None (the format's own)}."""
-    container = fmt.get("container", "raw")
-    if container not in CONTAINERS:
-        raise bad(f"output_format.container {container!r:.40} is not served here; use one of "
-                  f"{', '.join(CONTAINERS)}", "output_format.container", "unsupported_format")
-    keys = ("container", "sample_rate", "bit_rate") if container == "mp3" else ("container", "encoding",
-                                                                                 "sample_rate")
-    only(fmt, "output_format", keys, f"a {container} output takes {', '.join(keys)}")
-    rate, encoding = fmt.get("sample_rate", native), fmt.get("encoding", "pcm_s16le")
     try:
-        out = Output.check(encoding if container != "mp3" else "pcm_s16le", rate, native,
-                           ("output_format.encoding", "output_format.sample_rate"))
+        check_model(body.get("model_id"), svc)
+        name = check_voice(body.get("voice"))
+        values = {"voice": name, **check_generation(body.get("generation_config")),
+                  "caption_language": body.get("language")}
+        container, output = check_output(body.get("output_format"), svc.sample_rate)
     except Refused as e:
         raise bad(e.message, e.param, e.code) from None
     if container == "raw":
-        return {"fmt": "pcm", "enc": PcmStream(out, native), "output": out}
-    if out.rate != native:
-        raise bad(f"output_format.sample_rate {rate}: {container} is made at the model's rate, {native} (raw PCM is "
-                  f"resampled to any of the rates)", "output_format.sample_rate", "unsupported_format")
-    if container == "wav" and encoding != "pcm_s16le":
-        raise bad(f"output_format.encoding {encoding!r:.40}: wav here is 16-bit (pcm_s16le); raw PCM can be "
-                  f"pcm_f32le", "output_format.encoding", "unsupported_format")
-    if container == "mp3" and fmt.get("bit_rate", MP3_BIT_RATE) != MP3_BIT_RATE:
-        raise bad(f"output_format.bit_rate {fmt.get('bit_rate')!r:.40}: MP3 here is {MP3_BIT_RATE} bit/s",
-                  "output_format.bit_rate", "unsupported_format")
-    return {"fmt": container, "enc": None, "output": out}
+        return transcript, name, values, {"fmt": "pcm", "enc": PcmStream(output, svc.sample_rate), "output": output}
+    return transcript, name, values, {"fmt": container, "enc": None, "output": output}
 
 
 def renamed(e: ApiError) -> ApiError:

@@ -29,7 +29,7 @@ from __future__ import annotations
 from fastapi import APIRouter, WebSocket
 
 from ...job.options import OptionError, check_caption_language
-from .agent import AgentCodec, accepted
+from .agent import AgentCodec, accepted, session_of
 from .engine import Refused, Stream
 from .pcm import Output
 from .websocket import serve
@@ -39,6 +39,8 @@ SETTINGS = ("model_id", "voice", "output_format", "add_timestamps", "language", 
 FIELDS = {"transcript", "continue", "context_id", "cancel", "flush", *SETTINGS}
 DELAY_MS = (3000, 5000)  # max_buffer_delay_ms: Cartesia's default and its largest
 MODEL_PREFIX = "sonic"  # Cartesia's model names (sonic-3.6, sonic-2 ...): all this model
+CONTAINERS = ("raw", "wav", "mp3")  # what POST /tts/bytes makes; the socket streams raw PCM
+MP3_BIT_RATE = 64000  # serve.formats' MP3 (64 kbit/s CBR)
 
 
 class Cartesia(AgentCodec):
@@ -131,33 +133,13 @@ class Cartesia(AgentCodec):
         def fail(message: str, param: str, code: str = "invalid_value"):
             return Refused(message, param, code, cid)
 
-        svc, native = self.engine.svc, self.engine.native
-        model = s["model_id"]
-        if model is not None and (not isinstance(model, str) or model not in svc.models
-                                  and not model.startswith(MODEL_PREFIX)):
-            raise fail(f"model_id {model!r:.60} is not served here; use one of {', '.join(svc.models)} "
-                       f"(or a Cartesia model name: all are this model)", "model_id", "model_not_found")
-        voice = s["voice"] if s["voice"] is not None else {"mode": "id", "id": "default"}
-        if not isinstance(voice, dict):
-            raise fail('voice must be an object {"mode": "id", "id": NAME}', "voice")
-        extra = sorted(set(voice) - {"mode", "id"}) or (["mode"] if voice.get("mode", "id") != "id" else [])
-        if extra:
-            raise fail(f"voice.{extra[0]}: a voice here is a saved voice named by id "
-                       f'({{"mode": "id", "id": NAME}})', f"voice.{extra[0]}", "unsupported_parameter")
-        if not isinstance(voice.get("id", "default"), str):
-            raise fail(f"voice.id must be a voice's name, got {voice.get('id')!r:.40}", "voice.id")
-        fmt = s["output_format"] if s["output_format"] is not None else {}
-        if not isinstance(fmt, dict):
-            raise fail("output_format must be an object {container, encoding, sample_rate}", "output_format")
-        if fmt.get("container", "raw") != "raw":
-            raise fail(f"output_format.container {fmt.get('container')!r:.40} is not served here; audio is raw PCM "
-                       f"(container \"raw\")", "output_format.container", "unsupported_format")
-        extra = sorted(set(fmt) - {"container", "encoding", "sample_rate"})
-        if extra:
-            raise fail(f"output_format.{extra[0]} is not served here: audio is raw PCM (container, encoding, "
-                       f"sample_rate)", f"output_format.{extra[0]}", "unsupported_parameter")
-        output = Output.check(fmt.get("encoding", "pcm_s16le"), fmt.get("sample_rate", native), native,
-                              ("output_format.encoding", "output_format.sample_rate"), cid)
+        native = self.engine.native
+        try:
+            check_model(s["model_id"], self.engine.svc)
+            values = {"voice": check_voice(s["voice"]), **check_generation(s["generation_config"])}
+            _, output = check_output(s["output_format"], native, ("raw",))
+        except Refused as e:
+            raise fail(e.message, e.param, e.code) from None
         stamps = s["add_timestamps"] if s["add_timestamps"] is not None else False
         if not isinstance(stamps, bool):
             raise fail(f"add_timestamps must be true or false, got {stamps!r:.40}", "add_timestamps")
@@ -172,24 +154,83 @@ class Cartesia(AgentCodec):
         if isinstance(delay, bool) or not isinstance(delay, int) or not 0 <= delay <= DELAY_MS[1]:
             raise fail(f"max_buffer_delay_ms must be a whole number from 0 to {DELAY_MS[1]}, got {delay!r:.40}",
                        "max_buffer_delay_ms")
-        values = {"voice": voice.get("id", "default"), "caption_level": "word" if stamps else "piece"}
-        gen = s["generation_config"] if s["generation_config"] is not None else {}
-        if not isinstance(gen, dict):
-            raise fail("generation_config must be an object", "generation_config")
-        for name in gen:
-            if name != "speed":
-                raise fail(f"generation_config.{name} is not served here: this model has no such control (its "
-                           f"emotions are inline tags in the transcript, docs/text.md)",
-                           f"generation_config.{name}", "unsupported_parameter")
-        if gen.get("speed") is not None:
-            values["speed"] = gen["speed"]
-        try:
-            session, reader = await self.session_of(values)
-        except Refused as e:
-            raise fail(e.message, e.param or "voice.id", e.code) from None
+        values["caption_level"] = "word" if stamps else "piece"
+        session, reader = await session_of(self.engine.svc, self.name, values, cid)
         stream = Stream(cid, session, reader, language if stamps else None, delay_s=delay / 1000.0, settings=s)
         stream.state["output"] = output
         return self.engine.open(stream)
+
+
+# -- Cartesia's fields, checked once for its socket and its bytes endpoint (serve/cartesia_bytes.py) ------------
+def _obj(value, name: str, what: str) -> dict:
+    """`value` as the object `name` must be ({} when left out or null); Refused naming it otherwise."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise Refused(f"{name} must be an object {what}, got {value!r:.40}", name)
+    return value
+
+
+def _only(value: dict, name: str, allowed: tuple[str, ...], why: str) -> None:
+    """Refuse the first key of `value` outside `allowed`, by its dotted name."""
+    extra = sorted(set(value) - set(allowed))
+    if extra:
+        raise Refused(f"{name}.{extra[0]} is not served here: {why}", f"{name}.{extra[0]}", "unsupported_parameter")
+
+
+def check_model(model, svc) -> None:
+    if model is not None and (not isinstance(model, str) or model not in svc.models
+                              and not model.startswith(MODEL_PREFIX)):
+        raise Refused(f"model_id {model!r:.60} is not served here; use one of {', '.join(svc.models)} (or a "
+                      f"Cartesia model name: all are this model)", "model_id", "model_not_found")
+
+
+def check_voice(voice) -> str:
+    """The saved voice's name `voice` ({"mode": "id", "id": NAME}) names ("default" when left out)."""
+    voice = _obj(voice, "voice", '{"mode": "id", "id": NAME}')
+    why = 'a voice is a saved voice named by id ({"mode": "id", "id": NAME})'
+    if voice.get("mode", "id") != "id":
+        raise Refused(f"voice.mode {voice.get('mode')!r:.40} is not served here: {why}", "voice.mode",
+                      "unsupported_parameter")
+    _only(voice, "voice", ("mode", "id"), why)
+    name = voice.get("id", "default")
+    if not isinstance(name, str) or not name.strip():
+        raise Refused(f"voice.id must be a voice's name, got {name!r:.40}", "voice.id")
+    return name
+
+
+def check_generation(gen) -> dict:
+    """The job's fields `generation_config` sets (speed only: this model has no other control)."""
+    gen = _obj(gen, "generation_config", "{speed}")
+    _only(gen, "generation_config", ("speed",), "this model has no such control (its emotions are inline tags in "
+          "the transcript, docs/text.md)")
+    return {"speed": gen["speed"]} if gen.get("speed") is not None else {}
+
+
+def check_output(fmt, native: int, containers: tuple[str, ...] = CONTAINERS) -> tuple[str, Output]:
+    """(container, raw PCM output) of an `output_format` {container, encoding, sample_rate} (mp3: bit_rate, not
+    encoding); wav and mp3 are made at the model's rate."""
+    fmt = _obj(fmt, "output_format", "{container, encoding, sample_rate}")
+    container = fmt.get("container", "raw")
+    if container not in containers:
+        raise Refused(f"output_format.container {container!r:.40} is not served here; use one of "
+                      f"{', '.join(containers)}", "output_format.container", "unsupported_format")
+    keys = ("container", "sample_rate", "bit_rate") if container == "mp3" else ("container", "encoding",
+                                                                                 "sample_rate")
+    _only(fmt, "output_format", keys, f"a {container} output takes {', '.join(keys)}")
+    rate, encoding = fmt.get("sample_rate", native), fmt.get("encoding", "pcm_s16le")
+    out = Output.check(encoding if container != "mp3" else "pcm_s16le", rate, native,
+                       ("output_format.encoding", "output_format.sample_rate"))
+    if container != "raw" and out.rate != native:
+        raise Refused(f"output_format.sample_rate {rate}: {container} is made at the model's rate, {native} (raw PCM "
+                      f"is resampled to any of the rates)", "output_format.sample_rate", "unsupported_format")
+    if container == "wav" and encoding != "pcm_s16le":
+        raise Refused(f"output_format.encoding {encoding!r:.40}: wav here is 16-bit (pcm_s16le); raw PCM can be "
+                      f"pcm_f32le", "output_format.encoding", "unsupported_format")
+    if container == "mp3" and fmt.get("bit_rate", MP3_BIT_RATE) != MP3_BIT_RATE:
+        raise Refused(f"output_format.bit_rate {fmt.get('bit_rate')!r:.40}: MP3 here is {MP3_BIT_RATE} bit/s",
+                      "output_format.bit_rate", "unsupported_format")
+    return container, out
 
 
 def router(svc) -> APIRouter:
