@@ -142,8 +142,8 @@ class HiggsTTS:
         with self._lock:
             self._backend = self._synth = None
             names = self.parts.unload()
-        if names:
-            self._reload = tuple(n for n in names if n in self.manifest.parts)  # not a stateful twin: the backend's
+        # made again by `load`: every part loaded before an unload (not a stateful twin: the backend makes that)
+        self._reload = tuple(sorted({*self._reload, *(n for n in names if n in self.manifest.parts)}))
         release_memory()  # the sessions' heap (weights, arenas) back to the system, not kept by the allocator
         return names
 
