@@ -539,10 +539,10 @@ def test_char_times_run_to_the_segments_end():
 # `asyncio.wait_for` on Python 3.11, gh-86296, and the context's speaker then ran on for ever with its slot held).
 # After every cancel the socket must still answer (a probe sent after it is answered), and after each batch the
 # scheduler's slots_in_use, kept, active and in_flight and /health's open stream sockets and streams are back to
-# zero. The suite cuts 240 turns (here, so that the busy loop never runs beside the Pipecat tests on another
+# zero. The suite cuts 160 turns (here, so that the busy loop never runs beside the Pipecat tests on another
 # worker); HIGGS_CUT_TURNS=2000 cuts the 2,000, as `benchmarks/agents.py --cut-turns 2000 --busy` does with
 # its figures (docs/agents.md "Measured").
-TURNS = int(os.environ.get("HIGGS_CUT_TURNS", "240"))
+TURNS = int(os.environ.get("HIGGS_CUT_TURNS", "160"))
 BATCHES = 4
 
 
