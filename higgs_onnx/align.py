@@ -1,22 +1,25 @@
 """Word-level timing: where each word of a text is said in its audio, by pocketsphinx's forced aligner.
 
 pocketsphinx (pinned; its wheel ships an English acoustic model and the CMU pronouncing dictionary) aligns a known
-word sequence to 16 kHz audio in 10 ms frames (`Decoder.set_align_text`). Its model is English only, and the
-language of a Latin-script text cannot be told reliably from its letters, so the caller says it (`language`): any
-language outside ALIGN_LANGUAGES is refused (`AlignUnavailable`) and the captions keep their piece-level cues.
+word sequence to 16 kHz audio in 10 ms frames, 5 ms for speech too fast for those (`Decoder.set_align_text`, SEARCHES
+below). Its model is English only, and the language of a Latin-script text cannot be told reliably from its letters,
+so the caller says it (`language`): any language outside ALIGN_LANGUAGES is refused (`AlignUnavailable`) and the
+captions keep their piece-level cues.
 
 The words are the text's runs of letters and digits (`don't`, `well-known`, `U.S`, `3.5` are one word each) once the
 inline control tags (`tags.CONTROL_TAG`) are dropped; punctuation is not a word. pocketsphinx 5 has no
 grapheme-to-phoneme model, so a word missing from the dictionary gets a rough pronunciation here (`pronounce`):
-the dictionary's entries for its parts (`well-known`, `dog's`), number words for its digits, the letter names for
-a short all-capitals word (`HTTPX` reads H-T-T-P-X), else a small English letter-to-sound table. Every word thus takes
-its own stretch of audio in the alignment; nothing is skipped or interpolated. A word with no Latin letter or digit
+the dictionary's entries for its parts (`well-known`; `dog's`, `couldn't've`: the word, then the clitic's sound),
+number words for its digits, the letter names for a short all-capitals word (`HTTPX` reads H-T-T-P-X), else a small
+English letter-to-sound table. Every word thus takes its own stretch of audio in the alignment; nothing is skipped or
+interpolated. A word with no Latin letter or digit
 (`Привет`, `你好`) has no English pronunciation at all: such a text is refused, with the word named.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import re
 import tempfile
 import unicodedata
@@ -27,13 +30,32 @@ import numpy as np
 
 ALIGN_LANGUAGES = ("en",)
 ALIGN_RATE = 16000  # pocketsphinx's en-us model hears 16 kHz
-FRAME_S = 0.01  # its frames: 100 a second
+FRAME_RATE = 100  # its frames a second (pocketsphinx's `frate`)
 INSTALL = "pip install pocketsphinx==5.1.1"
 # The beams tried in turn until the alignment holds every word. pocketsphinx's defaults lose the only path through a
-# long text (measured on the English recording repeated: 34 s, 80 words had no alignment); wider ones find it, but
-# wider still is not safer: at 1e-80 and beyond its search ended two words early on the 6.9 s recording itself (it
-# returns the best path it has when none reaches the text's end). An alignment short of a word is never returned.
+# long text (measured on the English recording repeated: 34 s, 80 words had no alignment); wider ones find it. An
+# alignment short of a word is never returned.
 BEAM_TRIES = ({}, {"beam": 1e-64, "pbeam": 1e-64, "wbeam": 1e-40}, {"beam": 1e-80, "pbeam": 1e-80, "wbeam": 1e-60})
+# pocketsphinx aligns in two passes, each tried at each beam. The first, the forced-alignment search, ends its path in
+# the grammar's final state: the text's last word, or a silence after it. The second (`bestpath`, on by default) takes
+# a best path through a word lattice built from the first. The two place boundaries about as well on Piper's speech,
+# and the second is steadier (the first alone put a pause inside "quick"'s closing k in the int16 copy of the English
+# recording, its end 130 ms early, and not in the float copy); but that lattice takes as its end every word still
+# alive in the last frame, the text's last or not (fsg_search.c, find_end_node: "End node candidate w12 ... w13 ...
+# <sil>"), so its path could stop a word or two early, the word before stretched to the end, and the text was refused
+# as too short for the audio. That was seen where the last words are short and said fast (Piper's voice: 2 of 500
+# takes of random word orders at 0.75x length, one of them 1 take in 4; "... before the first snow." at 0.55x every
+# time), under heavy noise (10 of 60 sentences at 10 dB SNR) and at beams of 1e-80 and wider (the 6.9 s recording
+# ended two words early). So the second pass's path is the alignment where it reaches the text's end, else the first
+# pass's (docs/evaluation.md, "Word timing on real speech").
+PASSES = ({}, {"bestpath": False})
+# Each sound takes at least 3 frames of pocketsphinx's model (30 ms at its 100 a second), so speech faster than that
+# over a stretch has no path at all (Piper's voice at 0.3x length, ~6.6 words a second: 6 of 500 random word orders).
+# Where nothing else aligned, the first pass at 200 frames a second (15 ms a sound) is the last try: it timed those 6
+# (median 10.8 ms, p90 26.3 ms against Piper's times), and still found no path in noise, silence, a hum or the wrong
+# text.
+FAST = {"frate": 200, "bestpath": False}
+SEARCHES = (*({**beams, **one} for beams, one in itertools.product(BEAM_TRIES, PASSES)), FAST)
 # pocketsphinx starts a word ~50 ms before its sound (measured on Piper's speech with known word times, 40 sentences:
 # its starts led by a median 54 ms while its ends were within 8 ms): each start is moved this much later, by at most a
 # third of the word (a short "the" keeps its length; docs/evaluation.md, "Word timing on real speech").
@@ -55,6 +77,9 @@ _LTS = {"ough": "AO", "augh": "AO", "tion": "SH AH N", "sion": "ZH AH N", "tch":
         "a": "AE", "b": "B", "c": "K", "d": "D", "e": "EH", "f": "F", "g": "G", "h": "HH", "i": "IH", "j": "JH",
         "k": "K", "l": "L", "m": "M", "n": "N", "o": "AA", "p": "P", "q": "K", "r": "R", "s": "S", "t": "T",
         "u": "AH", "v": "V", "w": "W", "x": "K S", "y": "IY", "z": "Z"}
+# the clitics English writes after an apostrophe, as they are said after a word the dictionary has not (`couldn't've`
+# was "K AW L D N T IY V IY", the letter T and "ve" spelled: too many sounds for fast speech, and the text was refused)
+_CLITICS = {"s": "Z", "ve": "AH V", "d": "D", "ll": "AH L", "re": "ER", "m": "M"}
 _ONES = ("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
          "seventeen eighteen nineteen").split()
 _TENS = "_ _ twenty thirty forty fifty sixty seventy eighty ninety".split()
@@ -183,10 +208,11 @@ def pronounce(word: str) -> str | None:
         return None
     if word.isupper() and key.isalpha() and key.isascii() and 2 <= len(key) <= 6:
         return " ".join(_LETTER_NAMES[c] for c in key)  # an acronym, spelled
-    if key.endswith("'s") and len(key) > 2:
-        stem = pronounce(word[:-2])
-        if stem:
-            return f"{stem} Z"
+    stem, apostrophe, clitic = word.replace("’", "'").rpartition("'")
+    if apostrophe and stem and clitic.lower() in _CLITICS:  # dog's, couldn't've: the word, then the clitic's sound
+        said = pronounce(stem)
+        if said:
+            return f"{said} {_CLITICS[clitic.lower()]}"
     parts = re.findall(r"[a-z]+|[0-9]+", key)
     phones = []
     for part in parts:
@@ -290,9 +316,10 @@ def make_decoder(entries: dict[str, str], arpa: str | None = None, **config):
                                     loglevel="FATAL", **config)
 
 
-def _align(entries: dict[str, str], names: list[str], pcm: bytes, **beams) -> list[tuple[int, int, int]]:
-    """(word index, first frame, last frame) of the words `names`, in the order the aligner found them."""
-    decoder = make_decoder(entries, **beams)
+def _align(entries: dict[str, str], names: list[str], pcm: bytes, **search) -> list[tuple[int, int, int]]:
+    """(word index, first frame, last frame) of the words `names`, in the order the aligner found them; `search`:
+    pocketsphinx's options (one of SEARCHES)."""
+    decoder = make_decoder(entries, **search)
     try:
         decoder.set_align_text(" ".join(names))
         decoder.start_utt()
@@ -314,18 +341,19 @@ def align_words(samples: np.ndarray, sample_rate: int, text: str, language: str 
     pcm, seconds = speech_pcm16(samples, sample_rate)
     names = [f"w{i}" for i in range(len(words))]
     entries = dictionary_entries(names, words)
-    for beams in BEAM_TRIES:
-        frames = _align(entries, names, pcm, **beams)
+    for search in SEARCHES:
+        frames = _align(entries, names, pcm, **search)
         if [i for i, _, _ in frames] == list(range(len(words))):
             break
     else:
         phones = sum(len(pronounce(w).split()) for w in words)
         raise AlignUnavailable(f"pocketsphinx found no alignment of {len(words)} words ({phones} sounds) in "
                                f"{seconds:.2f} s of audio: too short for the text, or not this text")
+    frame_s = 1 / search.get("frate", FRAME_RATE)
     out, last = [], 0.0
     for (_, first, final), word in zip(frames, words, strict=True):
-        end = min((final + 1) * FRAME_S, seconds)
-        start = max(first * FRAME_S, last)
+        end = min((final + 1) * frame_s, seconds)
+        start = max(first * frame_s, last)
         start = min(start + min(START_LEAD_S, (end - start) / 3), end - 1e-3)
         out.append(WordTime(word, round(start, 3), round(end, 3)))
         last = end

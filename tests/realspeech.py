@@ -102,14 +102,17 @@ def group(words: list[str], runs: list[tuple[int, int]], counts: list[int]) -> l
     return cuts[::-1]
 
 
-def speak(text: str) -> Spoken:
-    """`text` spoken by Piper, each of its words timed. ValueError when its words and Piper's do not pair up."""
+def speak(text: str, length_scale: float | None = None, noise: bool = True) -> Spoken:
+    """`text` spoken by Piper, each of its words timed; `length_scale` below 1 speaks faster (0.7: about 1.3 times
+    as many words a second), None is the voice's own; `noise=False` sets Piper's noise scales to 0, so every run gives
+    the same samples. ValueError when its words and Piper's do not pair up."""
     from piper import SynthesisConfig
 
     v = voice()
     pieces, runs, sizes, offset = [], [], [], 0
     expected = words_of(text)
-    config = SynthesisConfig(normalize_audio=False)
+    still = {} if noise else {"noise_scale": 0.0, "noise_w_scale": 0.0}
+    config = SynthesisConfig(normalize_audio=False, length_scale=length_scale, **still)
     for chunk in v.synthesize(text, syn_config=config, include_alignments=True):
         if chunk.phoneme_alignments is None:
             raise ValueError(f"Piper gave no phoneme alignment for {text!r}")

@@ -163,6 +163,7 @@ def test_a_word_missing_from_the_dictionary_gets_a_rough_pronunciation(en):
     assert pronounce("HTTPX") == "EY CH T IY T IY P IY EH K S"  # a short all-capitals word: spelled
     assert pronounce("2024") == "T W EH N T IY T W EH N T IY F AO R"  # a year, in pairs
     assert pronounce("schöner") == "S K AA N ER"  # accents folded
+    assert pronounce("couldn't've") == "K UH D AH N T AH V"  # a clitic after a word: its sound, not its letters
     got = align_words(x, sr, text.replace("fox", "Foxxo"))  # not in the dictionary, and said "fox"
     assert [w.word for w in got][3] == "Foxxo"
     for i in (2, 3, 4):  # it takes the time "fox" took, and its neighbours keep theirs

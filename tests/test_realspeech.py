@@ -1,6 +1,7 @@
 """Checks that listen, measured on real speech with known word times (tests/realspeech.py: Piper's voice, each
 word's time from its phonemes' sample counts). The sentences are tests/data/speech/set_a.txt (40, written before the
-aligner was tuned) and set_b.txt (20, written after); the floors are docs/evaluation.md's."""
+aligner was tuned), set_b.txt (20, written after) and set_c.txt (20, written when fast speech was found cut short,
+spoken fast); the floors are docs/evaluation.md's."""
 
 from __future__ import annotations
 
@@ -43,30 +44,66 @@ def test_phoneme_runs_pair_with_words():
                                                                                                      (3, 1)]
 
 
+def boundary_ms(name: str, spoken: list[realspeech.Spoken]) -> np.ndarray:
+    """Every known word boundary's error in ms, each sentence aligned (AlignUnavailable fails the test), printed."""
+    errors = []
+    for s in spoken:
+        errors += realspeech.boundary_errors(align_words(s.samples, s.sample_rate, s.text), s.words)
+    ms = np.array(errors) * 1000
+    print(f"\n{name}: {len(spoken)} sentences, {ms.size} boundaries: median {np.median(ms):.1f} ms, "
+          f"p90 {np.percentile(ms, 90):.1f} ms, within 100 ms {np.mean(ms <= 100):.1%}")
+    return ms
+
+
 @pytest.mark.parametrize("name", ["set_a", "set_b"])
 def test_aligner_boundaries_against_piper(spoken, name):
     """Every sentence aligned (no false refusal of whole speech); boundary error median <= 25 ms, p90 <= 60 ms."""
-    errors = []
-    for s in spoken[name]:
-        errors += realspeech.boundary_errors(align_words(s.samples, s.sample_rate, s.text), s.words)
-    ms = np.array(errors) * 1000
-    print(f"\n{name}: {len(spoken[name])} sentences, {ms.size} boundaries: median {np.median(ms):.1f} ms, "
-          f"p90 {np.percentile(ms, 90):.1f} ms, within 100 ms {np.mean(ms <= 100):.1%}")
+    ms = boundary_ms(name, spoken[name])
     assert ms.size >= 300
     assert np.median(ms) <= 25 and np.percentile(ms, 90) <= 60
 
 
+FAST_SCALE = 0.7  # Piper's length scale for fast speech: ~4.3 words a second (its own rate: ~3.3)
+
+
+def test_fast_speech_is_timed_to_its_last_word():
+    """Fast speech is timed, every word: set_c at 0.7x length, median <= 20 ms, p90 <= 50 ms (measured 12.5 and
+    32.7 ms). And one sentence at 0.55x, noise-free (the same samples every run), which pocketsphinx's second pass
+    ended at "first", stretched over "snow", so that it was refused as too short for its text (align.PASSES): its
+    last word now ends where Piper's does."""
+    ms = boundary_ms("set_c at 0.7x", [realspeech.speak(t, FAST_SCALE) for t in sentences("set_c.txt")])
+    assert ms.size >= 300
+    assert np.median(ms) <= 20 and np.percentile(ms, 90) <= 50
+    s = realspeech.speak("The squirrels buried acorns all over the yard before the first snow.", 0.55, noise=False)
+    found = align_words(s.samples, s.sample_rate, s.text)
+    assert [w.word for w in found] == [w.word for w in s.words] and found[-1].word == "snow"
+    assert abs(found[-1].end - s.words[-1].end) <= 0.05 and abs(found[-1].start - s.words[-1].start) <= 0.05
+
+
+def test_speech_faster_than_three_frames_a_sound_is_timed_in_finer_frames():
+    """At 0.35x length (~6.7 words a second, noise-free), this sentence has no path at 100 frames a second (each sound
+    takes 3 frames); the last try, at 200 (align.FAST), times it: median <= 25 ms, every boundary within 80 ms
+    (measured 16.9 and 52.9)."""
+    s = realspeech.speak("The children built a tall sandcastle near the water.", 0.35, noise=False)
+    ms = np.array(realspeech.boundary_errors(align_words(s.samples, s.sample_rate, s.text), s.words)) * 1000
+    assert len(s.words) / s.seconds > 6 and np.median(ms) <= 25 and ms.max() <= 80, ms
+
+
 def test_aligner_on_noisy_and_resampled_speech(spoken):
-    """20 dB SNR white noise, at 16 / 24 kHz: still every sentence, median <= 25 ms, p90 <= 65 ms."""
+    """20 dB SNR white noise, at 16 / 24 kHz: still every sentence, median <= 25 ms, p90 <= 65 ms. At 10 dB (22.05
+    kHz) every sentence too, median <= 35 ms, p90 <= 90 ms (11-14 of 60 were refused while only pocketsphinx's second
+    pass was taken: align.PASSES)."""
     rng = np.random.default_rng(0)
-    for rate in (16000, 24000):
+    for rate, snr_db in ((16000, 20), (24000, 20), (22050, 10)):
         errors = []
         for s in spoken["set_a"]:
-            x = s.samples + rng.normal(0, np.sqrt(np.mean(s.samples ** 2) / 100), s.samples.size).astype(np.float32)
-            errors += realspeech.boundary_errors(align_words(resample(x, s.sample_rate, rate), rate, s.text),
-                                                 s.words)
+            noise = rng.normal(0, np.sqrt(np.mean(s.samples ** 2) / 10 ** (snr_db / 10)), s.samples.size)
+            x = resample(s.samples + noise.astype(np.float32), s.sample_rate, rate)
+            errors += realspeech.boundary_errors(align_words(x, rate, s.text), s.words)
         ms = np.array(errors) * 1000
-        assert np.median(ms) <= 25 and np.percentile(ms, 90) <= 65, (rate, np.median(ms), np.percentile(ms, 90))
+        floor = (25, 65) if snr_db == 20 else (35, 90)
+        assert np.median(ms) <= floor[0] and np.percentile(ms, 90) <= floor[1], \
+            (rate, snr_db, np.median(ms), np.percentile(ms, 90))
 
 
 def test_the_wrong_text_is_refused_not_timed(spoken):
