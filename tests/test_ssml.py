@@ -129,6 +129,9 @@ def test_http_and_the_command_line_show_what_the_document_became(builds, tmp_pat
                         '<speak><audio src="x"/></speak>', "--ssml", "--dry-run"], cwd=ROOT, capture_output=True,
                        text=True, timeout=120)
     assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].startswith("error:") and "<audio>" in p.stderr
+    p = subprocess.run([sys.executable, "-m", "higgs_onnx.serve", "--model-path", str(builds["fp32"]), "--ssml"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "--ssml is per request" in p.stderr
 
 
 AUDIO_ALIAS = '<sub alias="&lt;|audio|&gt;">W3C</sub>'
@@ -165,6 +168,3 @@ def test_what_a_document_reads_as_is_refused_before_any_work(builds, tmp_path):
         helped = subprocess.run([sys.executable, "-m", door, "--help"], cwd=ROOT, capture_output=True, text=True,
                                 timeout=60).stdout
         assert f"refused: {words}" in " ".join(helped.split()), helped  # what its error says (tested above)
-    p = subprocess.run([sys.executable, "-m", "higgs_onnx.serve", "--model-path", str(builds["fp32"]), "--ssml"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert p.returncode == 2 and "--ssml is per request" in p.stderr
