@@ -581,8 +581,8 @@ def test_turns_cut_at_random_points_never_wedge_or_leak(cut_server):
         freed(server)
     assert len(cuts) == TURNS
     seen = Counter((c.protocol, c.point) for c in cuts)
-    for protocol in PROTOCOLS:  # every door cut at every point (the WebSocket's cut is always a close)
-        for point in POINTS:
-            assert seen[protocol, point] > 0 or protocol == "websocket" and point != "closed", (protocol, point)
+    for protocol in PROTOCOLS:  # every door cut at every point (the WebSocket's cut is always a close, after any)
+        points = [seen[protocol, point] for point in POINTS]
+        assert (sum(points) if protocol == "websocket" else min(points)) > 0, (protocol, points)
     silences = sorted(c.silence_s for c in cuts if c.silence_s is not None)
     assert silences[-1] < 5.0, silences[-5:]  # the probe bounds it; a wedged context would never answer
