@@ -27,9 +27,6 @@ class AgentCodec(Codec):
     def encoder(self, stream: Stream) -> PcmStream:
         return PcmStream(stream.state["output"], self.engine.native)
 
-    async def session_of(self, values: dict) -> tuple:
-        return await session_of(self.engine.svc, self.name, values)
-
     async def feed(self, stream: Stream, text, param: str) -> None:
         """Text for a context; past the bound on text waiting to be spoken the context is cancelled (nothing of it
         queued) and refused."""

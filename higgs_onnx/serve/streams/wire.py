@@ -1,5 +1,5 @@
-"""What the streaming doors share (the text-in WebSocket and Wyoming's streaming synthesis): text arriving in pieces,
-cut into segments, spoken one after the other by one `SpeechSession`, and the lifecycle around it.
+"""The stream engine's primitives (engine.py, under every text-in door): text arriving in pieces, cut into segments,
+spoken one after the other by one `SpeechSession`, and the lifecycle around it.
 
 - `SegmentQueue`: the segments waiting to be spoken, with the one bound on them: at most MAX_PENDING characters
   received and not yet spoken (a client sending far faster than speech is refused with `TextTooLong`).
