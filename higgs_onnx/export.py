@@ -22,7 +22,18 @@ from pathlib import Path
 
 from . import parts, providers
 from .checkpoint import ModelFacts, files_digest, resolve, validate
-from .manifest import MANIFEST, PART_NAMES, check_digest, link_or_copy, new_manifest, sha256_file, write_manifest
+from .manifest import (
+    MANIFEST,
+    PART_NAMES,
+    ROUTE_FORM_DEFAULT,
+    ROUTE_FORMS,
+    check_digest,
+    link_or_copy,
+    new_manifest,
+    route_form,
+    sha256_file,
+    write_manifest,
+)
 from .memory import peak_rss, release_memory, rss
 from .parity import summary
 from .parts.cache import PartCache
@@ -69,6 +80,8 @@ class ExportOptions:
     # (positions, rows) from which one-row calls / batched steps take the route, instead of measuring it here (a build
     # for another machine, or a reproducible one); None in either: never
     route_crossover: tuple | None = None
+    # the route's int8 weights (manifest.ROUTE_FORMS): s7 runs exactly on every x86 CPU, s8 only with VNNI/AMX
+    route_form: str = ROUTE_FORM_DEFAULT
 
 
     def __post_init__(self) -> None:
@@ -93,6 +106,8 @@ class ExportOptions:
             raise ValueError(f"the int8 prefill route runs beside an int4 GroupQueryAttention decoder on the CPU "
                              f"(--device cpu --precision int4 --attention gqa), not {self.device} "
                              f"{self.precisions['llm_decoder']} with the {self.decoder_attention} graph")
+        if self.route_form not in ROUTE_FORMS:
+            raise ValueError(f"--route-form must be one of {', '.join(ROUTE_FORMS)}, got {self.route_form!r}")
         if self.route_crossover is not None:
             if not self.route:
                 raise ValueError("--route-crossover sets the int8 route's crossover, but this build makes no route")
@@ -284,7 +299,8 @@ class Exporter:
         tmp = self.cache.scratch(part, stamp)
         job = parts.BuildJob(ckpt=ckpt, out=tmp, work=self.work, precision=precision, device=o.device,
                              attention=o.decoder_attention, block_size=o.block_size, accuracy_level=o.accuracy,
-                             digest=digest, say=say, route=o.route and part == "llm_decoder")
+                             digest=digest, say=say, route=o.route and part == "llm_decoder",
+                             route_bits=ROUTE_FORMS[o.route_form])
         t0 = time.perf_counter()
         path = parts.module(part).build(job)
         seconds = time.perf_counter() - t0
@@ -419,8 +435,6 @@ class Exporter:
         from .manifest import CROSSOVER_SIZES, crossover_words
         from .parts import llm_route, llm_step
         from .parts.llm_decoder import INT8_WEIGHTS
-        from .reference.model import ReferenceModel
-        from .runtime.model import HiggsTTS
         from .runtime.route import cpu_summary
 
         t0 = time.perf_counter()
@@ -433,27 +447,16 @@ class Exporter:
             "files": {path.name: {"size": path.stat().st_size, "sha256": sha256_file(path)}}, **io_signature(path)}
         # loadable with the route (its crossover not measured yet: the gate and the timing force each route)
         weights = [INT8_WEIGHTS, INT8_WEIGHTS + ".data"]  # the decoder part's files the route's session loads
+        form = self.opts.route_form
         write_manifest(staging, self.manifest(ckpt, facts, parts_manifest, kv,
-                                              {"kind": llm_route.KIND, "weights": weights,
+                                              {"kind": llm_route.KIND, "weights": weights, "form": form,
                                                "crossover": dict.fromkeys(CROSSOVER_SIZES)}))
-        say(f"int8 route: {path.name} composed (the step graph's projections on the int8 GEMM); gating it and the "
-            f"int4 route against an fp32 reference")
-        tts = HiggsTTS(staging, verify=False, route="on")
-        if tts.backend.route_part is None:  # too little memory here to load it beside the int4 graph (logged)
-            gate = {"prompts": [], "worst": {}, "failed": ["not enough free memory to load the route and gate it"],
-                    "ok": False}
-        else:
-            ref = ReferenceModel(ckpt, dtype="fp32")
-            try:
-                gate = llm_route.gate(tts, ref)
-            finally:
-                del ref
-                release_memory()
+        say(f"int8 route: {path.name} composed (the step graph's projections on the int8 GEMM, {form} weights); "
+            f"prefilling real prompts on each route, one session at a time, then gating both against fp32")
+        gate, timing = self.route_figures(staging, ckpt)
         info = {"kind": llm_route.KIND, "part": llm_route.NAME, "policy": llm_route.POLICY, "weights": weights,
-                "gate": {k: v for k, v in gate.items() if k != "ok"}, "cpu": cpu_summary()}
+                "form": form, "gate": {k: v for k, v in gate.items() if k != "ok"}, "cpu": cpu_summary()}
         if not gate["ok"]:
-            del tts
-            release_memory()
             why = "; ".join(gate["failed"])
             for name in (path.name, *weights):
                 (staging / name).unlink(missing_ok=True)
@@ -473,16 +476,51 @@ class Exporter:
             info["crossover"] = dict(zip(CROSSOVER_SIZES, self.opts.route_crossover, strict=True))
             info["crossover_given"] = True
         else:
-            say(f"int8 route: {llm_route.summary(gate)}; timing both routes for the crossover")
-            timing = llm_route.measure(tts.backend.decoder)
+            say(f"int8 route: {llm_route.summary(gate)}; both routes timed for the crossover")
             info["crossover"] = {k: v["crossover"] for k, v in timing.items()}
             info["timings_ms"] = {k: v["ms"] for k, v in timing.items()}  # {size: [int4, route]}
-        del tts
-        release_memory()
         info["seconds"] = round(time.perf_counter() - t0, 1)
         say(f"int8 route: {crossover_words(info)}")
         assert llm_step.NAME in parts_manifest  # the route is the step graph's twin: it never exists alone
         return info
+
+    def route_figures(self, staging: Path, ckpt: Path) -> tuple[dict, dict | None]:
+        """The route's gate and (unless `--route-crossover` gave it) both routes' timings, with one decoder's
+        weights in memory at a time: the int4 step graph's prefills of the gate's prompts and its timings, then the
+        route's session alone on the same prompts and sizes, then the fp32 reference (hidden states and logits are
+        small arrays). Returns (the gate, `llm_route.timings` or None)."""
+        from .parts import llm_route
+        from .reference.model import ReferenceModel
+        from .runtime.backend import route_bytes
+        from .runtime.model import HiggsTTS
+        from .runtime.route import fits
+
+        measure = self.opts.route_crossover is None
+        tts = HiggsTTS(staging, verify=False, route="off")  # the int4 step graph, and the parts the prompts need
+        prompts = llm_route.gate_prompts(tts)
+        hidden = {"int4": llm_route.prefills(tts.backend.decoder, prompts, False)}
+        int4_times = llm_route.time_ladders(tts.backend.decoder, False) if measure else None
+        manifest = tts.manifest
+        say(f"int8 route: the int4 step graph's prefills{' and timings' if measure else ''} done; releasing it")
+        del tts
+        release_memory()
+        if not fits(route_bytes(manifest)):  # too little memory here to load it (logged)
+            return {"prompts": [], "worst": {}, "failed": ["not enough free memory to load the route and gate it"],
+                    "ok": False}, None
+        route = llm_route.alone(staging)
+        hidden["int8"] = llm_route.prefills(route, prompts, True)
+        route_times = llm_route.time_ladders(route, True, against=int4_times) if measure else None
+        say(f"int8 route: its session's prefills{' and timings' if measure else ''} done, alone; releasing it for "
+            f"the fp32 reference")
+        del route
+        release_memory()
+        ref = ReferenceModel(ckpt, dtype="fp32")
+        try:
+            gate = llm_route.judge(ref, prompts, hidden)
+        finally:
+            del ref
+            release_memory()
+        return gate, llm_route.timings(int4_times, route_times) if measure else None
 
     def manifest(self, ckpt: Path, facts: ModelFacts, parts: dict, kv: dict | None = None,
                  route: dict | None = None) -> dict:
@@ -574,11 +612,13 @@ class Exporter:
         route = route if isinstance(route, dict) else {}
         if not self.opts.route:
             return route.get("kind", "none") == "none" and "refused" not in route
-        if route.get("kind") == KIND and route.get("policy") == ROUTE_POLICY:
+        same_form = route_form(route) == self.opts.route_form
+        if route.get("kind") == KIND and route.get("policy") == ROUTE_POLICY and same_form:
             given = self.opts.route_crossover
             return given is None or route.get("crossover") == dict(zip(("prefill", "batch"), given, strict=True))
         refused = route.get("refused")
-        return isinstance(refused, dict) and refused.get("policy") == ROUTE_POLICY and self.opts.prefill_route is None
+        return (isinstance(refused, dict) and refused.get("policy") == ROUTE_POLICY and self.opts.prefill_route is None
+                and route_form(refused) == self.opts.route_form)
 
     def print_summary(self, entries: dict, seconds: float) -> None:
         w = max(map(len, PART_NAMES)) + 2

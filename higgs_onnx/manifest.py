@@ -43,6 +43,19 @@ DERIVED_PARTS = ("llm_step", "llm_route")
 ROUTE_KIND = "int8-gemm"
 ROUTE_KINDS = (ROUTE_KIND, "none")
 CROSSOVER_SIZES = ("prefill", "batch")
+# the route's weight form (`decoder.route.form`) -> the bits of its symmetric weights. MLAS's u8s8 GEMM without an
+# int8 dot product (AVX2: vpmaddubsw) adds pairs of u8 x s8 products in 16 bits: 255 x 127 x 2 = 64770 saturates,
+# 255 x 63 x 2 = 32130 < 32767 cannot. "s7" (weights in [-63, 63], ONNX Runtime's `reduce_range`) is exact on every
+# x86 kernel (AVX2, VNNI, AMX); "s8" ([-127, 127]) only where the CPU has VNNI or AMX. An entry without it: s8
+ROUTE_FORMS = {"s7": 7, "s8": 8}
+ROUTE_FORM_DEFAULT = "s7"  # one export that runs everywhere (exports are shared on the Hub)
+ROUTE_FORM_WORDS = {"s7": "7-bit weights, exact on every x86 int8 kernel (AVX2, VNNI, AMX)",
+                    "s8": "8-bit weights, for CPUs with an int8 dot product (VNNI or AMX)"}
+
+
+def route_form(route: dict) -> str:
+    """The weight form of an export's `decoder.route` (checked at load): "s8" for one built before the field."""
+    return route.get("form", "s8")
 
 
 # what a manifest without a "decoder" entry (written before the portable decoder existed) describes
@@ -211,14 +224,16 @@ class Manifest:
 def crossover_words(route: dict) -> str:
     """An export's int8 route crossover (its manifest's `decoder.route`) in words: the one wording of the build's
     line, eval's report, the model card and benchmarks/routes.py. "one-row calls from 64 positions, batched steps
-    never; given at build (--route-crossover), not measured; built on <CPU>", or "...; measured on <CPU>"."""
+    never; given at build (--route-crossover), not measured; built on <CPU>; s7: 7-bit weights, ...", or "...;
+    measured on <CPU>; ..." (the weight form says which CPUs run it)."""
     c, given = route.get("crossover") or {}, bool(route.get("crossover_given"))
     never = "never" if given else "never (int4 won at every size timed)"
     prefill = f"from {c['prefill']} positions" if c.get("prefill") else never
     batch = f"from {c['batch']} rows" if c.get("batch") else never
     cpu = (route.get("cpu") or {}).get("model", "an unrecorded CPU")
     how = f"given at build (--route-crossover), not measured; built on {cpu}" if given else f"measured on {cpu}"
-    return f"one-row calls {prefill}, batched steps {batch}; {how}"
+    form = route_form(route)
+    return f"one-row calls {prefill}, batched steps {batch}; {how}; {form}: {ROUTE_FORM_WORDS.get(form, 'unknown')}"
 
 
 def load_manifest(folder: str | os.PathLike, verify: bool = True) -> Manifest:
@@ -342,6 +357,8 @@ def check_route(route, mf: Path) -> None:
             f"got {route.get('kind')!r:.40}")
     if route["kind"] != ROUTE_KIND:
         return
+    _expect(route_form(route) in ROUTE_FORMS, mf, f"'decoder.route.form' must be one of {', '.join(ROUTE_FORMS)} "
+            f"(the int8 weights' range), got {route.get('form')!r:.40}")
     cross = route.get("crossover")
     _expect(isinstance(cross, dict), mf, f"'decoder.route.crossover' must be an object with "
             f"{' and '.join(CROSSOVER_SIZES)}, got {cross!r:.40}")

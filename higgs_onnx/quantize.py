@@ -75,13 +75,16 @@ class DataWriter:
         self.f.close()
 
 
-def quantize_columns(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def quantize_columns(w: np.ndarray, bits: int = 8) -> tuple[np.ndarray, np.ndarray]:
     """(K, N) float weight -> int8 (K, N) and float32 scales (N,): symmetric, one scale per output column (the
-    largest |w| of the column maps to 127), round to nearest. What the int8 GEMM route multiplies
-    (`parts/llm_route.py`)."""
+    largest |w| of the column maps to 2**(bits-1) - 1: 127 at 8 bits, 63 at 7), round to nearest. What the int8
+    GEMM route multiplies (`parts/llm_route.py`; its form, `manifest.ROUTE_FORMS`, gives `bits`)."""
+    if bits not in (7, 8):
+        raise ValueError(f"the route's weights are 7 or 8 bits, got {bits}")
+    top = 2 ** (bits - 1) - 1
     w = np.asarray(w, np.float32)
-    scales = np.maximum(np.abs(w).max(axis=0), 1e-12) / 127.0
-    q = np.clip(np.rint(w / scales), -127, 127).astype(np.int8)
+    scales = np.maximum(np.abs(w).max(axis=0), 1e-12) / top
+    q = np.clip(np.rint(w / scales), -top, top).astype(np.int8)
     return q, scales.astype(np.float32)
 
 
@@ -96,12 +99,14 @@ def write_int8_index(dst: Path, tensors: list[TensorProto]) -> None:
 
 
 def quantize_model_int4(src: Path, dst: Path, block_size: int = 32, accuracy_level: int = 4,
-                        progress: Callable[[int, int], None] | None = None, int8_dst: Path | None = None) -> int:
+                        progress: Callable[[int, int], None] | None = None, int8_dst: Path | None = None,
+                        int8_bits: int = 8) -> int:
     """Quantize every MatMul with a 2-D constant weight in `src` to MatMulNBits into `dst` (+ `<dst>.data`).
 
     Other initializers are copied as they are. Returns the number of quantized MatMuls. `int8_dst`: also write
-    each such weight at int8 per output column (`quantize_columns`: `<weight>_Q8`, `<weight>_Q8_scales`) into
-    `<int8_dst>.data`, indexed by the node-less graph `int8_dst`; each weight is read once for both.
+    each such weight at int8 per output column (`quantize_columns` at `int8_bits`: `<weight>_Q8`,
+    `<weight>_Q8_scales`) into `<int8_dst>.data`, indexed by the node-less graph `int8_dst`; each weight is read
+    once for both.
     """
     model = onnx.load(str(src), load_external_data=False)
     graph, base = model.graph, src.parent
@@ -125,7 +130,7 @@ def quantize_model_int4(src: Path, dst: Path, block_size: int = 32, accuracy_lev
             k, n = t.dims
             w = _read_weight(t, base)
             if writer8 is not None:
-                q8, s8 = quantize_columns(w)
+                q8, s8 = quantize_columns(w, int8_bits)
                 int8 += [writer8.add(t.name + INT8_SUFFIX, q8), writer8.add(t.name + INT8_SCALES_SUFFIX, s8)]
             packed, scales = quantize_block(w, block_size)
             q = writer.add(t.name + "_Q4", packed)

@@ -197,7 +197,9 @@ MODEL_ROWS = [
         ("crossover null", lambda r: r.update(crossover=None), "'decoder.route.crossover' must be an object with "
          "prefill and batch, got None"),
         ("kind unknown", lambda r: r.update(kind="int9-gemm"), "'decoder.route.kind' must be one of int8-gemm, "
-         "none, got 'int9-gemm'"))],
+         "none, got 'int9-gemm'"),
+        ("form unknown", lambda r: r.update(form="s9"), "'decoder.route.form' must be one of s7, s8 (the int8 "
+         "weights' range), got 's9'"))],
 ]
 
 

@@ -48,10 +48,12 @@ def test_the_crossover_is_worded_once_given_or_measured():
     given = {"kind": "int8-gemm", "crossover": {"prefill": 64, "batch": None}, "crossover_given": True,
              "cpu": {"model": "Xeon", "flags": ["avx512_vnni"]}}
     assert crossover_words(given) == ("one-row calls from 64 positions, batched steps never; given at build "
-                                             "(--route-crossover), not measured; built on Xeon")
-    measured = {"crossover": {"prefill": None, "batch": 4}, "cpu": {"model": "EPYC"}}
+                                      "(--route-crossover), not measured; built on Xeon; s8: 8-bit weights, for "
+                                      "CPUs with an int8 dot product (VNNI or AMX)")  # no form: built before s7
+    measured = {"crossover": {"prefill": None, "batch": 4}, "cpu": {"model": "EPYC"}, "form": "s7"}
     assert crossover_words(measured) == ("one-row calls never (int4 won at every size timed), batched steps "
-                                                "from 4 rows; measured on EPYC")
+                                         "from 4 rows; measured on EPYC; s7: 7-bit weights, exact on every x86 int8 "
+                                         "kernel (AVX2, VNNI, AMX)")
     card = "\n".join(gate_lines({"route": given}))
     assert f"- route crossover: {crossover_words(given)}, CPU flags avx512_vnni" in card
     root = Path(__file__).resolve().parents[1]
@@ -61,18 +63,50 @@ def test_the_crossover_is_worded_once_given_or_measured():
     sites = sorted(str(p.relative_to(root)) for p in sources if wording.search(p.read_text(encoding="utf-8")))
     assert sites == ["higgs_onnx/manifest.py"], sites
 
-def test_the_policy_reads_the_manifest_and_the_cpu(monkeypatch, caplog):
-    entry = {"kind": "int8-gemm", "crossover": {"prefill": 16, "batch": None}}
-    monkeypatch.setattr(routes, "cpu_flags", lambda: frozenset({"avx2", "avx512_vnni"}))
-    assert routes.policy(entry) == RoutePolicy(prefill=16, batch=None)
-    assert routes.policy(entry, "off") == routes.NEVER and routes.policy(entry, "on") == routes.MULTI_ROW
-    assert routes.policy({"kind": "none"}) == routes.NEVER and routes.policy(None) == routes.NEVER
-    monkeypatch.setattr(routes, "cpu_flags", lambda: frozenset({"avx2", "fma"}))  # no VNNI, no AMX
-    with caplog.at_level("WARNING"):
-        assert routes.policy(entry) == routes.NEVER
-    assert "int8 route off" in caplog.text and "avx512_vnni" in caplog.text
+AVX2 = frozenset({"avx2", "fma", "sse4_2"})  # most laptops and desktops: no int8 dot product
+VNNI = AVX2 | {"avx512f", "avx512_vnni"}
+
+
+def test_the_policy_reads_the_manifest_and_the_cpu(caplog):
+    """`auto` takes the route where its gate held and this CPU's u8s8 GEMM multiplies its weight form exactly: s7
+    on any x86 CPU with AVX2, s8 (and an entry built before the form was recorded) only with VNNI or AMX; elsewhere
+    one line naming the form, the flags it needs and how to rebuild. Flags given, not this machine's."""
+    s7 = {"kind": "int8-gemm", "crossover": {"prefill": 16, "batch": None}, "form": "s7"}
+    s8 = {**s7, "form": "s8"}
+    old = {k: v for k, v in s7.items() if k != "form"}
+    on = RoutePolicy(prefill=16, batch=None)
+    for entry, flags, want in ((s7, AVX2, on), (s7, VNNI, on), (s8, VNNI, on), (s8, AVX2 | {"avx_vnni"}, on),
+                               (s8, AVX2 | {"amx_int8"}, on), (old, VNNI, on), (s7, frozenset(), on),
+                               (s8, frozenset(), on)):  # no flags to read (not Linux): the build's gate stands
+        assert routes.policy(entry, flags=flags) == want, (entry.get("form"), sorted(flags))
+    assert routes.policy(s7, "off", VNNI) == routes.NEVER and routes.policy(s8, "on", AVX2) == routes.MULTI_ROW
+    assert routes.policy({"kind": "none"}, flags=VNNI) == routes.NEVER and routes.policy(None) == routes.NEVER
+    for entry, flags, words in ((s8, AVX2, "its s8 weights need avx512_vnni or avx_vnni or amx_int8"),
+                                (old, AVX2, "its s8 weights need avx512_vnni"),
+                                (s7, frozenset({"sse4_2", "fma"}), "its s7 weights need avx2")):
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            assert routes.policy(entry, flags=flags) == routes.NEVER
+        lines = [r.getMessage() for r in caplog.records]
+        assert len(lines) == 1 and lines[0].startswith("int8 route off: " + words), lines
+        assert ("--route-form s7" in lines[0]) == (entry is not s7)
     with pytest.raises(ValueError, match="route must be one of auto, off, on"):
-        routes.policy(entry, "fast")
+        routes.policy(s7, "fast")
+
+
+def test_the_route_form_is_checked_at_build_and_at_load(tmp_path):
+    from higgs_onnx.export import ExportOptions
+    from higgs_onnx.manifest import ManifestError, check_route
+
+    assert ExportOptions("cpu", "int4").route_form == "s7"  # the default: one export that runs on every x86 CPU
+    with pytest.raises(ValueError, match="--route-form must be one of s7, s8, got 's6'"):
+        ExportOptions("cpu", "int4", route_form="s6")
+    entry = {"kind": "int8-gemm", "crossover": {"prefill": 16, "batch": None}}
+    check_route(entry, tmp_path / "manifest.json")  # built before the form: s8
+    check_route({**entry, "form": "s7"}, tmp_path / "manifest.json")
+    with pytest.raises(ManifestError, match=r"'decoder.route.form' must be one of s7, s8 \(the int8 weights' "
+                                            r"range\), got 's9'"):
+        check_route({**entry, "form": "s9"}, tmp_path / "manifest.json")
 
 
 def test_a_build_that_cannot_have_the_route_refuses_it_by_name():
@@ -94,12 +128,15 @@ def test_the_columns_quantize_symmetric_per_output_column():
 
     w = np.random.default_rng(0).standard_normal((64, 5)).astype(np.float32) * np.array([1, 10, 0.1, 3, 0],
                                                                                         np.float32)
-    q, s = quantize_columns(w)
-    assert q.dtype == np.int8 and s.shape == (5,) and np.abs(q).max() == 127
-    np.testing.assert_allclose(np.abs(q[:, :4]).max(axis=0), 127)
-    err = np.abs(q.astype(np.float32) * s - w).max(axis=0)[:4]
-    assert (err <= s[:4] / 2 * (1 + 1e-5)).all() and (err > s[:4] / 4).all()  # round to nearest: half a step
-    assert not q[:, 4].any()  # an all-zero column stays zero
+    for bits, top in ((8, 127), (7, 63)):
+        q, s = quantize_columns(w, bits)
+        assert q.dtype == np.int8 and s.shape == (5,) and np.abs(q).max() == top
+        np.testing.assert_allclose(np.abs(q[:, :4]).max(axis=0), top)
+        err = np.abs(q.astype(np.float32) * s - w).max(axis=0)[:4]
+        assert (err <= s[:4] / 2 * (1 + 1e-5)).all() and (err > s[:4] / 4).all()  # round to nearest: half a step
+        assert not q[:, 4].any()  # an all-zero column stays zero
+    with pytest.raises(ValueError, match="7 or 8 bits"):
+        quantize_columns(w, 4)
 
 
 # -- the default build --------------------------------------------------------------------------------------------
@@ -111,6 +148,7 @@ def test_the_default_int4_build_writes_a_gated_timed_route(builds):
     m = load_manifest(folder, verify=True)
     r = m.decoder["route"]
     assert r["kind"] == "int8-gemm" and r["part"] == "llm_route" and r["policy"] == llm_route.POLICY
+    assert r["form"] == "s7"  # the default: exact on every x86 CPU
     worst = r["gate"]["worst"]
     assert not r["gate"]["failed"]
     for k in ("hidden_distance", "logit_distance"):
@@ -125,14 +163,109 @@ def test_the_default_int4_build_writes_a_gated_timed_route(builds):
     step = onnx.load(str(folder / "llm_step.onnx"), load_external_data=False).graph
     ops = [n.op_type for n in g.node]
     layers = m.model["layers"]
-    assert "MatMulNBits" not in ops and ops.count("MatMulInteger") == 5 * layers  # qkv, o, gate, up, down
-    assert ops.count("ReduceMax") == 4 * layers  # gate and up share their input's quantization
+    assert "MatMulNBits" not in ops and ops.count("MatMulIntegerToFloat") == 5 * layers  # qkv, o, gate, up, down
+    assert ops.count("QuantizeLinear") == 4 * layers  # gate and up share their input's quantization
+    assert not {"MatMulInteger", "Round"} & set(ops)  # the scales inside the GEMM's kernel, the rounding in Quantize
     assert not any(t.name.endswith(("_Q4", "_scales")) and not t.name.endswith("_Q8_scales") for t in g.initializer)
     io = {(v.name, v.type.tensor_type.elem_type) for v in [*g.input, *g.output]}
     assert io == {(v.name, v.type.tensor_type.elem_type) for v in [*step.input, *step.output]}
     locations = {e.value for t in g.initializer for e in t.external_data if e.key == "location"}
     assert {"llm_decoder.onnx.data", "llm_decoder_int8.onnx.data"} <= locations <= {
         "llm_decoder.onnx.data", "llm_decoder_int8.onnx.data", "audio_embed.onnx.data", "audio_heads.onnx.data"}
+
+
+def avx2_u8s8(a: np.ndarray, w: np.ndarray, zero_point: int) -> np.ndarray:
+    """MLAS's u8s8 GEMM on a CPU without an int8 dot product, in NumPy: vpmaddubsw multiplies u8 `a` (M, K) by s8
+    `w` (K, N) and adds each pair of adjacent k in 16 bits, saturating; vpmaddwd adds the pairs into int32; the
+    zero point comes off afterwards (sum a*w - zp * the column sums of w)."""
+    a, w = a.astype(np.int64), w.astype(np.int64)
+    if a.shape[1] % 2:
+        a, w = np.pad(a, ((0, 0), (0, 1))), np.pad(w, ((0, 1), (0, 0)))
+    pairs = np.clip(a[:, 0::2, None] * w[None, 0::2] + a[:, 1::2, None] * w[None, 1::2], -32768, 32767)
+    return pairs.sum(axis=1) - zero_point * w.sum(axis=0)
+
+
+def route_gemms(folder: Path, tmp: Path, embeds: np.ndarray) -> list[tuple]:
+    """(name, u8 rows (M, K), int8 weights (K, N), zero point) of every integer GEMM of the route in `folder`
+    (MatMulInteger, or MatMulIntegerToFloat: inputs A, B, ... and A's zero point), from one prefill of `embeds`
+    (the graph with the u8 tensors as outputs, in `tmp` beside hard links of the weights' files)."""
+    from onnx import helper, numpy_helper
+
+    from higgs_onnx.manifest import link_or_copy
+    from higgs_onnx.parts.llm_decoder import INT8_WEIGHTS
+    from higgs_onnx.parts.llm_step import CODES, EMBEDS
+    from higgs_onnx.runtime.decoder import SimpleDecoder
+    from higgs_onnx.runtime.model import HiggsTTS
+    from higgs_onnx.runtime.session import create_session
+
+    zero_point_input = {"MatMulInteger": 2, "MatMulIntegerToFloat": 4}
+    model = onnx.load(str(folder / "llm_route.onnx"), load_external_data=False)
+    consts = {t.name: t for t in model.graph.initializer}
+    gemms = [n for n in model.graph.node if n.op_type in zero_point_input]
+    model.graph.output.extend(helper.make_tensor_value_info(u8, onnx.TensorProto.UINT8, None)
+                              for u8 in dict.fromkeys(n.input[0] for n in gemms))
+    onnx.save(model, str(tmp / "probe.onnx"))
+    for data in folder.glob("*.data"):
+        link_or_copy(data, tmp / data.name)
+    index = onnx.load(str(folder / INT8_WEIGHTS), load_external_data=False)
+    weights = {}
+    for t in index.graph.initializer:  # the int8 weights, from the external data the index points at
+        info = {e.key: e.value for e in t.external_data}
+        if t.data_type == onnx.TensorProto.INT8:
+            weights[t.name] = np.fromfile(folder / info["location"], np.int8, int(np.prod(t.dims)),
+                                          offset=int(info["offset"])).reshape(tuple(t.dims))
+    tts = HiggsTTS(folder, verify=False, route="off")
+    f = tts.facts
+    past = SimpleDecoder(tts.part("llm_decoder"), f).new_cache(len(embeds) + 1).arrays
+    session = create_session(tmp / "probe.onnx", "cpu", name="probe")
+    names = [o.name for o in session.get_outputs()]
+    outs = dict(zip(names, session.run(None, {EMBEDS: embeds[None], CODES: np.zeros((1, 0, f.num_codebooks), np.int64),
+                                              "attention_mask": np.ones((1, len(embeds)), np.int64), **past}),
+                    strict=True))
+    return [(n.name, outs[n.input[0]].reshape(len(embeds), -1), weights[n.input[1]],
+             int(numpy_helper.to_array(consts[n.input[zero_point_input[n.op_type]]]))) for n in gemms]
+
+
+def ort_matmul_integer(tmp: Path, a: np.ndarray, w: np.ndarray, zero_point: int) -> np.ndarray:
+    """ONNX Runtime's MatMulInteger (MLAS's u8s8 GEMM, this CPU's kernel) of u8 `a` (M, K) and s8 `w` (K, N)."""
+    from onnx import helper, numpy_helper
+
+    from higgs_onnx.runtime.session import create_session
+
+    graph = helper.make_graph([helper.make_node("MatMulInteger", ["a", "w", "zp"], ["y"])], "gemm",
+                              [helper.make_tensor_value_info("a", onnx.TensorProto.UINT8, [None, a.shape[1]])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.INT32, [None, w.shape[1]])],
+                              initializer=[numpy_helper.from_array(np.ascontiguousarray(w), "w"),
+                                           numpy_helper.from_array(np.array(zero_point, np.uint8), "zp")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10),
+              str(tmp / "gemm.onnx"))
+    return create_session(tmp / "gemm.onnx", "cpu", name="gemm").run(None, {"a": a})[0]
+
+
+@pytest.mark.slow
+def test_s7_weights_are_exact_on_every_x86_kernel_where_s8_saturates_without_vnni(builds, tts4, tmp_path):
+    """The default route's 7-bit weights: ONNX Runtime's int32 products on a real prefill equal an exact int64
+    matmul, and so does MLAS's AVX2 kernel (`avx2_u8s8`: 255 x 63 x 2 = 32130 fits its 16-bit pair sums). The same
+    weight columns at 8 bits (255 x 127 x 2 saturates) differ on that kernel in some cells. No AVX2-only machine
+    runs here: the emulation is the test of the argument (docs/building.md)."""
+    from higgs_onnx.generation.engine import prompt_embeddings
+    from higgs_onnx.generation.prompt import build_prompt
+    from higgs_onnx.quantize import quantize_columns
+
+    embeds = prompt_embeddings(tts4.backend, build_prompt(tts4.tokenizer, tts4.tokens, TEXT), tts4.facts.placeholder,
+                               None)
+    gemms = route_gemms(builds["int4"], tmp_path, embeds)
+    assert len(gemms) == 5 * tts4.facts.layers
+    differ = 0
+    for name, a, w7, zp in gemms:
+        assert zp == 128 and np.abs(w7).max() == 63 and a.dtype == np.uint8, name
+        exact = (a.astype(np.int64) - zp) @ w7.astype(np.int64)
+        got = ort_matmul_integer(tmp_path, a, w7, zp)  # ONNX Runtime, this CPU's kernel
+        np.testing.assert_array_equal(got, exact, err_msg=name)
+        np.testing.assert_array_equal(avx2_u8s8(a, w7, zp), exact, err_msg=name)  # the AVX2 kernel
+        w8 = quantize_columns(w7.astype(np.float32), 8)[0]  # the same columns in the s8 form
+        differ += int((avx2_u8s8(a, w8, zp) != (a.astype(np.int64) - zp) @ w8.astype(np.int64)).sum())
+    assert differ > 0  # real activations reach the saturation with 8-bit weights
 
 
 @pytest.mark.slow
@@ -244,8 +377,8 @@ def test_a_damaged_route_is_refused_and_not_written(tiny_ckpt, tmp_path, monkeyp
 
     real = quantize.quantize_columns
 
-    def damaged(w):  # every column's scale off by up to +-40 %: a wrong route, not a rounding
-        q, s = real(w)
+    def damaged(w, bits=8):  # every column's scale off by up to +-40 %: a wrong route, not a rounding
+        q, s = real(w, bits)
         return q, s * np.random.default_rng(q.shape[1]).uniform(0.6, 1.4, s.shape).astype(np.float32)
 
     monkeypatch.setattr(quantize, "quantize_columns", damaged)

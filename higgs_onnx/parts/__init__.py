@@ -41,6 +41,7 @@ class BuildJob:
     accuracy_level: int
     digest: str  # cheap identity of the checkpoint files (checkpoint.files_digest)
     route: bool = False  # the decoder only: also write the int8 GEMM route's weights (parts/llm_route.py)
+    route_bits: int = 7  # ... at this many bits (the route's form, manifest.ROUTE_FORMS)
     say: Callable[[str], None] = field(default=print, compare=False)  # progress lines of long sub-steps
 
 

@@ -39,8 +39,8 @@ class PartCache:
                "checkpoint": checkpoint_digest, "version": module(part).BUILD_VERSION}
         if device_specific(part):
             key["device"], key["attention"] = o.device, o.decoder_attention
-        if part == "llm_decoder" and o.route:  # its files then hold the int8 GEMM route's weights too
-            key["route"] = "int8"
+        if part == "llm_decoder" and o.route:  # its files then hold the int8 GEMM route's weights too (s8: as before)
+            key["route"] = "int8" if o.route_form == "s8" else f"int8-{o.route_form}"
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
     def folder(self, part: str, stamp: str) -> Path:

@@ -84,15 +84,15 @@ def build(job: BuildJob) -> Path:
             + (" (fp32 graph, streamed to disk, then quantized one weight at a time)"
                if job.precision == "int4" and provider.memory == providers.HOST_MEMORY else ""))
     build_from_qwen3(qwen3, job.out, job.precision, job.device, job.work / "mb", job.block_size, job.accuracy_level,
-                     int8=job.route)
+                     int8=job.route, int8_bits=job.route_bits)
     return job.out / FILE
 
 
 def build_from_qwen3(qwen3_dir: Path, out: Path, precision: str, ep: str, work: Path, block_size: int = 32,
-                     accuracy_level: int = 4, streaming: bool = True, int8: bool = False) -> None:
+                     accuracy_level: int = 4, streaming: bool = True, int8: bool = False, int8_bits: int = 7) -> None:
     """Build `out/llm_decoder.onnx` (+ `.data`) and `out/genai_config.json` from an extracted Qwen3 folder.
-    `int8` (the streaming int4 path only): also write every projection at int8 per output column from the same
-    fp32 weights (`INT8_WEIGHTS`), for the int8 GEMM route (`parts/llm_route.py`)."""
+    `int8` (the streaming int4 path only): also write every projection at `int8_bits` per output column from the
+    same fp32 weights (`INT8_WEIGHTS`), for the int8 GEMM route (`parts/llm_route.py`)."""
     from ..quantize import quantize_model_int4
 
     # the CPU-memory path of ModelBuilder's int4 holds an fp32 copy of every weight (G8): quantize ourselves
@@ -100,9 +100,9 @@ def build_from_qwen3(qwen3_dir: Path, out: Path, precision: str, ep: str, work: 
         fp32 = work / "fp32"
         _model_builder(qwen3_dir, fp32, "fp32", ep, work / "mb_cache")
         n = quantize_model_int4(fp32 / FILE, out / FILE, block_size=block_size, accuracy_level=accuracy_level,
-                                int8_dst=out / INT8_WEIGHTS if int8 else None)
+                                int8_dst=out / INT8_WEIGHTS if int8 else None, int8_bits=int8_bits)
         log.info("quantized %d MatMuls to int4 (block %d, accuracy level %d)%s", n, block_size, accuracy_level,
-                 " and to int8 per column" if int8 else "")
+                 f" and to {int8_bits}-bit per column" if int8 else "")
         shutil.copyfile(fp32 / "genai_config.json", out / "genai_config.json")
         shutil.rmtree(fp32)
         return

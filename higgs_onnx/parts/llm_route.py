@@ -24,6 +24,8 @@ At build time (`export.Exporter.route`) the route is gated and timed:
   further from fp32 than the int4 route (1 - cosine, hidden states and logits, worst prompt).
 - `crossover`: both routes timed on this machine, one-row calls of M positions (prefill) and batched steps of B
   rows; the crossover is the smallest size from which the route wins at every larger size measured, or none.
+The build holds one decoder session at a time (the int4 graph's prefills and timings, then the route's alone, then
+the fp32 reference on the same prompts): on the 4b the two sessions are 4.6 + 3.6 GB.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ POLICY = 1  # bump when the gate or the crossover rule changes: a build that ref
 ALLOWANCE = 1.0
 PREFILL_LADDER = (2, 4, 8, 16, 32, 64, 128)  # positions of a one-row call
 BATCH_LADDER = (2, 4, 8, 16)  # rows of a batched step
+BUDGET_S = 40.0  # seconds the first route timed may climb its ladders (half each); the other times the same sizes
 GATE_TEXTS = ("Hello there, this is a test of the prefill route, spoken clearly.",
               "A second line with other words: 3.5 kilos at 7:45, and then a question?")
 
@@ -156,25 +159,27 @@ def prefill_hidden(decoder, embeds: np.ndarray, route: bool) -> np.ndarray:
         return np.array(decoder.run(decoder.new_cache(len(embeds)), embeds))
 
 
-def gate(tts, reference, prompts: list[tuple[str, np.ndarray]] | None = None) -> dict:
-    """The route and the int4 route against `reference` (a `ReferenceModel`, fp32) on `prompts` (default:
-    `gate_prompts`): per prompt and worst over them, 1 - cosine of the hidden states and of the logits, and the
-    top-1 agreement of the codes with the reference's. `ok`: the route no further from fp32 than the int4 route
-    (x `ALLOWANCE`)."""
+def prefills(decoder, prompts: list[tuple[str, np.ndarray]], route: bool) -> list[np.ndarray]:
+    """(P, D) hidden states of each prompt's prefill on one route of `decoder` (`prefill_hidden`)."""
+    return [prefill_hidden(decoder, embeds, route) for _, embeds in prompts]
+
+
+def judge(reference, prompts: list[tuple[str, np.ndarray]], hidden: dict[str, list[np.ndarray]]) -> dict:
+    """The gate's verdict on prefill hidden states already computed (`hidden`: {"int4": [...], "int8": [...]}, one
+    array per prompt) against `reference` (a `ReferenceModel`, fp32): per prompt and worst over them, 1 - cosine of
+    the hidden states and of the logits (the reference's exact head for all three), and the top-1 agreement of the
+    codes with the reference's. `ok`: the route no further from fp32 than the int4 route (x `ALLOWANCE`)."""
     import torch
 
     from ..parity import cosine
 
-    decoder = tts.backend.decoder
-    if getattr(decoder, "route", None) is None:
-        raise ValueError("the model was loaded without its int8 route")
     rows, worst = [], {}
-    for name, embeds in prompts if prompts is not None else gate_prompts(tts):
+    for i, (name, embeds) in enumerate(prompts):
         want = reference.hidden_states(embeds)
         want_logits = reference.audio_head(torch.from_numpy(want), exact=True).numpy()
         row = {"prompt": name, "positions": len(embeds)}
-        for label, route in (("int4", False), ("int8", True)):
-            got = prefill_hidden(decoder, embeds, route)
+        for label in ("int4", "int8"):
+            got = hidden[label][i]
             logits = reference.audio_head(torch.from_numpy(got), exact=True).numpy()
             row[label] = {"hidden_distance": 1.0 - cosine(want, got), "logit_distance": 1.0 - cosine(want_logits,
                                                                                                      logits),
@@ -187,6 +192,29 @@ def gate(tts, reference, prompts: list[tuple[str, np.ndarray]] | None = None) ->
               + (f" x {ALLOWANCE}" if ALLOWANCE != 1.0 else "")
               for k in ("hidden_distance", "logit_distance") if not worst["int8"][k] <= ALLOWANCE * worst["int4"][k]]
     return {"prompts": rows, "worst": worst, "allowance": ALLOWANCE, "failed": failed, "ok": not failed}
+
+
+def gate(tts, reference, prompts: list[tuple[str, np.ndarray]] | None = None) -> dict:
+    """`judge` on a model loaded with its route (both sessions: eval), on `prompts` (default: `gate_prompts`). The
+    build runs the same steps one session at a time (`export.Exporter.route`)."""
+    decoder = tts.backend.decoder
+    if getattr(decoder, "route", None) is None:
+        raise ValueError("the model was loaded without its int8 route")
+    prompts = prompts if prompts is not None else gate_prompts(tts)
+    return judge(reference, prompts, {"int4": prefills(decoder, prompts, False),
+                                      "int8": prefills(decoder, prompts, True)})
+
+
+def alone(folder: Path):
+    """The route's session alone, as a `BoundDecoder` whose every call runs on it (the int4 step graph not loaded):
+    the build gates and times each route with one decoder's weights in memory at a time."""
+    from .. import providers
+    from ..runtime.decoder import BoundDecoder
+    from ..runtime.parts import ModelParts
+
+    parts = ModelParts(folder, verify=False)
+    p = providers.get(parts.provider)
+    return BoundDecoder(parts.part(NAME), parts.facts, p.memory, p.offset_binding)
 
 
 def summary(g: dict) -> str:
@@ -255,27 +283,46 @@ def crossover(times: dict[int, tuple[float, float]]) -> int | None:
     return best
 
 
-def measure(decoder, budget_s: float = 60.0, repeats: int = 3) -> dict:
-    """Both routes on this machine: one-row prefills along `PREFILL_LADDER` and batched steps along `BATCH_LADDER`
-    (each size stops the climb once the route has won at two sizes in a row or `budget_s` is spent: past the
-    crossover the route's lead only grows). Returns the timings (ms) and the crossovers."""
+def time_ladders(decoder, route: bool, budget_s: float = BUDGET_S, repeats: int = 3,
+                 against: dict | None = None) -> dict[str, dict[int, float]]:
+    """{kind: {size: best seconds}} of one route of `decoder`: one-row prefills along `PREFILL_LADDER`, batched
+    steps along `BATCH_LADDER`. Alone (`against` None: the first route timed), each ladder climbs until half of
+    `budget_s` is spent; `against` (the other route's times): the sizes timed there, and each climb stops once this
+    route has won at two sizes in a row (past the crossover the route's lead only grows)."""
     f = decoder.facts
     rng = np.random.default_rng(0)
-    t_end = time.perf_counter() + budget_s
     out = {}
     for kind, ladder in (("prefill", PREFILL_LADDER), ("batch", BATCH_LADDER)):
+        t_end = time.perf_counter() + budget_s / 2
         times, wins = {}, 0
-        for size in ladder:
+        for size in ladder if against is None else sorted(against[kind]):
             if kind == "prefill":
                 embeds = (rng.standard_normal((size, f.hidden)) * 0.05).astype(np.float32)
-                pair = (time_prefill(decoder, embeds, False, repeats), time_prefill(decoder, embeds, True, repeats))
+                times[size] = time_prefill(decoder, embeds, route, repeats)
             else:
-                pair = (time_batch(decoder, size, False, repeats=repeats), time_batch(decoder, size, True,
-                                                                                      repeats=repeats))
-            times[size] = pair
-            wins = wins + 1 if pair[1] < pair[0] else 0
-            if wins >= 2 or time.perf_counter() > t_end:
+                times[size] = time_batch(decoder, size, route, repeats=repeats)
+            if against is not None:
+                wins = wins + 1 if times[size] < against[kind][size] else 0
+                if wins >= 2:
+                    break
+            elif time.perf_counter() > t_end:
                 break
+        out[kind] = times
+    return out
+
+
+def timings(int4: dict, route: dict) -> dict:
+    """Both routes' `time_ladders` -> {kind: {"crossover", "ms": {size: [int4, route]}}} over the sizes both timed."""
+    out = {}
+    for kind in int4:
+        times = {size: (int4[kind][size], route[kind][size]) for size in route[kind]}
         out[kind] = {"crossover": crossover(times),
                      "ms": {str(k): [round(a * 1e3, 3), round(b * 1e3, 3)] for k, (a, b) in times.items()}}
     return out
+
+
+def measure(decoder, budget_s: float = BUDGET_S, repeats: int = 3) -> dict:
+    """Both routes of `decoder` (loaded with its route) on this machine: int4 first along the ladders, then the
+    route on the same sizes (`time_ladders`). Returns the timings (ms) and the crossovers (`timings`)."""
+    int4 = time_ladders(decoder, False, budget_s, repeats)
+    return timings(int4, time_ladders(decoder, True, budget_s, repeats, against=int4))

@@ -8,10 +8,11 @@ The choice depends only on the call's shape (positions of a one-row call, rows o
 makes the same calls, and the same bytes, alone or beside others whenever its calls have the same shapes: a
 deterministic job runs alone, where its prefill is one call and its steps are single rows, as made alone.
 
-`HiggsTTS(route=...)`: "auto" (the export's crossovers, where this CPU has the int8 dot product the route was
-built for), "off" (int4 for every call; the route's session is never loaded), "on" (every call of two or more
-rows on the route: comparisons and benchmarks); None (the default): `$HIGGS_ROUTE`, else "auto", so a server or a
-corpus run can be switched without a flag of its own.
+`HiggsTTS(route=...)`: "auto" (the export's crossovers, where this CPU's int8 GEMM multiplies the route's weight
+form exactly: s7 on any x86 CPU with AVX2, s8 only with VNNI or AMX; `manifest.ROUTE_FORMS`), "off" (int4 for
+every call; the route's session is never loaded), "on" (every call of two or more rows on the route: comparisons
+and benchmarks); None (the default): `$HIGGS_ROUTE`, else "auto", so a server or a corpus run can be switched
+without a flag of its own.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..manifest import ROUTE_KIND
+from ..manifest import ROUTE_KIND, route_form
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,9 @@ MODES = ("auto", "off", "on")
 # x86 flags of an int8 dot product that MLAS's u8s8 GEMM uses without saturating 16-bit pair sums (without them it
 # falls back to vpmaddubsw, whose pairs of 255 x 127 saturate: ONNX Runtime's quantization docs)
 INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
+# per weight form, the flags (any one) with which the GEMM's int32 result is exact: s7's pairs (255 x 63 x 2 = 32130)
+# fit vpmaddubsw's 16 bits, so AVX2's kernel is exact too (every x86 CPU with VNNI or AMX also has AVX2)
+FORM_NEEDS = {"s7": ("avx2",), "s8": INT8_DOT_FLAGS}
 
 
 @dataclass(frozen=True)
@@ -78,11 +82,10 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def int8_dot() -> bool:
-    """Whether this CPU has an int8 dot product the route's GEMM runs exactly on (VNNI or AMX). Where flags cannot
-    be read (not Linux) the export's measurement stands."""
-    flags = cpu_flags()
-    return not flags or any(f in flags for f in INT8_DOT_FLAGS)
+def runs_exactly(form: str, flags: frozenset[str]) -> bool:
+    """Whether a CPU with `flags` multiplies the route's `form` of weights exactly (`FORM_NEEDS`). Where flags
+    cannot be read (not Linux; an Arm CPU, whose /proc/cpuinfo says "Features") the export's measurement stands."""
+    return not flags or any(f in flags for f in FORM_NEEDS[form])
 
 
 ENV = "HIGGS_ROUTE"  # the default mode of every HiggsTTS made without one (servers, corpus workers, benchmarks)
@@ -100,16 +103,20 @@ def check_mode(mode) -> str:
     return mode
 
 
-def policy(route: dict | None, mode: str = "auto") -> RoutePolicy:
-    """The policy for an export's `decoder.route` manifest entry (None: no route) under `mode`."""
+def policy(route: dict | None, mode: str = "auto", flags: frozenset[str] | None = None) -> RoutePolicy:
+    """The policy for an export's `decoder.route` manifest entry (None: no route) under `mode`, on a CPU with
+    `flags` (None: this one's, `cpu_flags`)."""
     check_mode(mode)
     if mode == "off" or route is None or route["kind"] != ROUTE_KIND:  # the entry was checked at load (manifest)
         return NEVER
     if mode == "on":
         return MULTI_ROW
-    if not int8_dot():
-        log.warning("int8 route off: this CPU has none of %s (its u8s8 GEMM could saturate); every call runs on int4",
-                    ", ".join(INT8_DOT_FLAGS))
+    form = route_form(route)
+    if not runs_exactly(form, cpu_flags() if flags is None else flags):
+        log.warning("int8 route off: its %s weights need %s, this CPU has none (its u8s8 GEMM could saturate); every "
+                    "call runs on int4%s", form, " or ".join(FORM_NEEDS[form]),
+                    "; optimize.py --route-form s7 builds a route exact on every x86 CPU with AVX2" if form != "s7"
+                    else "")
         return NEVER
     cross = route["crossover"]
     return RoutePolicy(prefill=cross["prefill"], batch=cross["batch"])
