@@ -6,14 +6,17 @@ Usage:
     python benchmarks/bench.py --model-path onnx/cpu_int4 --batch 1 2 4 8 --json batch.json   # batch gain G(B)
     python benchmarks/bench.py --model-path onnx/cpu_int4 --context-curve   # step vs context, int8 vs fp32 cache
     python benchmarks/bench.py --model-path onnx/cpu_int4 --step-graph      # one call per step vs the parts apart
+    python benchmarks/bench.py --model-path onnx/cpu_int4 --continuity      # streamed playback at 1 and 8 streams
 
 Everything is measured in one run: memory read bandwidth with the same thread count, the decoder step vs the floor
 (weight bytes / bandwidth), prefill, per-frame host overhead, codec speed, end-to-end speed and peak RSS (in a child
 process), the same rows through the PyTorch reference (bf16), and the int4 decoder export's time and RSS.
 `--context-curve` measures only the decode step at 128-4,096 positions of context, for the export's KV cache and
 (int8) its fp32 twin on the same weights, with the host ms per row. `--batch` measures only the batch gain G(B)
-(rows/s at B / rows/s at B = 1) through the scheduler, in one process (`batch_figures`). `--model-path` benchmarks
-an existing export instead of the `--preset` synthetic one.
+(rows/s at B / rows/s at B = 1) through the scheduler, in one process (`batch_figures`). The streaming section
+ends with the playback continuity of streamed requests at 1 and 8 concurrent streams (`continuity.py`: windows on
+time, p95 underrun, stalls, beside the time to first audio); `--continuity` measures only that. `--model-path`
+benchmarks an existing export instead of the `--preset` synthetic one.
 """
 
 from __future__ import annotations
@@ -679,6 +682,13 @@ def main(argv: list[str] | None = None) -> int:
                     "peak RSS (benchmarks/routes.py)")
     ap.add_argument("--skip-stream", action="store_true", help="skip the streaming figures (TTFA, 10 s / 60 s)")
     ap.add_argument("--long-seconds", type=float, default=60.0, help="the long line of the memory check")
+    ap.add_argument("--continuity", action="store_true", help="only the playback continuity of streamed requests "
+                    "(benchmarks/continuity.py): windows on time, p95 underrun, stalls, first audio")
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 8], metavar="N",
+                    help="concurrent streams of the continuity runs (default 1 8)")
+    ap.add_argument("--stream-seconds", type=float, default=5.0, help="audio per stream of the continuity runs")
+    ap.add_argument("--chunk-frames", type=int, help="frames per streamed chunk after the first, continuity runs "
+                    "(default: StreamOptions', as the server streams)")
     from higgs_onnx.cli import one_line_errors
 
     one_line_errors(ap)  # a usage error is one line, not the usage block
@@ -689,6 +699,8 @@ def main(argv: list[str] | None = None) -> int:
         check_threads(args.threads)
     except ValueError as e:
         ap.error(str(e))  # a usage error: exit 2 before anything is built
+    if min(args.streams) < 1 or args.stream_seconds <= 0 or (args.chunk_frames is not None and args.chunk_frames < 1):
+        ap.error("--streams and --chunk-frames must be >= 1, --stream-seconds > 0")
     if args.model_path is not None:
         try:
             cli_model_path(args)  # hf://...: fetched once here; the child processes get the local folder
@@ -717,6 +729,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.batch:
         return batch_main(args)
+    if args.continuity:
+        import continuity
+
+        out = continuity.run(resolve_export(args)[1], args.threads, args.streams, args.stream_seconds,
+                             args.chunk_frames)
+        continuity.print_table(out)
+        if args.json:
+            args.json.write_text(json.dumps(out, indent=2))
+        return 0
     if args.context_curve:
         return curve_main(args)
     if args.matmul:
@@ -772,6 +793,10 @@ def main(argv: list[str] | None = None) -> int:
                          "cached_voice": child("--_stream", str(export), "10", "1", "1", *t)[0],
                          "memory_10s": child("--_stream", str(export), "10", "0", "0", *t)[0],
                          "memory_long": child("--_stream", str(export), str(args.long_seconds), "0", "0", *t)[0]}
+        import continuity
+
+        out["continuity"] = continuity.run(export, args.threads, args.streams, args.stream_seconds,
+                                           args.chunk_frames)
     print_table(out)
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
@@ -879,6 +904,15 @@ def print_table(o: dict) -> None:
         lines.append((f"stream peak RSS, {b['seconds']:.0f} s vs 10 s", f"{b['peak_rss_mb']:.0f} MB",
                       f"10 s: {a['peak_rss_mb']:.0f} MB ({100 * (b['peak_rss_mb'] / a['peak_rss_mb'] - 1):+.1f} %); "
                       f"KV cache {b['kv_cache_mb']:.0f} vs {a['kv_cache_mb']:.0f} MB; without it {net:+.1f} %"))
+    for r in o.get("continuity", {}).get("runs", []):
+        c = r["figures"]
+        lines.append((f"playback, {r['streams']} stream{'s' * (r['streams'] > 1)}",
+                      f"{100 * c['on_time']:.1f} % on time",
+                      f"100 ms windows, {r['seconds']:.0f} s each; p95 underrun {c['underrun_p95_ms']:.0f} ms "
+                      f"(max {c['underrun_max_ms']:.0f}); {c['stalls'] / r['streams']:.1f} stalls a stream, longest "
+                      f"{c['longest_stall_ms']:.0f} ms, C100 {100 * c['c100']:.0f} %; first audio "
+                      f"{c['first_audio_s']:.2f} s (max "
+                      f"{c['first_audio_max_s']:.2f})"))
     pool = f"{o['threads']} intra-op threads" if o["threads"] else "ONNX Runtime's default intra-op threads"
     what = f"preset {o['preset']}" if o["preset"] else o["export"]
     print(f"\nbenchmark: {what}, {o['precision']}, {pool}, {o['cpus']} CPUs")

@@ -36,6 +36,11 @@ def test_bench_tiny_smoke(tiny_ckpt, tmp_path):
     assert g["rows"] > 0 and g["peak_rss_mb"] > 0 and g["host_overhead_ms_per_row"] >= 0
     assert g["first_frame_cached_voice_s"] > 0 and g["first_frame_new_voice_s"] > 0
     assert "decoder step (median)" in r.stdout and "x floor" in r.stdout
+    c = b["continuity"]  # the streaming section's playback figures at 1 and 8 concurrent streams
+    assert [x["streams"] for x in c["runs"]] == [1, 8] and "playback, 8 streams" in r.stdout
+    for x in c["runs"]:
+        assert len(x["events"]) == x["streams"] and x["figures"]["windows"] == x["streams"] * 50  # 5 s each
+        assert x["figures"]["audio_s"] == pytest.approx(5.0 * x["streams"]) and 0 <= x["figures"]["on_time"] <= 1
 
 
 def test_bench_refuses_negative_threads(tmp_path):  # fast: refused before anything is built
@@ -59,6 +64,13 @@ def test_bench_batch_gain_tiny(builds, tmp_path):
     assert b["peak_rss_mb"] > 0 and isinstance(b["cpu"]["flags"], list)
     assert "batched decoding through the scheduler" in r.stdout and "G(B)" in r.stdout and "RTF/request" in r.stdout
     assert f"CPU: {b['cpu']['model']}" in r.stdout
+
+
+def test_bench_refuses_bad_continuity_runs(tmp_path):  # fast: refused before anything is built
+    for flags in (("--streams", 1, 0), ("--stream-seconds", 0), ("--chunk-frames", 0)):
+        r = bench("--continuity", *flags, "--work", tmp_path, timeout=120)
+        assert r.returncode == 2 and "--chunk-frames must be >= 1" in r.stderr and "Traceback" not in r.stderr, flags
+    assert not any(tmp_path.iterdir())
 
 
 def test_bench_names_the_cpu_flags():  # fast: reads /proc/cpuinfo only
@@ -102,3 +114,60 @@ def test_bench_context_curve_and_matmul_table_tiny(builds, tmp_path):
     assert [(x["block"], x["accuracy_level"]) for x in m] == [(32, 4), (32, 0)]  # 128 does not divide K = 64
     assert all(list(x["ms"]) == ["1", "2", "4", "8", "16"] and min(x["ms"].values()) > 0 for x in m)
     assert "one int4 MatMulNBits 64 x" in r.stdout
+
+
+def _continuity():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from continuity import continuity
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return continuity
+
+
+SR = 24000  # samples a second: a 100 ms window is 2,400 samples
+
+
+def test_continuity_of_hand_made_timelines():  # fast: the figures of known chunk timelines
+    continuity = _continuity()
+    # 1.0 s of audio, the first chunk (0.3 s) at 1.0 s: windows are due at 1.0, 1.1, ... 1.9. The second chunk
+    # (0.5 s, windows 3-7, due from 1.3) comes early; the third (0.2 s, windows 8-9, due 1.8 and 1.9) at 2.05 s:
+    # 250 and 150 ms late. A player that waits pauses once, 250 ms (the third chunk was due at 1.8 s, when the
+    # first two had played): its longest pause is over 100 ms (C100 fails).
+    late = [(1.0, 7200), (1.2, 12000), (2.05, 4800)]
+    g = continuity([late], SR)
+    assert (g["windows"], g["late_windows"], g["on_time"]) == (10, 2, 0.8)
+    assert g["underrun_max_ms"] == pytest.approx(250) and g["underrun_p95_ms"] == pytest.approx(150 + 0.95 * 100)
+    assert (g["stalls"], g["longest_stall_ms"], g["c100"]) == (1, pytest.approx(250), 0.0)
+    assert (g["first_audio_s"], g["audio_s"]) == (1.0, pytest.approx(1.0))
+    # audio always ahead of the player: every window on time, no underrun, no stall
+    ahead = [(0.5, 7200), (0.6, 24000), (1.5, 24000)]
+    h = continuity([ahead], SR)
+    assert (h["windows"], h["on_time"], h["underrun_p95_ms"], h["underrun_max_ms"], h["stalls"]) == (23, 1.0, 0, 0, 0)
+    assert h["c100"] == 1.0
+    # both streams pooled: 33 windows, 2 late; first audio p50 / max over the streams; each stream's own figures
+    both = continuity([late, ahead], SR)
+    assert both["on_time"] == pytest.approx(31 / 33) and both["late_windows"] == 2
+    assert (both["first_audio_s"], both["first_audio_max_s"]) == (0.75, 1.0)
+    assert [s["on_time"] for s in both["streams"]] == [0.8, 1.0] and both["audio_s"] == pytest.approx(3.3)
+    assert both["c100"] == 0.5 and both["stalls"] == 1
+
+
+def test_continuity_window_edges_and_stalls():  # fast
+    continuity = _continuity()
+    # a window is on time only when all of it is there: 0.25 s then 0.25 s at 0.21 s; window 2 (0.2-0.3 s of
+    # playback, due at 0.2 s) waits for the second chunk: 10 ms late; the last window is half a window (0.05 s).
+    # A player that plays each sample as soon as it can needs the second chunk only at 0.25 s: no pause.
+    g = continuity([[(0.0, 6000), (0.21, 6000)]], SR)
+    assert (g["windows"], g["late_windows"]) == (5, 1) and g["underrun_max_ms"] == pytest.approx(10)
+    assert (g["stalls"], g["c100"]) == (0, 1.0)
+    assert g["audio_s"] == pytest.approx(0.5)
+    # a player that waits goes on later: after a 300 ms pause at 0.1 s of playback (resumed at 0.4 s), the next
+    # chunk is due at 0.5 s and comes at 0.75 s: a second pause of 250 ms (the fixed clock counts it 550 ms late)
+    s = continuity([[(0.0, 2400), (0.4, 2400), (0.75, 2400)]], SR)
+    assert s["stalls"] == 2 and s["longest_stall_ms"] == pytest.approx(300) and s["c100"] == 0.0
+    assert s["underrun_max_ms"] == pytest.approx(550) and s["on_time"] == pytest.approx(1 / 3)
+    # empty chunks are not audio; a stream with none is refused
+    assert continuity([[(0.1, 0), (0.2, 2400)]], SR)["first_audio_s"] == 0.2
+    with pytest.raises(ValueError, match="no audio"):
+        continuity([[(0.1, 0)]], SR)
