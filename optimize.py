@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="per-part precision overrides, e.g. audio_heads=fp16 audio_embed=fp32")
     ap.add_argument("--components", nargs="+", default=[], choices=PART_NAMES, metavar="PART",
                     help=f"parts to rebuild even when up to date ({', '.join(PART_NAMES)})")
-    ap.add_argument("--block-size", type=int, default=d.block_size, help="int4 block size (default %(default)s)")
+    ap.add_argument("--block-size", type=int, default=d.block_size, help="int4 block size (default: the cpu int4 "
+                    "decoder's chosen by its gate against fp32, docs/building.md \"The int4 layout\"; 32 elsewhere)")
     ap.add_argument("--accuracy-level", type=int, choices=range(5), help="MatMulNBits accuracy level "
                     "(default 4 on cpu, 0 elsewhere)")
     ap.add_argument("--output", type=Path, default=Path("onnx"), help="output root (default %(default)s)")

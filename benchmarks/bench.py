@@ -112,6 +112,18 @@ class Timed:
         return out
 
 
+def step_bytes(manifest) -> int:
+    """The bytes of weights one decode step reads: the ONNX decoder's as its kernels read them (`quantize.read_bytes`:
+    an int4 weight's scales and, at accuracy level 4, MLAS's block sums; not the int8 route's weights, which the
+    part's files also hold), or an OpenVINO IR decoder's files."""
+    from higgs_onnx.quantize import read_bytes
+
+    path = manifest.part_file("llm_decoder")
+    if path.suffix == ".onnx":
+        return read_bytes(path)
+    return sum(f["size"] for f in manifest.parts["llm_decoder"]["files"].values())
+
+
 def decoder_figures(tts, context: int, steps: int) -> dict:
     f, rng = tts.facts, np.random.default_rng(0)
     dec = tts.backend.decoder
@@ -146,6 +158,7 @@ def matmul_table(k: int, n: int, threads: int, repeats: int = 20) -> list[dict]:
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
+    from higgs_onnx.quantize import read_bytes_per_weight
     from higgs_onnx.runtime.session import session_options
 
     rng, out = np.random.default_rng(0), []
@@ -182,7 +195,7 @@ def matmul_table(k: int, n: int, threads: int, repeats: int = 20) -> list[dict]:
                     sess.run(None, {"a": a})
                     best = min(best, (time.perf_counter() - t0) / copies)
                 row["ms"][m] = best * 1e3
-                row["gb_s"][m] = weight_bytes / best / 1e9
+                row["gb_s"][m] = k * n * read_bytes_per_weight(block, level) / best / 1e9  # as the kernel reads
             out.append(row)
             del sess
     return out
@@ -760,7 +773,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {"preset": args.preset if args.model_path is None else None, "export": export.name,
            "precision": precision, "threads": args.threads, "cpus": os.cpu_count(), "cpu": cpu_info()}
     out["bandwidth_gbs"], out["bandwidth_probe"] = bandwidth_gbs(args.threads)
-    data = sum(f["size"] for f in load_export(export, verify=False).parts["llm_decoder"]["files"].values())
+    data = step_bytes(load_export(export, verify=False))
     out["decoder_weight_mb"] = data / 2**20
     out["floor_ms"] = data / (out["bandwidth_gbs"] * 1e9) * 1e3
     tts = HiggsTTS(export, threads=args.threads, verify=False)
@@ -859,7 +872,8 @@ def print_table(o: dict) -> None:
     step = o["decoder_step_ms"]
     lines = [
         ("memory read bandwidth", f"{o['bandwidth_gbs']:.1f} GB/s", o["bandwidth_probe"]),
-        ("decoder weights", f"{o['decoder_weight_mb']:.1f} MB", "read once per decode step"),
+        ("decoder weights", f"{o['decoder_weight_mb']:.1f} MB", "read once per decode step, as the kernel reads "
+                                                                "them (int4 scales and block sums included)"),
         ("bandwidth floor per step", f"{o['floor_ms']:.2f} ms", "weights / bandwidth"),
         ("decoder step (median)", f"{step:.2f} ms", f"{o['step_x_floor']:.2f} x floor, context {o['context']}"),
         ("decoder weight read rate", f"{o['decoder_weight_read_gbs']:.1f} GB/s",

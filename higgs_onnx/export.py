@@ -71,7 +71,9 @@ class ExportOptions:
     precision: str = "int4"
     attention: str | None = None  # decoder graph: "gqa" or "portable"; None = the device's default (providers.py)
     part_precision: dict = field(default_factory=dict)  # overrides, e.g. {"audio_heads": "fp16"}
-    block_size: int = 32
+    # int4 block size; None: the decoder's chosen by its gate against fp32 where it is quantized here (cpu int4 gqa:
+    # parts/int4_layout.py), 32 elsewhere (the other int4 parts, other devices)
+    block_size: int | None = None
     accuracy_level: int | None = None  # None: 4 on cpu (int8 activations, VNNI), 0 elsewhere
     components: tuple = ()  # parts to rebuild even when up to date
     force: bool = False
@@ -93,7 +95,7 @@ class ExportOptions:
             allowed = provider.precisions[self.decoder_attention] if part == "llm_decoder" else ALLOWED[part]
             if prec not in allowed:
                 raise ValueError(f"{part} cannot be built at {prec} on {self.device}; allowed: {', '.join(allowed)}")
-        if self.block_size not in (16, 32, 64, 128, 256):
+        if self.block_size not in (None, 16, 32, 64, 128, 256):
             raise ValueError(f"block size must be one of 16, 32, 64, 128, 256, got {self.block_size}")
         bad = set(self.components) - set(PART_NAMES)
         if bad:
@@ -155,6 +157,19 @@ class ExportOptions:
     @property
     def decoder_attention(self) -> str:
         return self.attention or self.provider.default_attention
+
+    @property
+    def block(self) -> int:
+        """The block size of every int4 weight the build does not gate: `block_size`, or 32."""
+        return self.block_size if self.block_size is not None else 32
+
+    @property
+    def gate_layout(self) -> bool:
+        """Whether the decoder's int4 layout is chosen by its gate (`parts/int4_layout.py`): no block size asked
+        for, and the decoder quantized by this project's streaming quantizer (cpu, int4, gqa)."""
+        return (self.block_size is None and self.precisions["llm_decoder"] == "int4"
+                and self.decoder_attention == "gqa" and not self.provider.ir
+                and self.provider.builder_ep == providers.BUILD_PROVIDER.builder_ep)
 
     @property
     def accuracy(self) -> int:
@@ -298,14 +313,16 @@ class Exporter:
             return cached
         tmp = self.cache.scratch(part, stamp)
         job = parts.BuildJob(ckpt=ckpt, out=tmp, work=self.work, precision=precision, device=o.device,
-                             attention=o.decoder_attention, block_size=o.block_size, accuracy_level=o.accuracy,
+                             attention=o.decoder_attention, block_size=o.block, accuracy_level=o.accuracy,
                              digest=digest, say=say, route=o.route and part == "llm_decoder",
-                             route_bits=ROUTE_FORMS[o.route_form])
+                             route_bits=ROUTE_FORMS[o.route_form], gate_layout=o.gate_layout and part == "llm_decoder")
         t0 = time.perf_counter()
         path = parts.module(part).build(job)
         seconds = time.perf_counter() - t0
         release_memory()
-        graph = verify_graph(part, path, precision, o.block_size, o.decoder_attention)
+        layout = parts.build_facts(tmp)  # what the build chose (the decoder's int4 layout), for its entry
+        graph = verify_graph(part, path, precision, layout.get("int4_layout", {}).get("block_size", o.block),
+                             o.decoder_attention)
         t0 = time.perf_counter()
         # a device-specific graph is checked on its own provider, where this project can run that one (e.g. the
         # openvino decoder on the OpenVINO runtime); a cuda decoder graph does not run on the cpu EP
@@ -323,7 +340,7 @@ class Exporter:
         files = sorted(p.name for p in tmp.iterdir() if p.is_file() and p.name.startswith(part))
         entry = {"stamp": stamp, "part": part, "precision": precision, "file": path.name,
                  "files": files + list(parts.extra_files(part)), "build_seconds": round(seconds, 2),
-                 "check_seconds": round(time.perf_counter() - t0, 2), "parity": parity, **graph,
+                 "check_seconds": round(time.perf_counter() - t0, 2), "parity": parity, **graph, **layout,
                  **io_signature(path)}
         return self.cache.put(part, stamp, entry)
 

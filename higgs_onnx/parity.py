@@ -109,6 +109,31 @@ def check_audio_heads(part, ref, precision: str, rng: np.random.Generator) -> di
     return fig
 
 
+GATE_TEXTS = ("Hello there, this is a test of the prefill route, spoken clearly.",  # the zero-shot lines of
+              "A second line with other words: 3.5 kilos at 7:45, and then a question?")  # `real_prompts`' gates
+
+
+def real_prompts(backend, codec, tokenizer, tokens, facts, texts) -> list[tuple[str, np.ndarray]]:
+    """(name, (P, D) embeddings) of real prompts: a zero-shot prompt per line of `texts` and the clone prefix of the
+    bundled reference, embedded by `backend` (`embed_text`, `embed_audio`), the reference encoded by `codec`
+    (`encode_audio`): a loaded model, or the PyTorch reference. What the build's gates prefill (the int8 route's,
+    `parts/llm_route.gate_prompts`; the int4 layout's, `parts/int4_layout.py`)."""
+    from pathlib import Path
+
+    from .audio import load_reference
+    from .generation.engine import prompt_embeddings
+    from .generation.pipeline import reference_rows
+    from .generation.prompt import build_prefix, build_prompt
+
+    rec = Path(__file__).resolve().parent / "assets" / "recordings" / "ref_en_24k.flac"
+    out = [(f"zero-shot {i + 1}", prompt_embeddings(backend, build_prompt(tokenizer, tokens, t), facts.placeholder,
+                                                    None)) for i, t in enumerate(texts)]
+    rows = reference_rows(codec, facts, load_reference(rec, facts.sample_rate))
+    prefix = build_prefix(tokenizer, tokens, len(rows), rec.with_suffix(".txt").read_text().strip())
+    out.append(("clone prefix", prompt_embeddings(backend, prefix, facts.placeholder, rows)))
+    return out
+
+
 def decoder_trace(decoder, embeds: np.ndarray, prefill: int) -> np.ndarray:
     """The ONNX decoder's hidden states (S, D): a prefill of `embeds[:prefill]`, then one single-row decode step per
     remaining row. `decoder` is a KV-cache decoder of `runtime.decoder` (anything with `new_cache` and `run`): the

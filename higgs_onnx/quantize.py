@@ -35,19 +35,82 @@ def _read_weight(t: TensorProto, base: Path) -> np.ndarray:
                      shape=tuple(t.dims))
 
 
-def quantize_block(w: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(K, N) float32 weight -> packed uint8 (N, K/bs, bs/2) and float32 scales (N, K/bs), symmetric."""
+# the int4 layouts (benchmarks/int4_layout.py measures them): "rtn" symmetric round to nearest, the block's
+# largest |w| (with its sign) at -8 (MLAS's `quantize_matmul_4bits`, the stock quantizer's); "search" symmetric, the
+# block's scale chosen among `SEARCH_RATIOS` x RTN's to minimise the block's squared error (clipping the extreme
+# for finer steps elsewhere); "asym" MLAS's asymmetric form, the block's [min, max] on 16 levels with a zero point
+LAYOUTS = ("rtn", "search", "asym")
+SEARCH_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
+
+
+def _pack(q: np.ndarray) -> np.ndarray:
+    """(..., bs) codes 0..15 -> (..., bs/2) uint8, low nibble = even element."""
+    return (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
+
+
+def _search(w: np.ndarray, block_size: int, chunk: int = 256) -> tuple[np.ndarray, np.ndarray]:
+    """(K, N) float32 (K a multiple of the block) -> packed (N, K/bs, bs/2), scales (N, K/bs): each block's scale
+    the one of `SEARCH_RATIOS` x RTN's with the least squared error. `chunk` output columns at a time (in the
+    cache: 4x faster than the whole weight at once), the chunks on every core (NumPy releases the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    k, n = w.shape
+    kb = k // block_size
+    packed = np.empty((n, kb, block_size // 2), np.uint8)
+    scales = np.empty((n, kb), np.float32)
+
+    def one(c: int) -> None:
+        blocks = np.ascontiguousarray(w[:, c:c + chunk].T, np.float32).reshape(-1, kb, block_size)
+        base = np.take_along_axis(blocks, np.abs(blocks).argmax(-1)[..., None], -1) / np.float32(-8.0)
+        base[base == 0] = 1.0  # RTN's scale: the extreme at -8 (an all-zero block: any scale)
+        t = np.empty_like(blocks)
+        best_err = best = None
+        for r in SEARCH_RATIOS:
+            s = base * np.float32(r)
+            np.divide(blocks, s, out=t)
+            np.rint(t, out=t)
+            np.clip(t, -8, 7, out=t)
+            t *= s
+            t -= blocks
+            t *= t
+            err = t.sum(-1, keepdims=True)
+            if best is None:
+                best_err, best = err, s
+            else:
+                better = err < best_err
+                best_err, best = np.where(better, err, best_err), np.where(better, s, best)
+        np.divide(blocks, best, out=t)
+        np.rint(t, out=t)
+        np.clip(t, -8, 7, out=t)
+        packed[c:c + chunk] = _pack((t + 8).astype(np.uint8))
+        scales[c:c + chunk] = best[..., 0]
+
+    with ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1))) as pool:
+        list(pool.map(one, range(0, n, chunk)))
+    return packed, scales
+
+
+def quantize_block(w: np.ndarray, block_size: int, layout: str = "rtn"
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(K, N) float32 weight -> packed uint8 (N, K/bs, bs/2), float32 scales (N, K/bs) and, for "asym", packed
+    uint8 zero points (N, ceil(K/bs / 2)) (else None); `layout` one of `LAYOUTS`."""
     from onnxruntime.capi._pybind_state import quantize_matmul_4bits
 
+    if layout not in LAYOUTS:
+        raise ValueError(f"int4 layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     k, n = w.shape
     k_blocks = (k + block_size - 1) // block_size
     if k_blocks * block_size != k:
         w = np.pad(w, ((0, k_blocks * block_size - k), (0, 0)))
+    if layout == "search":
+        packed, scales = _search(w, block_size)
+        return packed, scales, None
     packed = np.zeros((n, k_blocks, block_size // 2), dtype=np.uint8)
     scales = np.zeros((n, k_blocks), dtype=np.float32)
     zero_points = np.zeros((n, (k_blocks + 1) // 2), dtype=np.uint8)
-    quantize_matmul_4bits(packed, np.ascontiguousarray(w, np.float32), scales, zero_points, block_size, n, k, True)
-    return packed, scales
+    quantize_matmul_4bits(packed, np.ascontiguousarray(w, np.float32), scales, zero_points, block_size, n, k,
+                          layout == "rtn")
+    return packed, scales, zero_points if layout == "asym" else None
 
 
 class DataWriter:
@@ -100,14 +163,16 @@ def write_int8_index(dst: Path, tensors: list[TensorProto]) -> None:
 
 def quantize_model_int4(src: Path, dst: Path, block_size: int = 32, accuracy_level: int = 4,
                         progress: Callable[[int, int], None] | None = None, int8_dst: Path | None = None,
-                        int8_bits: int = 8) -> int:
+                        int8_bits: int = 8, layout: str = "rtn") -> int:
     """Quantize every MatMul with a 2-D constant weight in `src` to MatMulNBits into `dst` (+ `<dst>.data`).
 
     Other initializers are copied as they are. Returns the number of quantized MatMuls. `int8_dst`: also write
     each such weight at int8 per output column (`quantize_columns` at `int8_bits`: `<weight>_Q8`,
     `<weight>_Q8_scales`) into `<int8_dst>.data`, indexed by the node-less graph `int8_dst`; each weight is read
-    once for both.
+    once for both. `layout`: the int4 quantizer ("rtn" or "search", `LAYOUTS`; symmetric: no zero points).
     """
+    if layout not in ("rtn", "search"):
+        raise ValueError(f"the decoder's int4 weights are symmetric (rtn or search), got {layout!r}")
     model = onnx.load(str(src), load_external_data=False)
     graph, base = model.graph, src.parent
     inits = {t.name: t for t in graph.initializer}
@@ -132,7 +197,7 @@ def quantize_model_int4(src: Path, dst: Path, block_size: int = 32, accuracy_lev
             if writer8 is not None:
                 q8, s8 = quantize_columns(w, int8_bits)
                 int8 += [writer8.add(t.name + INT8_SUFFIX, q8), writer8.add(t.name + INT8_SCALES_SUFFIX, s8)]
-            packed, scales = quantize_block(w, block_size)
+            packed, scales, _ = quantize_block(w, block_size, layout)
             q = writer.add(t.name + "_Q4", packed)
             s = writer.add(t.name + "_scales", scales)
             new_inits += [q, s]
@@ -165,13 +230,49 @@ def quantize_model_int4(src: Path, dst: Path, block_size: int = 32, accuracy_lev
     return done
 
 
-def dequantize_block(packed: np.ndarray, scales: np.ndarray, k: int) -> np.ndarray:
-    """Inverse of `quantize_block` (symmetric: zero point 8): -> (K, N) float32. Low nibble = even element."""
+def read_bytes_per_weight(block_size: int, accuracy_level: int, zero_points: bool = False) -> float:
+    """Bytes one row of `MatMulNBits` reads per weight on x86 MLAS: the packed codes (0.5), the block's fp32 scale,
+    its zero point (4 bits) if any, and at accuracy level 4 (int8 activations) the fp32 block sum MLAS derives
+    from the scales and zero points at session creation and reads beside them (measured: a session's resident
+    weights are 0.5 + 12/bs B per weight at level 4 (the scales kept twice), 0.5 + 4/bs at level 0; one row of
+    block 128 runs at 0.74-0.75 x block 32's time, the ratio of these figures, not the 0.85 of the files')."""
+    per_block = 4 + (0.5 if zero_points else 0) + (4 if accuracy_level == 4 else 0)
+    return 0.5 + per_block / block_size
+
+
+def read_bytes(path: Path) -> int:
+    """The bytes of weights one decode step of the graph `path` reads: each `MatMulNBits` at
+    `read_bytes_per_weight`, every other initializer as stored (norms, rotary caches; a float MatMul's weight)."""
+    model = onnx.load(str(path), load_external_data=False)
+    inits = {t.name: t for t in model.graph.initializer}
+    size = {n: int(np.prod(t.dims)) * helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+            for n, t in inits.items()}
+    total, counted = 0, set()
+    for node in model.graph.node:
+        if node.op_type != "MatMulNBits":
+            continue
+        a = {x.name: x.i for x in node.attribute}
+        total += round(a["K"] * a["N"] * read_bytes_per_weight(a["block_size"], a.get("accuracy_level", 0),
+                                                               len(node.input) > 3 and bool(node.input[3])))
+        counted |= set(node.input[1:])
+    return total + sum(v for n, v in size.items() if n not in counted)
+
+
+def dequantize_block(packed: np.ndarray, scales: np.ndarray, k: int, zero_points: np.ndarray | None = None
+                     ) -> np.ndarray:
+    """Inverse of `quantize_block` -> (K, N) float32. Low nibble = even element (and even block of the zero
+    points); no zero points: symmetric, zero point 8."""
     n, k_blocks, half = packed.shape
     q = np.empty((n, k_blocks, half * 2), dtype=np.int8)
     q[..., 0::2] = packed & 0x0F
     q[..., 1::2] = packed >> 4
-    w = (q.astype(np.float32) - 8.0) * scales[..., None]
+    if zero_points is None:
+        zp = np.float32(8.0)
+    else:
+        z = np.empty((n, zero_points.shape[1] * 2), dtype=np.float32)
+        z[:, 0::2], z[:, 1::2] = zero_points & 0x0F, zero_points >> 4
+        zp = z[:, :k_blocks, None]
+    w = (q.astype(np.float32) - zp) * scales[..., None]
     return w.reshape(n, k_blocks * half * 2)[:, :k].T
 
 

@@ -42,7 +42,20 @@ class BuildJob:
     digest: str  # cheap identity of the checkpoint files (checkpoint.files_digest)
     route: bool = False  # the decoder only: also write the int8 GEMM route's weights (parts/llm_route.py)
     route_bits: int = 7  # ... at this many bits (the route's form, manifest.ROUTE_FORMS)
+    gate_layout: bool = False  # the decoder only: the int4 layout chosen by its gate (parts/int4_layout.py)
     say: Callable[[str], None] = field(default=print, compare=False)  # progress lines of long sub-steps
+
+
+BUILD_FACTS = "build_facts.json"  # in a part's build folder: what its build chose, for its manifest entry
+
+
+def build_facts(out: Path) -> dict:
+    """{key: value} a part's build left in `out/BUILD_FACTS` for its manifest entry (the decoder's int4 layout and
+    its gate figures), else {}."""
+    import json
+
+    path = out / BUILD_FACTS
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def module(name: str) -> ModuleType:

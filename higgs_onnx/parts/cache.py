@@ -25,6 +25,7 @@ import shutil
 from pathlib import Path
 
 from . import device_specific, module
+from .int4_layout import POLICY as LAYOUT_POLICY
 
 STAMP = "stamp.json"
 
@@ -35,10 +36,12 @@ class PartCache:
 
     def stamp(self, part: str, checkpoint_digest: str) -> str:
         o = self.opts
-        key = {"part": part, "precision": o.precisions[part], "block": o.block_size, "accuracy": o.accuracy,
+        key = {"part": part, "precision": o.precisions[part], "block": o.block, "accuracy": o.accuracy,
                "checkpoint": checkpoint_digest, "version": module(part).BUILD_VERSION}
         if device_specific(part):
             key["device"], key["attention"] = o.device, o.decoder_attention
+        if part == "llm_decoder" and o.gate_layout:  # its block chosen by the int4 layout's gate, under its policy
+            key["block"] = f"gated-{LAYOUT_POLICY}"
         if part == "llm_decoder" and o.route:  # its files then hold the int8 GEMM route's weights too (s8: as before)
             key["route"] = "int8" if o.route_form == "s8" else f"int8-{o.route_form}"
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()

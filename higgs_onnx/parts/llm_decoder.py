@@ -83,31 +83,43 @@ def build(job: BuildJob) -> Path:
     job.say(f"ModelBuilder: {job.precision} decoder for {job.device}"
             + (" (fp32 graph, streamed to disk, then quantized one weight at a time)"
                if job.precision == "int4" and provider.memory == providers.HOST_MEMORY else ""))
-    build_from_qwen3(qwen3, job.out, job.precision, job.device, job.work / "mb", job.block_size, job.accuracy_level,
-                     int8=job.route, int8_bits=job.route_bits)
+    build_from_qwen3(qwen3, job.out, job.precision, job.device, job.work / "mb",
+                     None if job.gate_layout else job.block_size, job.accuracy_level, int8=job.route,
+                     int8_bits=job.route_bits, ckpt=job.ckpt, say=job.say)
     return job.out / FILE
 
 
-def build_from_qwen3(qwen3_dir: Path, out: Path, precision: str, ep: str, work: Path, block_size: int = 32,
-                     accuracy_level: int = 4, streaming: bool = True, int8: bool = False, int8_bits: int = 7) -> None:
+def build_from_qwen3(qwen3_dir: Path, out: Path, precision: str, ep: str, work: Path, block_size: int | None = 32,
+                     accuracy_level: int = 4, streaming: bool = True, int8: bool = False, int8_bits: int = 7,
+                     ckpt: Path | None = None, say=print) -> None:
     """Build `out/llm_decoder.onnx` (+ `.data`) and `out/genai_config.json` from an extracted Qwen3 folder.
     `int8` (the streaming int4 path only): also write every projection at `int8_bits` per output column from the
-    same fp32 weights (`INT8_WEIGHTS`), for the int8 GEMM route (`parts/llm_route.py`)."""
+    same fp32 weights (`INT8_WEIGHTS`), for the int8 GEMM route (`parts/llm_route.py`). `block_size` None (the
+    streaming int4 path only): the int4 layout chosen by its gate against the fp32 reference of `ckpt`
+    (`parts/int4_layout.py`)."""
     from ..quantize import quantize_model_int4
 
     # the CPU-memory path of ModelBuilder's int4 holds an fp32 copy of every weight (G8): quantize ourselves
     if precision == "int4" and providers.get(ep).builder_ep == providers.BUILD_PROVIDER.builder_ep and streaming:
         fp32 = work / "fp32"
         _model_builder(qwen3_dir, fp32, "fp32", ep, work / "mb_cache")
-        n = quantize_model_int4(fp32 / FILE, out / FILE, block_size=block_size, accuracy_level=accuracy_level,
-                                int8_dst=out / INT8_WEIGHTS if int8 else None, int8_bits=int8_bits)
-        log.info("quantized %d MatMuls to int4 (block %d, accuracy level %d)%s", n, block_size, accuracy_level,
-                 f" and to {int8_bits}-bit per column" if int8 else "")
+        int8_dst = out / INT8_WEIGHTS if int8 else None
+        if block_size is None:
+            from . import int4_layout
+
+            info = int4_layout.choose(fp32 / FILE, out / FILE, ckpt, accuracy_level, say, int8_dst, int8_bits)
+            say(f"int4 layout: {int4_layout.summary(info)}")
+        else:
+            n = quantize_model_int4(fp32 / FILE, out / FILE, block_size=block_size, accuracy_level=accuracy_level,
+                                    int8_dst=int8_dst, int8_bits=int8_bits)
+            log.info("quantized %d MatMuls to int4 (block %d, accuracy level %d)%s", n, block_size, accuracy_level,
+                     f" and to {int8_bits}-bit per column" if int8 else "")
         shutil.copyfile(fp32 / "genai_config.json", out / "genai_config.json")
         shutil.rmtree(fp32)
         return
     if int8:
         raise ValueError("the int8 GEMM route's weights come from the streaming int4 build (cpu, int4)")
+    block_size = 32 if block_size is None else block_size  # the gate runs on the streaming path only
     options = {"block_size": block_size, "accuracy_level": accuracy_level} if precision == "int4" else {}
     _model_builder(qwen3_dir, out, precision, ep, work / "mb_cache", **options)
 

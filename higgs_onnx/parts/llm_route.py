@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from ..manifest import ROUTE_KIND
+from ..parity import GATE_TEXTS
 from ..part_facts import ROUTE_PART
 from ..quantize import INT8_SCALES_SUFFIX, INT8_SUFFIX
 from . import FACTS
@@ -55,8 +56,6 @@ ALLOWANCE = 1.0
 PREFILL_LADDER = (2, 4, 8, 16, 32, 64, 128)  # positions of a one-row call
 BATCH_LADDER = (2, 4, 8, 16)  # rows of a batched step
 BUDGET_S = 40.0  # seconds the first route timed may climb its ladders (half each); the other times the same sizes
-GATE_TEXTS = ("Hello there, this is a test of the prefill route, spoken clearly.",
-              "A second line with other words: 3.5 kilos at 7:45, and then a question?")
 
 
 def _qname(x: str) -> str:
@@ -135,16 +134,9 @@ def compose(folder: Path, files: dict[str, str]) -> Path:
 
 def gate_prompts(tts) -> list[tuple[str, np.ndarray]]:
     """(name, (P, D) embeddings) of real prompts: two zero-shot lines and a clone of the bundled reference."""
-    from ..generation.engine import prompt_embeddings
-    from ..generation.prompt import build_prompt
+    from ..parity import real_prompts
 
-    rec = Path(__file__).resolve().parent.parent / "assets" / "recordings" / "ref_en_24k.flac"
-    be, f = tts.backend, tts.facts
-    out = [(f"zero-shot {i + 1}", prompt_embeddings(be, build_prompt(tts.tokenizer, tts.tokens, t), f.placeholder,
-                                                    None)) for i, t in enumerate(GATE_TEXTS)]
-    voice = tts.make_voice(rec, rec.with_suffix(".txt").read_text().strip())
-    out.append(("clone prefix", prompt_embeddings(be, voice.prefix, f.placeholder, voice.rows)))
-    return out
+    return real_prompts(tts.backend, tts, tts.tokenizer, tts.tokens, tts.facts, GATE_TEXTS)
 
 
 def _forced(decoder, route: bool):
