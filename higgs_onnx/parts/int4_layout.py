@@ -25,15 +25,12 @@ The figures go to the manifest (the decoder's `int4_layout`), taken by the expor
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import time
 from pathlib import Path
 
 import numpy as np
-
-log = logging.getLogger(__name__)
 
 POLICY = 1  # bump when the candidates or the rule change: the decoder part is built (and gated) again
 BASELINE = (32, "rtn")  # the layout every build had before the gate: block 32, MLAS's round to nearest
