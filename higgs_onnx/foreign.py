@@ -28,12 +28,14 @@ from pathlib import Path
 
 import numpy as np
 
+from .hash_verdicts import Verdicts
 from .manifest import (
     DEFAULT_DECODER,
     MANIFEST,
     SCHEMA_VERSION,
     Manifest,
     ManifestError,
+    hub_blob,
     not_its_sha256,
     sha256_file,
 )
@@ -128,13 +130,17 @@ def adopt(folder: str | os.PathLike, verify: bool = True) -> ForeignManifest:
             write_atomic(kept, json.dumps(data, indent=2) + "\n")
         log.info("%s: a %s-layout export; its manifest derived into %s", folder, LAYOUT, kept.parent)
     manifest = ForeignManifest(folder=folder, data=data)
+    verdicts = Verdicts(folder, shared=hub_blob(folder, folder / MANIFEST)) if verify else None
     for part, entry in data["parts"].items():
         for name, meta in entry["files"].items():
             path = manifest.path(name)
             if not path.is_file() or path.stat().st_size != meta["size"]:
                 raise ManifestError(f"{folder}: {part}'s file {name} changed while it was read (run again)")
-            if verify and sha256_file(path) != meta["sha256"]:
+            if verdicts is not None and verdicts.sha256(path) != meta["sha256"]:
+                verdicts.save()
                 raise not_its_sha256(path.parent, part, name, path)
+    if verdicts is not None:
+        verdicts.save()
     return manifest
 
 

@@ -2,7 +2,8 @@
 
 Written last by the exporter (its presence marks a complete folder), read first by inference and eval through
 `load_manifest`, which checks the schema version, the manifest's own digest, that every file entry is a plain name
-inside the folder, and (unless told not to) each file's size and sha256.
+inside the folder, and (unless told not to) each file's size and sha256: hashed once per file identity, the verdict
+kept beside the export or in the user's cache (`hash_verdicts`).
 
 The digest (`manifest_sha256`: sha256 of the canonical JSON of every other field, see `manifest_digest`) makes a
 manifest that was edited by hand or damaged since it was written an error at load, with the command that rebuilds
@@ -22,6 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .hash_verdicts import Verdicts, sha256_file  # noqa: F401 - sha256_file re-exported: the exporter's hashes
 from .outputs import write_atomic
 
 log = logging.getLogger(__name__)
@@ -124,14 +126,6 @@ def tool_versions() -> dict:
 
 class ManifestError(ValueError):
     """The model folder is not a usable export; the message says what is wrong and how to fix it."""
-
-
-def sha256_file(path: Path, chunk: int = 2**24) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def safe_member(folder: Path, name: str) -> Path:
@@ -262,6 +256,7 @@ def load_manifest(folder: str | os.PathLike, verify: bool = True) -> Manifest:
         raise ManifestError(f"{mf} has old schema version {data['schema_version']}; rebuild with optimize.py --force")
     check_digest(data, mf)
     check_schema(data, mf)
+    verdicts = Verdicts(folder, shared=hub_blob(folder, mf)) if verify else None
     for part, entry in data["parts"].items():
         for name, meta in entry["files"].items():
             path = safe_member(folder, name)
@@ -270,8 +265,11 @@ def load_manifest(folder: str | os.PathLike, verify: bool = True) -> Manifest:
             if path.stat().st_size != meta["size"]:
                 raise ManifestError(f"{part}: file {name} is {path.stat().st_size} bytes, the manifest says "
                                     f"{meta['size']} (truncated or replaced?)")
-            if verify and sha256_file(path) != meta["sha256"]:
+            if verdicts is not None and verdicts.sha256(path) != meta["sha256"]:
+                verdicts.save()  # the files that were sound keep their verdict
                 raise not_its_sha256(folder, part, name, path)
+    if verdicts is not None:
+        verdicts.save()
     return Manifest(folder=folder, data=data)
 
 
