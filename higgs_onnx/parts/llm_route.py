@@ -6,16 +6,19 @@ batched step of several requests), where it stays near 200-270 GOPS while ONNX R
 AMX) reaches the CPU's int8 peak. This graph is the step graph (`parts/llm_step.py`) with each `MatMulNBits`
 replaced by
 
-    x -> per-row scale s = max|x| / 127 -> u8 = round(x / s) + 128 -> MatMulInteger(u8, W8, zero point 128)
-      -> int32 -> float * s * column scales
+    x -> per-row scale s = max|x| / 127 -> u8 = QuantizeLinear(x, s, 128) (round(x / s) + 128, one block per row)
+      -> MatMulIntegerToFloat(u8, W8, s, column scales, zero point 128) -> float
 
 with W8 the fp32 weight at int8, one scale per output column (`quantize.quantize_columns`, written beside the int4
-weights by the decoder's build: `llm_decoder_int8.onnx` + `.data`). An input read by several projections (gate and
-up) is quantized once. Everything else is the step graph's, node for node: the same GroupQueryAttention (an int8
-KV cache's scales too), the same past/present names, dtypes and layout, so the runtime binds **the same KV
-buffers** to either session and sends each call to the one that is faster for its row count
-(`runtime/route.py`). The file holds no weights of its own: its initializers point at the decoder's, the int8
-weights' and the small parts' external data.
+weights by the decoder's build: `llm_decoder_int8.onnx` + `.data`; the graph takes whatever range they hold). An
+input read by several projections (gate and up) is quantized once. ONNX Runtime's CPU kernel of
+`MatMulIntegerToFloat` (com.microsoft) applies the column scales as the GEMM writes its float output and the row
+scales in one pass after it: five nodes per activation and one per projection, where separate Div/Round/Add/Cast
+and Cast/Mul/Mul nodes took 13 % of a 281-position prefill on the 4b (docs/performance.md, the routes section).
+Everything else is the step graph's, node for node: the same GroupQueryAttention (an int8 KV cache's scales too),
+the same past/present names, dtypes and layout, so the runtime binds **the same KV buffers** to either session and
+sends each call to the one that is faster for its row count (`runtime/route.py`). The file holds no weights of its
+own: its initializers point at the decoder's, the int8 weights' and the small parts' external data.
 
 At build time (`export.Exporter.route`) the route is gated and timed:
 - `gate`: prefills of real prompts (two zero-shot lines and a clone of the bundled reference), teacher-forced
@@ -50,7 +53,9 @@ FILE = "llm_route.onnx"
 USES = FACTS[NAME].uses
 ROUTES = ("int8", "none")  # optimize.py --prefill-route
 KIND = ROUTE_KIND  # the manifest's decoder.route kind
-POLICY = 1  # bump when the gate or the crossover rule changes: a build that refused the route tries again
+POLICY = 2  # bump when the graph, the gate or the crossover rule changes: a build recomposes, gates and times its
+# route again (a build that refused it tries again); 2: the quantization in QuantizeLinear, the scales in
+# MatMulIntegerToFloat (docs/performance.md, the routes section)
 # the route may be at most this many times further from fp32 (1 - cosine) than the int4 route: 1.0 = no further
 ALLOWANCE = 1.0
 PREFILL_LADDER = (2, 4, 8, 16, 32, 64, 128)  # positions of a one-row call
@@ -58,8 +63,11 @@ BATCH_LADDER = (2, 4, 8, 16)  # rows of a batched step
 BUDGET_S = 40.0  # seconds the first route timed may climb its ladders (half each); the other times the same sizes
 
 
+QUANT = "route/q/"  # the names of the activation quantization's nodes (benchmarks/routes.py splits a profile by it)
+
+
 def _qname(x: str) -> str:
-    return "route/q/" + x.replace("/", "_")
+    return QUANT + x.replace("/", "_")
 
 
 def gemm_decoder(decoder, index):
@@ -75,10 +83,9 @@ def gemm_decoder(decoder, index):
     consts = [helper.make_tensor("route/axes", TensorProto.INT64, [1], [-1]),
               helper.make_tensor("route/eps", TensorProto.FLOAT, [], [1e-12]),
               helper.make_tensor("route/c127", TensorProto.FLOAT, [], [127.0]),
-              helper.make_tensor("route/c128", TensorProto.FLOAT, [], [128.0]),
               helper.make_tensor("route/zp", TensorProto.UINT8, [], [128])]
     quantized: dict[str, tuple[str, str]] = {}  # activation -> (its u8 tensor, its per-row scale)
-    nodes, used, replaced = [], set(), 0
+    nodes, used = [], set()
     for node in g.node:
         if node.op_type != "MatMulNBits":
             nodes.append(node)
@@ -94,21 +101,18 @@ def gemm_decoder(decoder, index):
                       helper.make_node("ReduceMax", [q + "/abs", "route/axes"], [q + "/max0"], keepdims=1,
                                        name=q + "/max"),
                       helper.make_node("Max", [q + "/max0", "route/eps"], [q + "/max"], name=q + "/floor"),
-                      helper.make_node("Div", [q + "/max", "route/c127"], [q + "/scale"], name=q + "/scale"),
-                      helper.make_node("Div", [x, q + "/scale"], [q + "/scaled"], name=q + "/div"),
-                      helper.make_node("Round", [q + "/scaled"], [q + "/round"], name=q + "/round"),
-                      helper.make_node("Add", [q + "/round", "route/c128"], [q + "/shift"], name=q + "/shift"),
-                      helper.make_node("Cast", [q + "/shift"], [q + "/u8"], to=TensorProto.UINT8, name=q + "/u8")]
+                      helper.make_node("Div", [q + "/max", "route/c127"], [q + "/scale"], name=q + "/scale")]
+            if not quantized:  # QuantizeLinear's zero points, one per row: every activation has the same rows
+                nodes += [helper.make_node("Shape", [q + "/scale"], [QUANT + "rows"], name=QUANT + "rows"),
+                          helper.make_node("Expand", ["route/zp", QUANT + "rows"], [QUANT + "zps"], name=QUANT + "zps")]
+            nodes.append(helper.make_node("QuantizeLinear", [x, q + "/scale", QUANT + "zps"], [q + "/u8"], axis=-1,
+                                          block_size=weights[w].dims[0], name=q + "/u8"))
             quantized[x] = (q + "/u8", q + "/scale")
         u8, scale = quantized[x]
-        y, n = node.output[0], "route/" + (node.name or base)
-        nodes += [helper.make_node("MatMulInteger", [u8, w, "route/zp"], [n + "/i32"], name=n + "/gemm"),
-                  helper.make_node("Cast", [n + "/i32"], [n + "/f32"], to=TensorProto.FLOAT, name=n + "/cast"),
-                  helper.make_node("Mul", [n + "/f32", scale], [n + "/rows"], name=n + "/row_scale"),
-                  helper.make_node("Mul", [n + "/rows", s], [y], name=n + "/col_scale")]
+        nodes.append(helper.make_node("MatMulIntegerToFloat", [u8, w, scale, s, "route/zp"], [node.output[0]],
+                                      name="route/" + (node.name or base) + "/gemm", domain="com.microsoft"))
         used |= {w, s}
-        replaced += 1
-    if not replaced:
+    if not used:
         raise ValueError("the decoder has no MatMulNBits: the int8 route is made from an int4 decoder")
     del g.node[:]
     g.node.extend(nodes)
