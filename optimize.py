@@ -22,7 +22,7 @@ from higgs_onnx.extras import installed_or_exit, require
 
 with installed_or_exit("export", "building an export"):  # torch, Olive ...: one line naming the extra if missing
     from higgs_onnx.checkpoint import DEFAULT_REPO
-    from higgs_onnx.export import PART_CACHE_ENV, Exporter, ExportOptions, part_cache_root
+    from higgs_onnx.export import ENCODERS, PART_CACHE_ENV, Exporter, ExportOptions, part_cache_root
     from higgs_onnx.manifest import PART_NAMES, ROUTE_FORMS
     from higgs_onnx.providers import ATTENTIONS, PROVIDERS
 
@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--route-form", choices=list(ROUTE_FORMS), default=d.route_form, help="the int8 route's weights: "
                     "s7 (7-bit, the default: exact on every x86 CPU, AVX2 included) or s8 (8-bit, used only where the "
                     "CPU has VNNI or AMX); docs/building.md")
+    ap.add_argument("--encoder", choices=list(ENCODERS), help="the codec encoder (a new voice's reference -> "
+                    "codes): int8 (ONNX Runtime's int8 GEMM, gated against fp32 on the bundled recordings) or fp32; "
+                    "default: int8 for a cpu build if a form's gate holds (docs/building.md)")
     ap.add_argument("--part-precision", nargs="+", default=[], metavar="PART=PREC",
                     help="per-part precision overrides, e.g. audio_heads=fp16 audio_embed=fp32")
     ap.add_argument("--components", nargs="+", default=[], choices=PART_NAMES, metavar="PART",
@@ -139,7 +142,8 @@ def run(args: argparse.Namespace) -> int:
                          part_precision=parse_overrides(args.part_precision), block_size=args.block_size,
                          accuracy_level=args.accuracy_level, components=tuple(args.components), force=args.force,
                          kv_cache=args.kv_cache, prefill_route=args.prefill_route,
-                         route_crossover=parse_crossover(args.route_crossover), route_form=args.route_form)
+                         route_crossover=parse_crossover(args.route_crossover), route_form=args.route_form,
+                         encoder=args.encoder)
     cache_from = None  # who named the part cache, when not the output's own .build/parts
     if args.part_cache is not None:
         cache_from = "--part-cache"

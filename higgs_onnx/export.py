@@ -62,6 +62,7 @@ PART_PRECISIONS = {  # default precision of each part for a global precision
 ALLOWED = {"text_embed": ("int4", "int8", "fp16", "fp32"), "audio_embed": ("int4", "int8", "fp16", "fp32"),
            "audio_heads": ("int4", "int8", "fp16", "fp32"), "audio_encoder": ("fp32",),
            "audio_tokenizer": ("fp16", "fp32"), "audio_tokenizer_stream": ("fp16", "fp32")}
+ENCODERS = ("int8", "fp32")  # optimize.py --encoder
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
@@ -84,6 +85,9 @@ class ExportOptions:
     route_crossover: tuple | None = None
     # the route's int8 weights (manifest.ROUTE_FORMS): s7 runs exactly on every x86 CPU, s8 only with VNNI/AMX
     route_form: str = ROUTE_FORM_DEFAULT
+    # the codec encoder (parts/encoder_int8.py): "int8" | "fp32"; None: int8 in a cpu int4 build (the provider runs
+    # the int8 GEMM) if a form's gate holds, else fp32
+    encoder: str | None = None
 
 
     def __post_init__(self) -> None:
@@ -108,6 +112,11 @@ class ExportOptions:
             raise ValueError(f"the int8 prefill route runs beside an int4 GroupQueryAttention decoder on the CPU "
                              f"(--device cpu --precision int4 --attention gqa), not {self.device} "
                              f"{self.precisions['llm_decoder']} with the {self.decoder_attention} graph")
+        if self.encoder is not None and self.encoder not in ENCODERS:
+            raise ValueError(f"--encoder must be one of {', '.join(ENCODERS)}, got {self.encoder!r}")
+        if self.encoder == "int8" and not self.provider.int8_gemm_route:
+            raise ValueError(f"the int8 codec encoder runs on ONNX Runtime's CPU int8 GEMM (--device cpu), not "
+                             f"{self.device}")
         if self.route_form not in ROUTE_FORMS:
             raise ValueError(f"--route-form must be one of {', '.join(ROUTE_FORMS)}, got {self.route_form!r}")
         if self.route_crossover is not None:
@@ -130,6 +139,14 @@ class ExportOptions:
     def route_possible(self) -> bool:
         return (self.provider.int8_gemm_route and self.decoder_attention == "gqa"
                 and self.precisions["llm_decoder"] == "int4")
+
+    @property
+    def encoder_int8(self) -> bool:
+        """Whether the build tries the codec encoder on the int8 GEMM: asked for, or by default in a cpu int4 build
+        (an fp32 build stays exact unless asked)."""
+        if self.encoder is None:
+            return self.provider.int8_gemm_route and self.precision == "int4"
+        return self.encoder == "int8"
 
     @property
     def route(self) -> bool:
@@ -190,7 +207,8 @@ class ExportOptions:
 EXPECTED_OPS = {("llm_decoder", "int4"): "MatMulNBits", ("audio_heads", "int4"): "MatMulNBits",
                 ("audio_embed", "int4"): "GatherBlockQuantized", ("text_embed", "int4"): "GatherBlockQuantized",
                 ("audio_heads", "int8"): "MatMulNBits", ("audio_embed", "int8"): "GatherBlockQuantized",
-                ("text_embed", "int8"): "GatherBlockQuantized", ("llm_decoder", "fp32"): "GroupQueryAttention"}
+                ("text_embed", "int8"): "GatherBlockQuantized", ("llm_decoder", "fp32"): "GroupQueryAttention",
+                ("audio_encoder", "int8"): "MatMulInteger"}
 
 
 # the only non-standard op a portable decoder may hold (its int4 weights); OpenVINO and the CPU EP both run it
@@ -362,6 +380,8 @@ class Exporter:
         for name in TOKENIZER_FILES:
             if (ckpt / name).is_file():
                 shutil.copyfile(ckpt / name, staging / name)
+        if self.opts.encoder_int8:
+            self.encoder(staging, facts, parts_manifest["audio_encoder"])
         kv = {"dtype": "fp32"}
         if self.opts.cache_dtype == "int8":
             kv = self.int8_cache(staging, ckpt, facts, parts_manifest)
@@ -377,6 +397,39 @@ class Exporter:
         os.replace(staging, self.final)
         shutil.rmtree(old, ignore_errors=True)
         return self.final
+
+    def encoder(self, staging: Path, facts: ModelFacts, entry: dict) -> None:
+        """The codec encoder on the int8 GEMM (`parts/encoder_int8.py`): its forms gated against the fp32 graph on
+        the bundled recordings; the first that passes replaces the fp32 files in `staging` (new files: the part
+        cache keeps its own) and `entry` (the part's manifest entry) says which form, with every form's figures
+        (`int8`). None passes: the fp32 encoder stays, with one line saying why (an error for `--encoder int8`)."""
+        from .parts import encoder_int8
+
+        work = staging.with_name(staging.name + ".enc8")
+        t0 = time.perf_counter()
+        say("int8 codec encoder: rewriting the fp32 graph and gating each form against it on the bundled recordings")
+        try:
+            path, info = encoder_int8.choose(staging / entry["file"], work, facts.sample_rate, say)
+            info["seconds"] = round(time.perf_counter() - t0, 1)
+            entry["int8"] = info
+            if path is None:
+                why = "; ".join(f"{k}: {'; '.join(v['failed'])}" for k, v in info["forms"].items())
+                if self.opts.encoder == "int8":
+                    raise RuntimeError(f"no int8 form of the codec encoder passes its gate ({why}); build with "
+                                       f"--encoder fp32")
+                say("int8 codec encoder refused: keeping the fp32 encoder")
+                return
+            for name in entry["files"]:
+                (staging / name).unlink()
+            files = {}
+            for p in sorted(path.parent.iterdir()):
+                os.replace(p, staging / p.name)
+                files[p.name] = {"size": (staging / p.name).stat().st_size, "sha256": sha256_file(staging / p.name)}
+            entry.update(precision="int8", files=files, **verify_graph(encoder_int8.PART, staging / path.name, "int8",
+                                                                          self.opts.block_size))
+            say(f"int8 codec encoder: form {info['form']} kept ({encoder_int8.summary(info)})")
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
 
     def int8_cache(self, staging: Path, ckpt: Path, facts: ModelFacts, parts_manifest: dict) -> dict:
         """Rewrite the assembled decoder for an int8 KV cache (`parts/kv_cache.py`): calibrate on the fp32-cache
@@ -611,7 +664,7 @@ class Exporter:
             refused = kv.get("int8_refused") if isinstance(kv, dict) else None
             same_kv = isinstance(kv, dict) and (kv.get("dtype") == self.opts.cache_dtype or (
                 isinstance(refused, dict) and refused.get("policy") == KV_POLICY and self.opts.kv_cache is None))
-            if same_kv and self.same_route(data.get("decoder")) and all(
+            if same_kv and self.same_route(data.get("decoder")) and self.same_encoder(old.get("audio_encoder")) and all(
                     isinstance(old.get(p), dict) and old[p].get("stamp") == e["stamp"] for p, e in entries.items()):
                 print(f"[3/4] {self.final} is up to date: nothing to do", flush=True)
                 self.print_summary(entries, time.perf_counter() - t0)
@@ -636,6 +689,17 @@ class Exporter:
         refused = route.get("refused")
         return (isinstance(refused, dict) and refused.get("policy") == ROUTE_POLICY and self.opts.prefill_route is None
                 and route_form(refused) == self.opts.route_form)
+
+    def same_encoder(self, entry) -> bool:
+        """Whether an existing folder's codec encoder is what this build would make: its int8 forms tried under the
+        same gate policy (kept or refused) when wanted, untried when not."""
+        from .parts.encoder_int8 import POLICY
+
+        tried = entry.get("int8") if isinstance(entry, dict) else None
+        if not self.opts.encoder_int8:
+            return tried is None
+        return isinstance(tried, dict) and tried.get("policy") == POLICY and (
+            tried.get("form") is not None or self.opts.encoder is None)
 
     def print_summary(self, entries: dict, seconds: float) -> None:
         w = max(map(len, PART_NAMES)) + 2

@@ -26,7 +26,7 @@ def _external_info(t: TensorProto) -> dict[str, str]:
     return {e.key: e.value for e in t.external_data}
 
 
-def _read_weight(t: TensorProto, base: Path) -> np.ndarray:
+def read_weight(t: TensorProto, base: Path) -> np.ndarray:
     if t.data_location != TensorProto.EXTERNAL:
         return numpy_helper.to_array(t)
     info = _external_info(t)
@@ -193,7 +193,7 @@ def quantize_model_int4(src: Path, dst: Path, block_size: int = 32, accuracy_lev
                 continue
             t = inits[node.input[1]]
             k, n = t.dims
-            w = _read_weight(t, base)
+            w = read_weight(t, base)
             if writer8 is not None:
                 q8, s8 = quantize_columns(w, int8_bits)
                 int8 += [writer8.add(t.name + INT8_SUFFIX, q8), writer8.add(t.name + INT8_SCALES_SUFFIX, s8)]
@@ -212,7 +212,7 @@ def quantize_model_int4(src: Path, dst: Path, block_size: int = 32, accuracy_lev
                 progress(done, len(targets))
         for t in graph.initializer:  # everything else (norm weights, rotary caches): copied through
             if t.name not in quantized:
-                new_inits.append(writer.add(t.name, _read_weight(t, base)) if t.data_location ==
+                new_inits.append(writer.add(t.name, read_weight(t, base)) if t.data_location ==
                                  TensorProto.EXTERNAL else t)
     finally:
         writer.close()
@@ -294,6 +294,6 @@ class DequantizedWeights:
     def get(self, name: str) -> np.ndarray:
         node, q, s = self.nodes[name]
         attrs = {a.name: a.i for a in node.attribute}
-        packed = np.asarray(_read_weight(q, self.path.parent))
-        scales = np.asarray(_read_weight(s, self.path.parent), np.float32)
+        packed = np.asarray(read_weight(q, self.path.parent))
+        scales = np.asarray(read_weight(s, self.path.parent), np.float32)
         return dequantize_block(packed, scales, attrs["K"])

@@ -35,7 +35,7 @@ def test_every_part_and_manifest(builds, precision):
     # the step graph, derived at assembly; an int4 build also its int8 GEMM twin (the route)
     assert set(m.parts) == {*PART_NAMES, "llm_step", *(("llm_route",) if precision == "int4" else ())}
     expected = {"int4": {"llm_decoder": "int4", "text_embed": "fp16", "audio_embed": "fp16", "audio_heads": "fp32",
-                         "audio_encoder": "fp32", "audio_tokenizer": "fp32", "audio_tokenizer_stream": "fp32",
+                         "audio_encoder": "int8", "audio_tokenizer": "fp32", "audio_tokenizer_stream": "fp32",
                          "llm_step": "int4", "llm_route": "int8"},
                 "fp32": dict.fromkeys((*PART_NAMES, "llm_step"), "fp32")}[precision]
     assert {p: e["precision"] for p, e in m.parts.items()} == expected

@@ -75,8 +75,17 @@ def _decoder_steps(s: dict, meta: dict) -> list[str]:
 
 
 def _encoder(s: dict, meta: dict) -> list[str]:
-    return [f"- `{name}` ({r['samples']} samples, {r['frames']} frames): {r['agreement'] * 100:.2f}% of codes equal"
-            for name, r in s["recordings"].items()]
+    lines = [f"- `{name}` ({r['samples']} samples, {r['frames']} frames): {r['agreement'] * 100:.2f}% of codes equal"
+             for name, r in s["recordings"].items()]
+    if s.get("int8"):  # the build tried the int8 GEMM: which form it kept and each form's gate against fp32
+        lines += ["", f"Encoder precision: {s['precision']}; int8 forms gated at build against the fp32 graph: "
+                      f"{s['int8_summary']}.", "", "| form | recording | codes equal to fp32's (first codebook) | "
+                      "with -60 dBFS noise (first) | gate |", "|---|---|---|---|---|"]
+        for form, f in s["int8"]["forms"].items():
+            lines += [f"| {form} | `{name}` | {r['mean']:.1%} ({r['first']:.1%}) | {r['dither_mean']:.1%} "
+                      f"({r['dither_first']:.1%}) | {'passes' if f['ok'] else 'fails'} |"
+                      for name, r in f["recordings"].items()]
+    return lines
 
 
 def _greedy(s: dict, meta: dict) -> list[str]:

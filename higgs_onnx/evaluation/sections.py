@@ -60,8 +60,10 @@ def decoder_steps(ev: EvalContext) -> dict:
 
 
 def encoder(ev: EvalContext) -> dict:
-    """The export's codec encoder vs the reference's on real recordings: share of equal codes, per codebook."""
+    """The export's codec encoder vs the reference's on real recordings: share of equal codes, per codebook; and its
+    form (fp32, or an int8 form with the build's gate figures against the fp32 graph: `parts/encoder_int8.py`)."""
     from ..audio import load_reference
+    from ..parts.encoder_int8 import summary as int8_summary
 
     out = {}
     for path in ev.options.recordings:
@@ -72,7 +74,10 @@ def encoder(ev: EvalContext) -> dict:
                                 "agreement": float((a == b).mean()) if same else 0.0,
                                 "per_codebook": (a == b).mean(0).tolist() if same else []}
     ev.ref.release_codec()  # 0.8 GB on the real geometry: eval must fit in 8 GB beside the decoder session
-    return {"recordings": out, "agreement": min(r["agreement"] for r in out.values())}
+    entry = ev.tts.manifest.parts["audio_encoder"]
+    tried = entry.get("int8")
+    return {"recordings": out, "agreement": min(r["agreement"] for r in out.values()),
+            "precision": entry["precision"], "int8": tried, "int8_summary": int8_summary(tried) if tried else None}
 
 
 def text_argmax(table, hidden: np.ndarray) -> np.ndarray:
