@@ -358,6 +358,35 @@ def test_both_routes_are_timed_for_the_crossover(builds):
     assert tts.backend.decoder.policy == routes.MULTI_ROW  # the timing forced each route, then put it back
 
 
+@pytest.mark.slow
+def test_the_profile_splits_the_prefill_and_the_batched_steps(builds):
+    """`bench.py --routes`'s profile (benchmarks/routes.py): every kernel of a run in one part of the split, the
+    activations' quantization only on the route, one GEMM per projection (and the heads'), the kernels' best no
+    longer than the best wall, and the route's GEMMs alone timed on the route's own weight shapes."""
+    import sys
+
+    sys.path.insert(0, str(DATA.parent.parent / "benchmarks"))
+    try:
+        import routes as bench_routes
+    finally:
+        sys.path.remove(str(DATA.parent.parent / "benchmarks"))
+    folder = builds["int4"]
+    layers = json.loads((folder / "manifest.json").read_text())["model"]["layers"]
+    p = bench_routes.profile(folder, threads=1, repeats=2, positions=24, batches=(2, 4))
+    calls = [("route", p["prefill"]), *[(label, x) for label, r in p["batch"].items() for x in r.values()]]
+    assert [label for label, _ in calls] == ["route", "route", "route", "int4", "int4"]
+    for label, x in calls:
+        s = x["split"]
+        assert s["gemms"] == 5 * layers + 1  # qkv, o, gate, up, down; the audio heads' MatMul
+        assert s["GEMMs"] > 0 and s["attention"] > 0 and s["other kernels"] > 0
+        assert (s["quantization"] > 0) == (label == "route")
+        assert sum(s[k] for k in bench_routes.SPLIT) <= x["wall_ms"]
+    _, _, shapes = bench_routes.gemm_alone(folder / llm_route.FILE, 24, np.random.default_rng(0))
+    assert sum(shapes.values()) == 5 * layers
+    assert p["prefill"]["gemm_alone_ms"] > 0 and p["prefill"]["over_gemms"] == pytest.approx(
+        p["prefill"]["wall_ms"] / p["prefill"]["gemm_alone_ms"])
+
+
 def test_a_given_crossover_is_checked_and_needs_a_route():
     from higgs_onnx.export import ExportOptions
 
