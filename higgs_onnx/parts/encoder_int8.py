@@ -53,10 +53,11 @@ def _eligible(node, weights: dict, scopes: tuple = SCOPES) -> bool:
     w = weights[node.input[1]]
     if node.op_type == "MatMul":
         return w.ndim == 2 and w.shape[0] >= MIN_DEPTH
-    if node.op_type == "Conv":
+    if node.op_type == "Conv":  # 1-D, one group, explicit pads (the exporter writes them; auto_pad is not read here)
         attrs = {a.name: a for a in node.attribute}
         group = attrs["group"].i if "group" in attrs else 1
-        return w.ndim == 3 and group == 1 and w.shape[1] * w.shape[2] >= MIN_DEPTH
+        auto = attrs["auto_pad"].s if "auto_pad" in attrs else b"NOTSET"
+        return w.ndim == 3 and group == 1 and auto == b"NOTSET" and w.shape[1] * w.shape[2] >= MIN_DEPTH
     return False
 
 
