@@ -322,6 +322,38 @@ def generation_figures(model_path: Path, frames: int, threads: int = 0) -> dict:
             "peak_rss_mb": zero_shot_rss}
 
 
+def load_figures(model_path: Path, threads: int = 0) -> dict:
+    """The export made ready to prefill in this process, as the CLI makes it: `HiggsTTS` (the manifest, the files'
+    hashes or their verdicts, the tokenizer), then the decoder's session and the parts a prompt runs through (the
+    int8 route's session stays lazy: made by the first call that takes it)."""
+    from higgs_onnx.runtime.model import HiggsTTS
+
+    t0 = time.perf_counter()
+    tts = HiggsTTS(model_path, threads=threads)  # verify, as the CLI does
+    tts.preload(("text_embed", "audio_heads"))
+    return {"ready_s": time.perf_counter() - t0, "opened_s": tts.opened_s, "sessions_s": tts.parts.load_s,
+            "decoder": tts.backend.decoder_part, "route_lazy": tts.backend.route_part is not None,
+            "peak_rss_mb": peak_rss_mb()}
+
+
+def load_runs(export: Path, threads: int) -> dict:
+    """`load_figures` in two fresh processes one after the other: the first (cold-ish: it may hash the files or
+    prepare the decoder's graph, once per file identity) and the second (warm: the page cache and the user's cache
+    as the first left them); each with its whole process time (interpreter and imports included)."""
+    runs = {}
+    for key in ("first", "second"):
+        figures, wall = child("--_load", str(export), "--threads", str(threads))
+        runs[key] = {**figures, "process_s": wall}
+    return runs
+
+
+def print_load(runs: dict) -> list[tuple]:
+    return [(f"ready to prefill, {key} load", f"{r['ready_s']:.2f} s",
+             f"opened {r['opened_s']:.2f} s (manifest, hashes, tokenizer), sessions {r['sessions_s']:.2f} s "
+             f"({r['decoder']}{', the route lazy' if r['route_lazy'] else ''}); process {r['process_s']:.1f} s; peak "
+             f"RSS {r['peak_rss_mb']:.0f} MB") for key, r in runs.items()]
+
+
 LONG_TEXT = " ".join([TEXT] * 4)
 
 
@@ -678,7 +710,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--skip-torch", action="store_true")
     ap.add_argument("--skip-export", action="store_true", help="skip timing the int4 decoder export")
+    ap.add_argument("--load", action="store_true", help="only the load figure: the export ready to prefill "
+                    "(HiggsTTS, the decoder's session), in a first and a second fresh process")
     ap.add_argument("--_generation", type=Path, help=argparse.SUPPRESS)  # child modes
+    ap.add_argument("--_load", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--_torch", nargs=2, type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--_export", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--_stream", nargs=4, help=argparse.SUPPRESS)  # export seconds voice(0/1) one_shot(0/1)
@@ -727,6 +762,17 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--model-path {args.model_path}: no manifest.json there (not an export folder)")
     if args._generation:
         print(json.dumps(generation_figures(args._generation, args.frames, args.threads)))
+        return 0
+    if args._load:
+        print(json.dumps(load_figures(args._load, args.threads)))
+        return 0
+    if args.load:
+        out = {"cpu": cpu_info(), "load": load_runs(resolve_export(args)[1], args.threads)}
+        print(f"CPU: {cpu_line(out['cpu'])}")
+        for name, value, note in print_load(out["load"]):
+            print(f"  {name:<30}{value:>20}   {note}")
+        if args.json:
+            args.json.write_text(json.dumps(out, indent=2))
         return 0
     if args._torch:
         print(json.dumps(torch_figures(args._torch[0], np.load(args._torch[1], allow_pickle=False), TEXT)))
@@ -777,6 +823,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {"preset": args.preset if args.model_path is None else None, "export": export.name,
            "precision": precision, "threads": args.threads, "cpus": os.cpu_count(), "cpu": cpu_info()}
     out["bandwidth_gbs"], out["bandwidth_probe"] = bandwidth_gbs(args.threads)
+    out["load"] = load_runs(export, args.threads)  # before anything else here loads the export
     data = step_bytes(load_export(export, verify=False))
     out["decoder_weight_mb"] = data / 2**20
     out["floor_ms"] = data / (out["bandwidth_gbs"] * 1e9) * 1e3
@@ -884,6 +931,7 @@ def print_table(o: dict) -> None:
          f"weights / step, against the probe's {o['bandwidth_gbs']:.1f} GB/s: "
          + ("the kernel binds, not memory" if o['decoder_weight_read_gbs'] < 0.6 * o['bandwidth_gbs'] else
             "near the memory floor")),
+        *print_load(o["load"]),
         ("prefill, zero-shot prompt", f"{o['prefill_zero_shot_ms']:.1f} ms", "24 positions"),
         ("prefill, clone-sized prompt", f"{o['prefill_clone_ms']:.1f} ms", "281 positions (10 s reference)"),
         ("host overhead per frame", f"{g['host_overhead_ms_per_row']:.3f} ms",

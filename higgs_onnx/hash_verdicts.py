@@ -55,8 +55,8 @@ def sha256_file(path: Path, chunk: int = 2**24) -> str:
 def verdict_file(folder: Path, shared: bool) -> Path:
     """Where the folder's verdicts are kept: beside the export when the folder can be written and is not `shared`
     (a download in the Hub's cache, never written into), else in the user's cache (the path only: made when
-    written)."""
-    if os.access(folder, os.W_OK | os.X_OK) and not shared:
+    written). A folder whose mode grants no write is read-only here even to root, whom the mode does not stop."""
+    if os.access(folder, os.W_OK | os.X_OK) and folder.stat().st_mode & 0o222 and not shared:
         return folder / VERDICTS
     key = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:32]
     return cache_dir(CACHE_KIND, key, make=False) / VERDICTS

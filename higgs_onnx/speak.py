@@ -110,6 +110,7 @@ def speak(tts, text: str, cmd: Command, voice, asr=None) -> object:
     from tqdm import tqdm
 
     out = cmd.out
+    ready(tts, cmd)
     bar = tqdm(total=cmd.speech.generation.max_rows or DEFAULT_MAX_ROWS, unit="row", desc=out.name or "stdout",
                leave=False, disable=not sys.stderr.isatty())
     progress = lambda n: bar.update(n - bar.n)  # noqa: E731
@@ -131,13 +132,27 @@ def speak(tts, text: str, cmd: Command, voice, asr=None) -> object:
         log.warning("%s: no end of speech within %d rows; the audio is cut at %s", out, stats.rows, cmd.row_limit)
     elif stats.stop_reason != "eoc":  # the guard stopped it: a loop, or rambling far past the text
         log.warning("%s: stopped by the guard (%s) after %d rows", out, stats.stop_reason, stats.rows)
-    first = f"first audio after {stats.first_audio_s:.2f} s ({stats.chunks} chunks)" if cmd.live else \
-        f"first row after {stats.first_row_s:.2f} s"
-    ran = sorted(set(tts.ran_on().values()))
-    print(f"{out}: {stats.audio_s:.2f} s audio in {stats.wall_s:.2f} s (RTF {stats.rtf:.2f}); {first}; "
-          f"{stats.rows} rows; stop: {stats.stop_reason}; ran on {', '.join(ran)}",
+    print(f"{out}: {summary(stats, tts.load_s, cmd.live)}; ran on {', '.join(sorted(set(tts.ran_on().values())))}",
           file=sys.stderr if cmd.live else sys.stdout)
     return stats
+
+
+def ready(tts, cmd: Command) -> None:
+    """The sessions an utterance runs through, made before it starts (load, not generation): the decoder's, the
+    text embedding, the heads and the codec decoder it uses. The int8 route's stays lazy (made by the first call
+    that takes it, and then counted apart from that call's time: `GenerationStats.load_s`)."""
+    stream = cmd.live and cmd.stream.codec != "window" and tts.has_stateful_codec
+    tts.preload(("text_embed", "audio_heads", "audio_tokenizer_stream" if stream else "audio_tokenizer"))
+
+
+def summary(stats, load_s: float, live: bool) -> str:
+    """The one-line summary's figures: audio, generation time (the wall time less the sessions made meanwhile) and
+    its RTF, split into prefill, decode and codec; the load apart (the folder opened and every session made)."""
+    first = f"first audio after {stats.first_audio_s - stats.load_s:.2f} s ({stats.chunks} chunks)" if live else \
+        f"first row after {stats.first_row_s:.2f} s"
+    return (f"{stats.audio_s:.2f} s audio in {stats.wall_s - stats.load_s:.2f} s (RTF {stats.rtf:.2f}: prefill "
+            f"{stats.prefill_s:.2f} s, decode {stats.decode_s:.2f} s, codec {stats.codec_s:.2f} s); load "
+            f"{load_s:.2f} s apart; {first}; {stats.rows} rows; stop: {stats.stop_reason}")
 
 
 def say_level(out, lv) -> None:

@@ -36,6 +36,10 @@ def test_bench_tiny_smoke(tiny_ckpt, tmp_path):
     assert g["rows"] > 0 and g["peak_rss_mb"] > 0 and g["host_overhead_ms_per_row"] >= 0
     assert g["first_frame_cached_voice_s"] > 0 and g["first_frame_new_voice_s"] > 0
     assert "decoder step (median)" in r.stdout and "x floor" in r.stdout
+    for key in ("first", "second"):  # the export ready to prefill, in two fresh processes, its own row
+        ld = b["load"][key]
+        assert 0 < ld["opened_s"] < ld["ready_s"] < ld["process_s"] and ld["sessions_s"] > 0, ld
+        assert ld["decoder"] == "llm_step" and f"ready to prefill, {key} load" in r.stdout
     c = b["continuity"]  # the streaming section's playback figures at 1 and 8 concurrent streams
     assert [x["streams"] for x in c["runs"]] == [1, 8] and "playback, 8 streams" in r.stdout
     for x in c["runs"]:

@@ -126,6 +126,21 @@ def test_a_hub_download_keeps_its_verdicts_in_the_users_cache(tmp_path, monkeypa
     assert hashes == []
 
 
+def test_a_folder_without_write_permission_keeps_its_verdicts_in_the_users_cache(tmp_path, monkeypatch, hashes):
+    """Its mode says read-only: honoured even by root, whom the mode does not stop."""
+    folder = small_export(tmp_path / "m")
+    monkeypatch.setenv("HIGGS_CACHE", str(tmp_path / "cache"))
+    folder.chmod(0o555)
+    try:
+        load_manifest(folder, verify=True)
+        hashes.clear()
+        load_manifest(folder, verify=True)
+    finally:
+        folder.chmod(0o755)
+    assert hashes == [] and not (folder / VERDICTS).exists()
+    assert len(list((tmp_path / "cache" / "verdicts").glob(f"*/{VERDICTS}"))) == 1
+
+
 def test_a_read_only_folder_keeps_its_verdicts_in_the_users_cache(tmp_path):
     """A read-only bind mount in a mount namespace of its own (tests run as root, whom chmod does not stop)."""
     if shutil.which("unshare") is None:

@@ -314,6 +314,22 @@ def test_the_route_writes_the_same_cache_and_each_call_goes_by_its_rows(builds):
 
 
 @pytest.mark.slow
+def test_the_routes_session_is_made_by_the_first_call_that_takes_it(builds):
+    """The route's weights are held only once a call takes it: calls that stay on int4 never load them."""
+    from higgs_onnx.runtime.model import HiggsTTS
+
+    tts = HiggsTTS(builds["int4"], verify=False, route="on")
+    dec = tts.backend.decoder
+    assert tts.backend.route_part == "llm_route" and "llm_route" not in tts.parts.loaded()
+    embeds = (np.random.default_rng(3).standard_normal((6, tts.facts.hidden)) * 0.05).astype(np.float32)
+    cache = dec.new_cache(8)
+    dec.run(cache, embeds[:1])  # one position: int4 under "on"
+    assert dec.calls == {False: 1, True: 0} and "llm_route" not in tts.parts.loaded()
+    dec.run(cache, embeds[1:])  # five: the route, made now
+    assert dec.calls == {False: 1, True: 1} and "llm_route" in tts.parts.loaded()
+
+
+@pytest.mark.slow
 def test_every_mode_speaks_and_a_deterministic_job_is_the_same_bytes_as_alone(builds):
     """`route="off"` never loads the route; "on" puts a clone's prefill and batched steps on it. A job run
     exclusively on a busy scheduler makes the calls it made alone (their shapes decide the route): same rows."""

@@ -99,11 +99,15 @@ class GenerationStats:
     wall_s: float
     chunks: int  # audio pieces handed out (1 for one-shot)
     stop_reason: str  # "eoc" (the model ended the speech), "max_rows" (cut at the limit), "teacher"
+    # sessions made while the call waited (the int8 route's on its first call, a part's first use): in wall_s, not
+    # in prefill_s / decode_s
+    load_s: float = 0.0
 
     @property
     def rtf(self) -> float:
-        """Real-time factor: wall time / audio time (below 1 = faster than real time)."""
-        return self.wall_s / max(self.audio_s, 1e-9)
+        """Real-time factor over generation: (wall time - session loads) / audio time (below 1 = faster than real
+        time)."""
+        return (self.wall_s - self.load_s) / max(self.audio_s, 1e-9)
 
     def as_dict(self) -> dict:
         return {**asdict(self), "rtf": self.rtf}
@@ -193,6 +197,7 @@ class Request:
         # timings
         self.started = time.perf_counter() if started is None else started
         self.voice_s, self.prefill_s, self.decode_s, self.codec_s = voice_s, 0.0, 0.0, 0.0
+        self.load_s = 0.0  # sessions made while its prefill or steps waited (`Engine`: the backend's load_clock)
         self.first_audio_at: float | None = None
         self.chunks = 0
 
@@ -295,7 +300,8 @@ class Request:
             rows=self.n, frames=max(self.n - self.rules.num_codebooks + 1, 0), audio_s=audio_samples / sample_rate,
             voice_s=self.voice_s, prefill_s=self.prefill_s, decode_s=self.decode_s, codec_s=self.codec_s,
             first_row_s=self.voice_s + self.prefill_s, first_audio_s=first - self.started + self.voice_s,
-            wall_s=end - self.started + self.voice_s, chunks=self.chunks, stop_reason=self.stop_reason or "running")
+            wall_s=end - self.started + self.voice_s, chunks=self.chunks, stop_reason=self.stop_reason or "running",
+            load_s=self.load_s)
 
     def redraw(self, options: GenerationOptions) -> Request:
         """A new draw of the same prompt (same voice prefix, reference and history rows) with other `options`: a
@@ -334,6 +340,12 @@ class Engine:
 
     def __init__(self, backend: Backend, pool: Any = None):
         self.backend, self.pool = backend, pool
+
+    def load_clock(self) -> float:
+        """The seconds this thread has waited for the backend's sessions to be made (a backend without lazy
+        sessions: 0); a request's phases leave them out (`Request.load_s`)."""
+        clock = getattr(self.backend, "load_clock", None)
+        return clock() if clock is not None else 0.0
 
     def admit(self, req: Request, cache: Any = None) -> None:
         """Give `req` its cache and the embeddings of the prompt positions still to prefill (`req.embeds`); a voice
@@ -379,7 +391,7 @@ class Engine:
     def prefill(self, req: Request, limit: int | None = None) -> int:
         """Prefill the next `limit` (None: all) of the request's remaining prompt positions; returns how many.
         After the last chunk the request is `decoding`. A failed prefill gives the cache back and raises."""
-        t0 = time.perf_counter()
+        t0, loads = time.perf_counter(), self.load_clock()
         row = next(m for m in req.members if m.embeds is not None)  # a blend prefills its voices one by one
         left = len(row.embeds) - row.prefilled
         n = left if limit is None else max(1, min(limit, left))
@@ -395,7 +407,9 @@ class Engine:
         row.prefilled += n
         if row.prefilled == len(row.embeds):
             row.hidden, row.embeds = hidden, None
-        req.prefill_s += time.perf_counter() - t0
+        loaded = self.load_clock() - loads
+        req.load_s += loaded
+        req.prefill_s += time.perf_counter() - t0 - loaded
         return n
 
     def start(self, req: Request) -> None:
@@ -418,7 +432,7 @@ class Engine:
         live = [r for r in requests if r.decoding]
         if not live:
             return
-        be, t0 = self.backend, time.perf_counter()
+        be, t0, loads = self.backend, time.perf_counter(), self.load_clock()
         need = [m for r in live for m in r.members if m.next_logits is None]
         if need:
             for m, lg in zip(need, be.audio_logits(np.stack([m.hidden for m in need])), strict=True):  # (B, N, V)
@@ -454,9 +468,11 @@ class Engine:
                     hidden = [be.decode(c, embeds[i:i + 1]) for i, c in enumerate(caches)]
                 for req, h in zip(going, hidden, strict=True):
                     req.hidden = h
-        spent = time.perf_counter() - t0
+        loaded = self.load_clock() - loads
+        spent = time.perf_counter() - t0 - loaded
         for req in live:
             req.decode_s += spent
+            req.load_s += loaded
 
     def rows(self, req: Request) -> Iterator[int]:
         """Run one request to its end, yielding its row count after each row. Closing the iterator early (a

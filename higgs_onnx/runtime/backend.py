@@ -62,13 +62,21 @@ class OnnxBackend:
                                    "--prefill-route none, refused by its gate or not cpu int4, or step_graph=False); "
                                    "every call runs on int4")
             self.decoder = BoundDecoder(part, parts.facts, p.memory, p.offset_binding,
-                                        route=parts.part(ROUTE_PART) if policy.active else None, policy=policy)
+                                        route=(lambda: parts.part(ROUTE_PART)) if policy.active else None,
+                                        policy=policy)  # the route's session: made by the first call taking it
         self.fused = self.decoder.fused  # decode steps from codes to logits in one call
 
     @property
     def route_part(self) -> str | None:
-        """The route's part name where its session is loaded (`runtime/route.py`), else None."""
-        return ROUTE_PART if getattr(self.decoder, "route", None) is not None else None
+        """The route's part name where calls may take it (`runtime/route.py`; its session is made by the first call
+        that does, or by `HiggsTTS.preload`), else None."""
+        return ROUTE_PART if getattr(self.decoder, "has_route", False) else None
+    def load_clock(self) -> float:
+        """Seconds this thread has spent making the parts' sessions (`ModelParts.load_clock`): the engine leaves
+        them out of a request's prefill and decode time."""
+        clock = getattr(self.parts, "load_clock", None)
+        return clock() if clock is not None else 0.0
+
     @property
     def kv_memory(self) -> str:
         """Where the KV cache lives: the ORT memory name of the decoder's buffers ("cpu", "cuda", ...), "state" (inside

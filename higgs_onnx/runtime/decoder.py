@@ -273,8 +273,10 @@ class BoundDecoder(_Graph):
     Every request gets its own `BoundCache` (`new_cache`), so requests in flight together never touch each other's
     rows; the decoder itself keeps nothing between calls (ORT sessions allow concurrent `run` calls).
 
-    `route`: the step graph's int8 GEMM twin (`parts/llm_route.py`, a `Part` with the same I/O), bound to the same
-    buffers; `policy` (`runtime.route.RoutePolicy`) sends each call to it or to `part` by its row count.
+    `route`: the step graph's int8 GEMM twin (`parts/llm_route.py`, a `Part` with the same I/O, or a function of no
+    arguments that makes it: then its session is made by the first call that takes the route, so a run whose calls
+    all stay on int4 never holds its weights), bound to the same buffers; `policy` (`runtime.route.RoutePolicy`)
+    sends each call to it or to `part` by its row count.
     """
 
     def __init__(self, part, facts, memory: str = "cpu", offset_binding: bool = True, device_resident: bool = False,
@@ -287,20 +289,28 @@ class BoundDecoder(_Graph):
         self.host = memory == providers.HOST_MEMORY and not device_resident
         self.offset_binding = offset_binding
         self.session = part.session
-        self.route = route
-        self.route_session = route.session if route is not None else None
+        self._route = route  # the Part, or what makes it (`route`)
+        self.has_route = route is not None
         self.policy = policy if route is not None and policy is not None else NEVER
         self.calls = {False: 0, True: 0}  # calls run on int4 / on the route (figures for benchmarks and tests)
         self._graph(part, facts)
         self._copy: DeviceCopy | None = None
 
+    @property
+    def route(self):
+        """The route's `Part` (None: no route), its session made here on first use when it was given as a function
+        (`ModelParts.part` makes it once, under its lock)."""
+        if self._route is not None and not hasattr(self._route, "session"):
+            self._route = self._route()
+        return self._route
+
     def session_for(self, route: bool):
         """The session a call runs on: the route's or the int4 step graph's (the same buffers bound to either)."""
-        return self.route_session if route else self.session
+        return self.route.session if route else self.session
 
     def routed(self, rows: int, batched: bool) -> bool:
         """Whether a call of `rows` positions (one row) or rows (a batched step) runs on the route; counted."""
-        use = self.route_session is not None and self.policy.use(rows, batched)
+        use = self.has_route and self.policy.use(rows, batched)
         self.calls[use] += 1
         return use
 

@@ -70,6 +70,7 @@ class HiggsTTS:
     def __init__(self, model_path: str | os.PathLike, provider: str | None = None, threads: int = 0,
                  verify: bool = True, kv_cache: str = "bound", voice_cache_bytes: int = DEFAULT_VOICE_CACHE_BYTES,
                  step_graph: bool = True, guard: GuardOptions | None = None, route: str | None = None):
+        opening = time.perf_counter()
         if kv_cache not in KV_LAYOUTS:  # before the (slow) hashing of the model files
             raise ValueError(f"kv_cache must be one of {', '.join(KV_LAYOUTS)}, got {kv_cache!r}")
         route = check_route(route)
@@ -90,6 +91,7 @@ class HiggsTTS:
         self._prompts: Synthesizer | None = None
         self._reload: tuple[str, ...] = ()  # the parts `unload` let go, made again by `load`
         self._lock = threading.Lock()  # the backend and the synthesizer are made once, whichever thread asks first
+        self.opened_s = time.perf_counter() - opening  # the folder opened: manifest, hashes, tokenizer
 
     # -- the parts -------------------------------------------------------------------------------------------
     def part(self, name: str) -> Part:
@@ -156,6 +158,12 @@ class HiggsTTS:
     def loaded(self) -> bool:
         """Whether any session of the model exists (its memory is held)."""
         return self._backend is not None or bool(self.parts.loaded())
+
+    @property
+    def load_s(self) -> float:
+        """Seconds spent loading so far: the folder opened (`opened_s`: manifest, file hashes, tokenizer) and every
+        session made since (the int8 route's by the first call taking it); the CLI's summary shows it apart."""
+        return self.opened_s + self.parts.load_s
 
     @property
     def loaded_at(self) -> float:

@@ -31,6 +31,7 @@ from ..manifest import Manifest, ManifestError
 from ..part_facts import FACTS
 from .checks import check_threads
 from .cpu_graph import default_provider, graph_for
+from .prepared import PREPARED_PARTS, open_prepared
 from .session import Part, open_part
 
 STATEFUL_CODEC = "audio_tokenizer_stream"
@@ -84,6 +85,8 @@ class ModelParts:
         self._sessions: dict[str, Part] = {}
         self._lock = threading.Lock()  # each session is made once, by whichever thread asks first
         self.made_at = 0.0  # time.monotonic() when the last session was made (an idle unload counts from it)
+        self.load_s = 0.0  # seconds spent making sessions, every thread
+        self._clock = threading.local()  # the same, this thread's (`load_clock`)
 
     def part(self, name: str, stateful: bool = False) -> Part:
         """The part's session (an ONNX Runtime `Part`, or an OpenVINO `OvPart`), made on first use; its inputs and
@@ -95,15 +98,42 @@ class ModelParts:
             with self._lock:
                 part = self._sessions.get(key)
                 if part is None:
-                    path = graph_for(self.manifest, name, self.provider)  # a cuda graph's CPU rewrite, cached
-                    part = open_part(name, path, self.provider, self.threads, stateful)
-                    check_io(self.manifest, self.facts, name, part)
-                    io = self.manifest.parts[name].get("io")
-                    if io:  # another layout's names (foreign.py)
-                        part = RenamedPart(part, io, self.facts.hop)
+                    t0 = time.perf_counter()
+                    part = self._open(name, stateful)
                     self._sessions[key] = part
                     self.made_at = time.monotonic()
+                    spent = time.perf_counter() - t0
+                    self.load_s += spent
+                    self._clock.s = self.load_clock() + spent
         return part
+
+    def _open(self, name: str, stateful: bool) -> Part:
+        path = graph_for(self.manifest, name, self.provider)  # a cuda graph's CPU rewrite, cached
+        io = self.manifest.parts[name].get("io")  # another layout's names (foreign.py)
+        if (name in PREPARED_PARTS and not stateful and not io and self.manifest.precision == "int4"
+                and providers.get(self.provider) is providers.BUILD_PROVIDER):
+            part = open_prepared(name, path, self.provider, self.threads, self.probe)  # runtime/prepared.py
+        else:
+            part = open_part(name, path, self.provider, self.threads, stateful)
+        check_io(self.manifest, self.facts, name, part)
+        return RenamedPart(part, io, self.facts.hop) if io else part
+
+    def load_clock(self) -> float:
+        """Seconds this thread has spent making sessions (a call's phases leave out the loads they waited for)."""
+        return getattr(self._clock, "s", 0.0)
+
+    def probe(self, part: Part) -> list[np.ndarray]:
+        """A decoder graph's outputs on a seeded 4-position prefill and (step graph) one step: what its prepared
+        copy must give bit for bit (`runtime.prepared`)."""
+        from .decoder import SimpleDecoder
+
+        f, rng = self.facts, np.random.default_rng(0)
+        dec = SimpleDecoder(part, f)
+        cache = dec.new_cache(8)
+        out = [dec.run(cache, (rng.standard_normal((4, f.hidden)) * 0.05).astype(np.float32))]
+        if dec.fused:
+            out += dec.step(cache, rng.integers(0, f.codebook_size, f.num_codebooks))
+        return out
 
     def loaded(self) -> list[str]:
         """The parts whose sessions exist so far."""

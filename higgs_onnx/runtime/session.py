@@ -59,9 +59,11 @@ def check_assignment(name: str, assigned, wanted: str) -> None:
                             f"{len(fallen)} node(s) would fall back to the CPU")
 
 
-def create_session(path: Path, provider: str = "cpu", threads: int = 0, spin: bool = False, name: str | None = None):
+def create_session(path: Path, provider: str = "cpu", threads: int = 0, spin: bool = False, name: str | None = None,
+                   optimized: tuple[Path, dict] | None = None):
     """An InferenceSession on `provider`; a requested accelerator that is missing, or that leaves any node of the
-    graph to the CPU EP, is a ProviderError naming the part (and the op)."""
+    graph to the CPU EP, is a ProviderError naming the part (and the op). `optimized`: (a path, session config
+    entries) to write the optimized graph to as the session is made (`runtime.prepared`)."""
     import onnxruntime as ort
 
     p = providers.get(provider)
@@ -76,6 +78,10 @@ def create_session(path: Path, provider: str = "cpu", threads: int = 0, spin: bo
     options = session_options(threads, spin)
     if wanted != cpu:
         options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
+    if optimized is not None:
+        options.optimized_model_filepath = str(optimized[0])
+        for key, value in optimized[1].items():
+            options.add_session_config_entry(key, value)
     try:
         chosen = (wanted, dict(p.ort_options)) if p.ort_options else wanted
         sess = ort.InferenceSession(str(path), options, providers=[chosen] if wanted == cpu else [chosen, cpu])
@@ -106,10 +112,12 @@ def open_part(name: str, path: Path, provider: str = "cpu", threads: int = 0, st
 class Part:
     """One exported part: call with keyword inputs; returns {output name: array}. Checks outputs for NaN/Inf."""
 
-    def __init__(self, name: str, path: Path, provider: str = "cpu", threads: int = 0):
+    def __init__(self, name: str, path: Path, provider: str = "cpu", threads: int = 0,
+                 optimized: tuple[Path, dict] | None = None):
         self.name, self.path = name, path
         # only the decoder's pool may spin (it runs most of the time); see session_options
-        self.session = create_session(path, provider, threads, spin=name in DECODER_SESSIONS, name=name)
+        self.session = create_session(path, provider, threads, spin=name in DECODER_SESSIONS, name=name,
+                                      optimized=optimized)
         self.input_types = {i.name: ORT_DTYPES.get(i.type, np.float32) for i in self.session.get_inputs()}
         self.output_names = [o.name for o in self.session.get_outputs()]
         self.output_types = {o.name: ORT_DTYPES.get(o.type, np.float32) for o in self.session.get_outputs()}

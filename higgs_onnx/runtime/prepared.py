@@ -1,0 +1,158 @@
+"""The int4 decoder's graph prepared once for fast loads: ONNX Runtime's optimized graph with its prepacked weights.
+
+Making the int4 step graph's session re-packs every MatMulNBits weight for the CPU's kernels (on the 4b, 2.3 GB of
+int4 weights: most of its 3.3-5.2 s load on a 2-vCPU AMD EPYC). ONNX Runtime can write the optimized graph with the
+prepacked weights in its external data file (`session.save_external_prepacked_constant_initializers`) and map them
+at the next load (2.0-2.3 s there). The first load of a graph makes its session that way (its one cost: writing the
+copy, about 2.3 x the weights, into the user's cache; never beside the export, which may be read-only) and runs a
+probe on it (a short prefill and one step, seeded); the next load opens the prepared copy and runs the same probe:
+outputs bit-equal to the original graph's, the copy is used from then on; any difference, and it is deleted and
+the original graph loaded (then and every later time, said once).
+
+The entry's key: the graph file's and each external data file's identity (path, size, mtime, inode, device), the
+onnxruntime version, this CPU's flags and `PREPARE_VERSION`; its stamp (`STAMP`, written last) says where the
+entry stands: "unchecked" (the probe's outputs of the original kept beside it), "equal", or "differs".
+`$HIGGS_PREPARED=0` loads the original graph every time (nothing written).
+
+    part = open_prepared("llm_step", path, "cpu", threads, probe)    # a runtime.session.Part
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from ..hash_verdicts import identity
+from ..outputs import write_atomic
+from ..user_cache import CacheError, cache_dir, cache_writes
+from .session import Part
+
+log = logging.getLogger(__name__)
+
+CACHE_KIND = "prepared"
+PREPARE_VERSION = 1  # bump when the entry changes: the key holds it
+STAMP = "entry.json"
+PROBE = "probe.npz"  # the original graph's outputs on the probe (while the entry is unchecked)
+ENV = "HIGGS_PREPARED"
+PREPARED_PARTS = ("llm_step", "llm_decoder")  # graphs whose load is mostly the int4 weights' repacking (measured)
+SPACE_FACTOR = 3  # free space asked of the cache: the copy is about 2.3 x the weights (4b: 5.2 GB for 2.3 GB)
+
+
+def data_files(graph: Path) -> list[Path]:
+    """The external data files `graph` names (without loading the weights)."""
+    import onnx
+
+    model = onnx.load(str(graph), load_external_data=False)
+    names = {e.value for t in model.graph.initializer for e in t.external_data if e.key == "location"}
+    return sorted(graph.parent / n for n in names)
+
+
+def entry_key(graph: Path, data: list[Path]) -> str:
+    import onnxruntime as ort
+
+    from .route import cpu_flags
+
+    def ident(path: Path) -> dict:  # not the ctime, which a hard link made elsewhere moves
+        return {k: v for k, v in identity(path).items() if k != "ctime_ns"}
+
+    facts = {"graph": ident(graph), "data": [ident(p) for p in data], "ort": ort.__version__,
+             "cpu": sorted(cpu_flags()), "version": PREPARE_VERSION}
+    return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def read_stamp(folder: Path) -> str | None:
+    """The entry's state ("unchecked", "equal", "differs"), None when there is no sound stamp."""
+    try:
+        state = json.loads((folder / STAMP).read_text(encoding="utf-8")).get("state")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return state if state in ("unchecked", "equal", "differs") else None
+
+
+def same(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
+    return len(a) == len(b) and all(x.shape == y.shape and x.dtype == y.dtype and np.array_equal(x, y, equal_nan=True)
+                                    for x, y in zip(a, b, strict=True))
+
+
+def open_prepared(name: str, graph: Path, provider: str, threads: int,
+                  probe: Callable[[Part], list[np.ndarray]]) -> Part:
+    """The part's session from its prepared copy where that gated bit-equal, else from `graph` (preparing the copy
+    on the first load: see the module's docstring). `probe(part)`: the outputs compared, seeded and the same every
+    time."""
+    if os.environ.get(ENV, "1").strip() == "0":
+        return Part(name, graph, provider, threads)
+    data = data_files(graph)
+    folder = cache_dir(CACHE_KIND, entry_key(graph, data), make=False)
+    state = read_stamp(folder)
+    if state == "differs":
+        return Part(name, graph, provider, threads)
+    if state == "equal":
+        return Part(name, folder / graph.name, provider, threads)
+    if state == "unchecked":
+        return check_entry(name, graph, folder, provider, threads, probe)
+    return prepare(name, graph, data, provider, threads, probe)
+
+
+def prepare(name: str, graph: Path, data: list[Path], provider: str, threads: int, probe) -> Part:
+    """The first load: the session made from `graph` writing its optimized copy with the prepacked weights into a
+    new entry, the probe's outputs kept; the entry stays "unchecked" until the next load. Too little space, or a
+    cache that cannot be written: the original alone (said at info level)."""
+    weights = sum(p.stat().st_size for p in data)
+    try:
+        folder = cache_dir(CACHE_KIND, entry_key(graph, data))
+    except CacheError as e:
+        log.info("%s: not prepared for fast loads (%s)", name, e)
+        return Part(name, graph, provider, threads)
+    free = shutil.disk_usage(folder).free
+    if free < SPACE_FACTOR * weights:
+        log.info("%s: not prepared for fast loads: %.1f GB free in %s, %.1f GB wanted", name, free / 1e9, folder,
+                 SPACE_FACTOR * weights / 1e9)
+        return Part(name, graph, provider, threads)
+    (folder / STAMP).unlink(missing_ok=True)
+    log.info("%s: preparing its graph with prepacked weights in %s (once; about %.1f GB)", name, folder,
+             2.3 * weights / 1e9)
+    saving = {"session.optimized_model_external_initializers_file_name": f"{graph.name}.data",
+              "session.optimized_model_external_initializers_min_size_in_bytes": "1024",
+              "session.save_external_prepacked_constant_initializers": "1"}
+    part = Part(name, graph, provider, threads, optimized=(folder / graph.name, saving))
+    with cache_writes(folder):
+        np.savez(folder / PROBE, *probe(part))
+        write_atomic(folder / STAMP, json.dumps({"state": "unchecked", "graph": str(graph)}) + "\n")
+    return part
+
+
+def check_entry(name: str, graph: Path, folder: Path, provider: str, threads: int, probe) -> Part:
+    """The second load: the prepared copy opened and probed; bit-equal to the original's outputs: "equal" (used
+    from now on), else "differs" (the copy deleted, the original loaded)."""
+    try:
+        with np.load(folder / PROBE) as kept:
+            expected = [kept[k] for k in kept.files]
+        part = Part(name, folder / graph.name, provider, threads)
+        got = probe(part)
+    except Exception as e:  # noqa: BLE001 - a damaged entry (ORT's or NumPy's errors): the original graph
+        log.warning("%s: its prepared graph in %s does not load (%s): the original graph is loaded", name, folder,
+                    str(e)[:120])
+        part, got, expected = None, [], [None]
+    state = "equal" if part is not None and same(expected, got) else "differs"
+    if state == "differs":
+        if part is not None:
+            log.warning("%s: its prepared graph's outputs differ from the original graph's: the original is loaded "
+                        "(now and later)", name)
+        part = None
+        for f in folder.iterdir():
+            if f.name != STAMP:
+                f.unlink(missing_ok=True)
+    try:
+        with cache_writes(folder):
+            write_atomic(folder / STAMP, json.dumps({"state": state, "graph": str(graph)}) + "\n")
+            (folder / PROBE).unlink(missing_ok=True)
+    except CacheError as e:
+        log.info("%s: the prepared graph's verdict cannot be kept (%s)", name, e)
+    return part if part is not None else Part(name, graph, provider, threads)

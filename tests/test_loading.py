@@ -1,0 +1,89 @@
+"""Loading apart from generation: the int4 decoder's prepared graph (runtime/prepared.py: made once, gated bit-equal
+to the original's outputs, used from then on; a copy that differs is dropped) and the load kept out of a request's
+figures (GenerationStats.load_s, the CLI's one-line summary)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+
+import numpy as np
+import pytest
+
+from higgs_onnx.generation.engine import GenerationStats
+from higgs_onnx.runtime import prepared
+from higgs_onnx.speak import summary
+
+pytestmark = pytest.mark.slow
+
+
+def entry_of(cache) -> tuple:
+    """(the one prepared entry's folder, its state)."""
+    folder, = (cache / prepared.CACHE_KIND).iterdir()
+    return folder, json.loads((folder / prepared.STAMP).read_text())["state"]
+
+
+def greedy(folder, **kw) -> tuple:
+    from higgs_onnx.runtime.model import HiggsTTS
+
+    tts = HiggsTTS(folder, verify=False, route="off", **kw)
+    rows = tts.generate("Loading is not speaking.", seed=3, temperature=0, max_rows=24).rows
+    return tts.backend.decoder.part.path, rows
+
+
+def test_the_prepared_graph_is_made_once_gated_and_then_used(builds, tmp_path, monkeypatch):
+    monkeypatch.setenv("HIGGS_CACHE", str(tmp_path / "cache"))
+    folder = builds["int4"]
+    monkeypatch.setenv(prepared.ENV, "0")
+    original, rows = greedy(folder)
+    assert original == folder / "llm_step.onnx" and not (tmp_path / "cache" / prepared.CACHE_KIND).exists()
+    monkeypatch.delenv(prepared.ENV)
+    path, first = greedy(folder)  # the first load: the original's session, writing the prepared copy
+    entry, state = entry_of(tmp_path / "cache")
+    assert path == original and state == "unchecked" and (entry / "llm_step.onnx.data").is_file()
+    for expected in ("equal", "equal"):  # the second load checks it, the third just uses it
+        path, again = greedy(folder)
+        assert path == entry / "llm_step.onnx" and entry_of(tmp_path / "cache")[1] == expected
+        assert np.array_equal(again, rows) and np.array_equal(first, rows)
+
+
+def test_a_prepared_graph_that_differs_is_dropped(builds, tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("HIGGS_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "export"
+    shutil.copytree(builds["int4"], folder)  # an entry of its own (other file identities)
+    _, rows = greedy(folder)
+    entry, _ = entry_of(tmp_path / "cache")
+    kept = np.load(entry / prepared.PROBE)
+    np.savez(entry / prepared.PROBE, *[kept[k] + 1 for k in kept.files])  # what the original "gave" is now other
+    with caplog.at_level(logging.WARNING, logger="higgs_onnx.runtime.prepared"):
+        path, again = greedy(folder)
+    assert path == folder / "llm_step.onnx" and entry_of(tmp_path / "cache")[1] == "differs"
+    assert "outputs differ from the original graph's: the original is loaded" in caplog.text
+    assert not (entry / "llm_step.onnx.data").exists() and np.array_equal(again, rows)
+    assert greedy(folder)[0] == folder / "llm_step.onnx"  # and later
+
+
+def test_a_session_made_inside_a_call_is_load_not_generation(builds):
+    """The route's session made by the first call that takes it: counted in load_s, not in prefill_s or the RTF."""
+    from higgs_onnx.runtime.model import HiggsTTS
+
+    tts = HiggsTTS(builds["int4"], verify=False, route="on")
+    tts.preload(("text_embed", "audio_heads", "audio_tokenizer"))
+    assert "llm_route" not in tts.parts.loaded()
+    before = tts.parts.load_s
+    stats = tts.generate("Loading is not speaking.", seed=3, temperature=0, max_rows=24).stats
+    made = tts.parts.load_s - before  # the route's session alone
+    assert "llm_route" in tts.parts.loaded() and made > 0 and stats.load_s == pytest.approx(made)
+    assert stats.rtf == pytest.approx((stats.wall_s - stats.load_s) / stats.audio_s)
+    assert tts.load_s == pytest.approx(tts.opened_s + tts.parts.load_s) and tts.opened_s > 0
+
+
+def test_the_summary_splits_generation_and_puts_the_load_apart():
+    stats = GenerationStats(prompt_tokens=9, reference_rows=0, rows=57, frames=50, audio_s=2.0, voice_s=0.0,
+                            prefill_s=0.5, decode_s=2.5, codec_s=0.25, first_row_s=0.5, first_audio_s=4.5, wall_s=4.5,
+                            chunks=1, stop_reason="eoc", load_s=1.0)
+    assert stats.rtf == 1.75
+    assert summary(stats, 6.25, live=False) == (
+        "2.00 s audio in 3.50 s (RTF 1.75: prefill 0.50 s, decode 2.50 s, codec 0.25 s); load 6.25 s apart; "
+        "first row after 0.50 s; 57 rows; stop: eoc")
