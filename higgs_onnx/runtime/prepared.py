@@ -1,20 +1,22 @@
-"""The int4 decoder's graph prepared once for fast loads: ONNX Runtime's optimized graph with its prepacked weights.
+"""The decoder's graphs prepared once for fast loads: ONNX Runtime's optimized graph with its prepacked weights.
 
 Making the int4 step graph's session re-packs every MatMulNBits weight for the CPU's kernels (on the 4b, 2.3 GB of
-int4 weights: most of its 3.3-5.2 s load on a 2-vCPU AMD EPYC). ONNX Runtime can write the optimized graph with the
-prepacked weights in its external data file (`session.save_external_prepacked_constant_initializers`) and map them
-at the next load (2.0-2.3 s there). The first load of a graph makes its session that way (its one cost: writing the
-copy, about 2.3 x the weights, into the user's cache; never beside the export, which may be read-only) and runs a
-probe on it (a short prefill and one step, seeded); the next load opens the prepared copy and runs the same probe:
-outputs bit-equal to the original graph's, the copy is used from then on; any difference, and it is deleted and
-the original graph loaded (then and every later time, said once).
+int4 weights: most of its 3.3-5.2 s load on a 2-vCPU AMD EPYC), and the int8 route's packs its 3.6 GB of int8 GEMM
+weights into new heap pages (half its 4.9-5.3 s is the kernel zeroing them). ONNX Runtime can write the optimized
+graph with the prepacked weights in its external data file (`session.save_external_prepacked_constant_initializers`)
+and map them at the next load (2.0-2.3 s and 1.4-1.7 s there; the route's packed weights then file pages, not
+heap). The first load of a graph makes its session that way (its one cost: writing the copy, 5.2 GB for the 4b's
+step graph and 7.5 GB for its route, into the user's cache; never beside the export, which may be read-only) and
+runs a probe on it (a short prefill and one step, seeded); the next load opens the prepared copy and runs the same
+probe: outputs bit-equal to the original graph's, the copy is used from then on; any difference, and it is deleted
+and the original graph loaded (then and every later time, said once).
 
 The entry's key: the graph file's and each external data file's identity (path, size, mtime, inode, device), the
 onnxruntime version, this CPU's flags and `PREPARE_VERSION`; its stamp (`STAMP`, written last) says where the
 entry stands: "unchecked" (the probe's outputs of the original kept beside it), "equal", or "differs".
 `$HIGGS_PREPARED=0` loads the original graph every time (nothing written).
 
-    part = open_prepared("llm_step", path, "cpu", threads, probe)    # a runtime.session.Part
+    part = open_prepared("llm_step", path, "cpu", threads, probe)    # a runtime.session.Part (llm_route alike)
 """
 
 from __future__ import annotations
@@ -41,8 +43,11 @@ PREPARE_VERSION = 1  # bump when the entry changes: the key holds it
 STAMP = "entry.json"
 PROBE = "probe.npz"  # the original graph's outputs on the probe (while the entry is unchecked)
 ENV = "HIGGS_PREPARED"
-PREPARED_PARTS = ("llm_step", "llm_decoder")  # graphs whose load is mostly the int4 weights' repacking (measured)
-SPACE_FACTOR = 3  # free space asked of the cache: the copy is about 2.3 x the weights (4b: 5.2 GB for 2.3 GB)
+# graphs whose load is mostly their weights' repacking (measured on the 4b: see the module's docstring)
+PREPARED_PARTS = ("llm_step", "llm_decoder", "llm_route")
+# free space asked of the cache, times the graph's data files (4b: the step's copy 5.2 GB for 2.3 GB of data; the
+# route's 7.5 GB for 6.1 GB, most of its int4 file unused)
+SPACE_FACTOR = 3
 
 
 def data_files(graph: Path) -> list[Path]:
@@ -116,8 +121,7 @@ def prepare(name: str, graph: Path, data: list[Path], provider: str, threads: in
                  SPACE_FACTOR * weights / 1e9)
         return Part(name, graph, provider, threads)
     (folder / STAMP).unlink(missing_ok=True)
-    log.info("%s: preparing its graph with prepacked weights in %s (once; about %.1f GB)", name, folder,
-             2.3 * weights / 1e9)
+    log.info("%s: preparing its graph with prepacked weights in %s (once per file identity)", name, folder)
     saving = {"session.optimized_model_external_initializers_file_name": f"{graph.name}.data",
               "session.optimized_model_external_initializers_min_size_in_bytes": "1024",
               "session.save_external_prepacked_constant_initializers": "1"}
