@@ -77,6 +77,16 @@ def test_a_session_made_inside_a_call_is_load_not_generation(builds):
     assert "llm_route" in tts.parts.loaded() and made > 0 and stats.load_s == pytest.approx(made)
     assert stats.rtf == pytest.approx((stats.wall_s - stats.load_s) / stats.audio_s)
     assert tts.load_s == pytest.approx(tts.opened_s + tts.parts.load_s) and tts.opened_s > 0
+    for live in (False, True):  # the first call makes every session it needs: all of them load, none generation
+        fresh = HiggsTTS(builds["int4"], verify=False, route="off")
+        text = "Loading is not speaking."
+        if live:
+            *_, last = fresh.stream(text, seed=3, temperature=0, max_rows=24)
+            stats = last.stats
+        else:
+            stats = fresh.generate(text, seed=3, temperature=0, max_rows=24).stats
+        assert {"llm_step", "text_embed", "audio_heads"} < set(fresh.parts.loaded())
+        assert stats.load_s == pytest.approx(fresh.parts.load_s) and stats.load_s > 0
 
 
 def test_the_summary_splits_generation_and_puts_the_load_apart():

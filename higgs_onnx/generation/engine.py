@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -197,9 +197,15 @@ class Request:
         # timings
         self.started = time.perf_counter() if started is None else started
         self.voice_s, self.prefill_s, self.decode_s, self.codec_s = voice_s, 0.0, 0.0, 0.0
-        self.load_s = 0.0  # sessions made while its prefill or steps waited (`Engine`: the backend's load_clock)
+        self.load_s = 0.0  # sessions made while its calls waited (`loads`: the backend's load clock)
+        self.clock: Callable[[], float] | None = None  # the engine's load clock, set at admission
         self.first_audio_at: float | None = None
         self.chunks = 0
+
+    def loads(self) -> float:
+        """This thread's load clock (seconds spent making sessions; 0 before admission): a phase that reads it
+        before and after leaves the sessions it waited for out of its time and adds them to `load_s`."""
+        return self.clock() if self.clock is not None else 0.0
 
     @property
     def done(self) -> bool:
@@ -311,7 +317,7 @@ class Request:
         req = Request(self.prompt, self.rules, options, self.placeholder, ref_rows=self.ref_rows, prefix=self.prefix,
                       voice_s=self.voice_s, started=self.started, history_rows=self.history_rows,
                       watch=None if self.watch is None else self.watch.fresh())
-        req.text = self.text
+        req.text, req.load_s = self.text, self.load_s  # its wall time counts from the first draw's start, loads too
         return req
 
     def release(self) -> None:
@@ -355,8 +361,12 @@ class Engine:
         Otherwise a slot of the pool (or a cache of its own), empty or holding the voice's saved prefix."""
         if cache is not None and req.width > 1:
             raise ValueError("a voice blend cannot continue a KV cache")
+        loads = self.load_clock()
+        req.clock = self.load_clock
         for row in req.members:
+            row.clock = self.load_clock
             self._admit_row(row, cache)
+        req.load_s += self.load_clock() - loads  # the embeddings' sessions, made on first use
 
     def _admit_row(self, req: Request, cache: Any) -> None:
         if cache is None and self.pool is not None and len(req.prompt) + req.max_rows > self.pool.capacity:

@@ -51,9 +51,11 @@ def speech_from(req: Request, raw: np.ndarray, decode_audio: Callable[[np.ndarra
     codes = codes_for_codec(raw, codebook_size)
     if not codes.shape[-1]:
         raise NoAudioError(f"the generation ended after {req.n} rows without one audio frame")
-    t0 = time.perf_counter()
+    t0, loads = time.perf_counter(), req.loads()
     wav = decode_audio(codes)
-    req.codec_s += time.perf_counter() - t0
+    loaded = req.loads() - loads  # the codec's session, made on first use: load, not codec time
+    req.load_s += loaded
+    req.codec_s += time.perf_counter() - t0 - loaded
     req.audio_out(wav.size)
     return Speech(waveform=wav, sample_rate=sample_rate, rows=req.generated.copy(), codes=codes[0].T,
                   stop_reason=req.stop_reason, stats=req.stats(wav.size, sample_rate))

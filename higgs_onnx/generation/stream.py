@@ -64,11 +64,13 @@ class AudioStreamer:
         if self.finished:
             return []
         req = self.req
-        t0 = time.perf_counter()
+        t0, loads = time.perf_counter(), req.loads()
         pieces = self.codec.push(frames) if len(frames) else []
         if final:
             pieces.append(self.codec.flush())
-        req.codec_s += time.perf_counter() - t0
+        loaded = req.loads() - loads  # this thread's sessions made meanwhile: load, not codec time
+        req.load_s += loaded
+        req.codec_s += time.perf_counter() - t0 - loaded
         pieces = [p for p in pieces if p.size]
         if final:
             self.finished = True

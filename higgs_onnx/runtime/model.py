@@ -388,6 +388,7 @@ class HiggsTTS:
         `generated` rows, no audio). `on_row(n)` is called after each row. For several requests decoded together,
         use one `scheduler(slots, positions)`. A voice blend runs on a pool of its own, a slot per voice, so its
         voices share each decoder call."""
+        loads = self.parts.load_clock()  # sessions made before it runs (the backend's, a stream's codec): its load
         if audio == "stream":
             sched = self._own_scheduler(request)
             try:
@@ -395,9 +396,12 @@ class HiggsTTS:
             except BaseException:
                 sched.close()
                 raise
+            request.load_s += self.parts.load_clock() - loads
             return _closing(handle.chunks(), sched)
         with self._own_scheduler(request) as sched:
-            return sched.submit(request, audio, on_row=on_row, retry=retry).wait()
+            handle = sched.submit(request, audio, on_row=on_row, retry=retry)
+            request.load_s += self.parts.load_clock() - loads
+            return handle.wait()
 
     def _own_scheduler(self, request: Request) -> Scheduler:
         """A batch of one: caches of their own; a blend, a pool of a slot per voice sized for its longest member."""
