@@ -93,7 +93,10 @@ def open_prepared(name: str, graph: Path, provider: str, threads: int,
     time."""
     if os.environ.get(ENV, "1").strip() == "0":
         return Part(name, graph, provider, threads)
-    data = data_files(graph)
+    try:
+        data = data_files(graph)
+    except Exception:  # noqa: BLE001 - a damaged graph (protobuf's errors): the original's load says it in one line
+        return Part(name, graph, provider, threads)
     folder = cache_dir(CACHE_KIND, entry_key(graph, data), make=False)
     state = read_stamp(folder)
     if state == "differs":
@@ -125,10 +128,17 @@ def prepare(name: str, graph: Path, data: list[Path], provider: str, threads: in
     saving = {"session.optimized_model_external_initializers_file_name": f"{graph.name}.data",
               "session.optimized_model_external_initializers_min_size_in_bytes": "1024",
               "session.save_external_prepacked_constant_initializers": "1"}
-    part = Part(name, graph, provider, threads, optimized=(folder / graph.name, saving))
-    with cache_writes(folder):
-        np.savez(folder / PROBE, *probe(part))
-        write_atomic(folder / STAMP, json.dumps({"state": "unchecked", "graph": str(graph)}) + "\n")
+    try:
+        part = Part(name, graph, provider, threads, optimized=(folder / graph.name, saving))
+    except RuntimeError as e:  # the copy could not be written (a full disk ...): the original alone
+        log.info("%s: not prepared for fast loads (%s)", name, str(e)[:160])
+        return Part(name, graph, provider, threads)
+    try:
+        with cache_writes(folder):
+            np.savez(folder / PROBE, *probe(part))
+            write_atomic(folder / STAMP, json.dumps({"state": "unchecked", "graph": str(graph)}) + "\n")
+    except CacheError as e:  # no stamp: prepared again next time
+        log.info("%s: its prepared graph cannot be kept (%s)", name, e)
     return part
 
 
