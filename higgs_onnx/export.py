@@ -42,6 +42,7 @@ from .parts.kv_cache import POLICY as KV_POLICY
 from .parts.llm_route import KIND, ROUTES
 from .parts.llm_route import POLICY as ROUTE_POLICY
 from .parts.olive import BITS
+from .runtime.prepared import held_off
 
 log = logging.getLogger(__name__)
 
@@ -626,7 +627,8 @@ class Exporter:
             raise RuntimeError(f"another optimize.py is building {self.final} right now (lock "
                                f"{lock.lock_file}); wait for it to finish") from None
         try:
-            return self._run()
+            with held_off():  # the gates load staging folders: nothing to prepare for later loads (runtime/prepared)
+                return self._run()
         finally:
             lock.release()
 

@@ -14,7 +14,8 @@ and the original graph loaded (then and every later time, said once).
 The entry's key: the graph file's and each external data file's identity (path, size, mtime, inode, device), the
 onnxruntime version, this CPU's flags and `PREPARE_VERSION`; its stamp (`STAMP`, written last) says where the
 entry stands: "unchecked" (the probe's outputs of the original kept beside it), "equal", or "differs".
-`$HIGGS_PREPARED=0` loads the original graph every time (nothing written).
+`$HIGGS_PREPARED=0` loads the original graph every time (nothing written), and so does a build (`held_off`, around
+`export.Exporter.run`: its staging folders are loaded for the gates, then renamed; a copy of them would be waste).
 
     part = open_prepared("llm_step", path, "cpu", threads, probe)    # a runtime.session.Part (llm_route alike)
 """
@@ -26,7 +27,8 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +50,21 @@ PREPARED_PARTS = ("llm_step", "llm_decoder", "llm_route")
 # free space asked of the cache, times the graph's data files (4b: the step's copy 5.2 GB for 2.3 GB of data; the
 # route's 7.5 GB for 6.1 GB, most of its int4 file unused)
 SPACE_FACTOR = 3
+
+
+@contextmanager
+def held_off() -> Iterator[None]:
+    """No graph prepared while the block runs, in this process and the ones it starts (a build: its part steps
+    run in child processes): `$HIGGS_PREPARED=0` for the block, what it was put back after."""
+    before = os.environ.get(ENV)
+    os.environ[ENV] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = before
 
 
 def data_files(graph: Path) -> list[Path]:
