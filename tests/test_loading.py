@@ -97,3 +97,26 @@ def test_the_summary_splits_generation_and_puts_the_load_apart():
     assert summary(stats, 6.25, live=False) == (
         "2.00 s audio in 3.50 s (RTF 1.75: prefill 0.50 s, decode 2.50 s, codec 0.25 s); load 6.25 s apart; "
         "first row after 0.50 s; 57 rows; stop: eoc")
+
+
+def test_entries_of_changed_or_deleted_graphs_are_removed(builds, tmp_path, monkeypatch):
+    """A rebuilt graph (another identity at the same path) and a graph that is gone leave no entry behind: each
+    holds GBs for the 4b, and no load could use them again."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("HIGGS_CACHE", str(cache))
+    folder = tmp_path / "export"
+    shutil.copytree(builds["int4"], folder)
+    greedy(folder)
+    old, _ = entry_of(cache)
+    orphan = cache / prepared.CACHE_KIND / ("0" * 32)  # made for a staging folder since deleted
+    orphan.mkdir()
+    (orphan / prepared.STAMP).write_text(json.dumps({"state": "equal", "graph": str(tmp_path / "gone.onnx")}))
+    making = cache / prepared.CACHE_KIND / ("1" * 32)  # another process's entry still being written: no stamp yet
+    making.mkdir()
+    step = folder / "llm_step.onnx"
+    shutil.copy(step, tmp_path / "step.onnx")
+    step.unlink()
+    shutil.move(tmp_path / "step.onnx", step)  # the same bytes, another file: a new entry
+    greedy(folder)
+    left = sorted(p.name for p in (cache / prepared.CACHE_KIND).iterdir())
+    assert not old.exists() and not orphan.exists() and making.exists() and len(left) == 2

@@ -125,6 +125,26 @@ def open_prepared(name: str, graph: Path, provider: str, threads: int,
     return prepare(name, graph, data, provider, threads, probe)
 
 
+def prune(graph: Path, keep: Path) -> list[Path]:
+    """Delete the entries no load can use any more (each holds GBs for the 4b): those made for `graph` under another
+    identity (the file was rebuilt or changed) and those whose graph is gone (a rebuilt export, a build's staging).
+    An entry being made (no stamp yet) is left. A session still mapping a deleted entry keeps its pages (POSIX)."""
+    gone = []
+    for entry in keep.parent.iterdir():
+        if entry == keep:
+            continue
+        try:
+            made_for = json.loads((entry / STAMP).read_text(encoding="utf-8")).get("graph")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(made_for, str) and (made_for == str(graph) or not Path(made_for).is_file()):
+            shutil.rmtree(entry, ignore_errors=True)
+            gone.append(entry)
+    if gone:
+        log.info("prepared graphs: %d entries of changed or deleted graphs removed", len(gone))
+    return gone
+
+
 def prepare(name: str, graph: Path, data: list[Path], provider: str, threads: int, probe) -> Part:
     """The first load: the session made from `graph` writing its optimized copy with the prepacked weights into a
     new entry, the probe's outputs kept; the entry stays "unchecked" until the next load. Too little space, or a
@@ -135,6 +155,7 @@ def prepare(name: str, graph: Path, data: list[Path], provider: str, threads: in
     except CacheError as e:
         log.info("%s: not prepared for fast loads (%s)", name, e)
         return Part(name, graph, provider, threads)
+    prune(graph, keep=folder)  # before the space is counted: what it frees counts
     free = shutil.disk_usage(folder).free
     if free < SPACE_FACTOR * weights:
         log.info("%s: not prepared for fast loads: %.1f GB free in %s, %.1f GB wanted", name, free / 1e9, folder,
