@@ -372,6 +372,11 @@ def test_both_routes_are_timed_for_the_crossover(builds):
         assert ms and set(ms) <= set(ladder) and all(len(v) == 2 and min(v) > 0 for v in ms.values())
         assert out[kind]["crossover"] == llm_route.crossover({k: tuple(v) for k, v in ms.items()})
     assert tts.backend.decoder.policy == routes.MULTI_ROW  # the timing forced each route, then put it back
+    # the build times int4 once more after the route, keeping the better of the two phases: a phase slowed by other
+    # work (here: 1000 s) gives way to the new timing, a faster one (here: 0 s) stays
+    again = llm_route.time_again(tts.backend.decoder, False, {"prefill": {4: 1000.0, 8: 0.0}, "batch": {2: 1000.0}},
+                                 repeats=1)
+    assert 0 < again["prefill"][4] < 1000 and again["prefill"][8] == 0.0 and 0 < again["batch"][2] < 1000
 
 
 @pytest.mark.slow
