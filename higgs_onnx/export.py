@@ -711,14 +711,28 @@ class Exporter:
             tried.get("form") is not None or self.opts.encoder is None)
 
     def print_summary(self, entries: dict, seconds: float) -> None:
+        """The table of parts as the folder holds them: precision, size and parity from its manifest where
+        assembly changed a part (the int8 codec encoder), else from the part's build."""
+        from .parts import encoder_int8
+
+        try:
+            final = json.loads((self.final / MANIFEST).read_text()).get("parts", {})
+        except (OSError, ValueError, AttributeError):
+            final = {}
         w = max(map(len, PART_NAMES)) + 2
         print(f"\n{'part':<{w}}{'precision':<10}{'size':>11}{'build s':>9}  parity")
         total = 0
         for part, e in entries.items():
-            size = sum((self.part_dir(part, e["stamp"]) / n).stat().st_size for n in e["files"])
+            m = final.get(part) if isinstance(final.get(part), dict) else {}
+            files = m.get("files") if isinstance(m.get("files"), dict) else None
+            size = (sum(f.get("size", 0) for f in files.values()) if files else
+                    sum((self.part_dir(part, e["stamp"]) / n).stat().st_size for n in e["files"]))
             total += size
             built = "cached" if e["skipped"] else f"{e['build_seconds']:.1f}"
-            print(f"{part:<{w}}{e['precision']:<10}{size / 2**20:>9.1f}MB{built:>9}  {summary(e['parity'])}")
+            int8 = m.get("int8") if isinstance(m.get("int8"), dict) else {}
+            parity = (f"int8 {int8['form']}: {encoder_int8.summary(int8)}" if int8.get("form")
+                      else summary(e["parity"]))
+            print(f"{part:<{w}}{m.get('precision', e['precision']):<10}{size / 2**20:>9.1f}MB{built:>9}  {parity}")
         print(f"{'total':<{w + 10}}{total / 2**20:>9.1f}MB   in {seconds:.1f} s, peak RSS {peak_rss() / 1e9:.2f} GB "
               f"-> {self.final}")
 
