@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--route-crossover", nargs=2, metavar=("POSITIONS", "ROWS"), help="record this crossover for the "
                     "int8 route instead of measuring it here: one-row calls from POSITIONS, batched steps from ROWS "
                     "('none': never); for a build meant for another machine")
-    ap.add_argument("--route-form", choices=list(ROUTE_FORMS), default=d.route_form, help="the int8 route's weights: "
+    ap.add_argument("--route-form", choices=list(ROUTE_FORMS), default=None, help="the int8 route's weights: "
                     "s7 (7-bit, the default: exact on every x86 CPU, AVX2 included) or s8 (8-bit, used only where the "
                     "CPU has VNNI or AMX); docs/building.md")
     ap.add_argument("--encoder", choices=list(ENCODERS), help="the codec encoder (a new voice's reference -> "

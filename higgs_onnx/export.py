@@ -85,7 +85,7 @@ class ExportOptions:
     # for another machine, or a reproducible one); None in either: never
     route_crossover: tuple | None = None
     # the route's int8 weights (manifest.ROUTE_FORMS): s7 runs exactly on every x86 CPU, s8 only with VNNI/AMX
-    route_form: str = ROUTE_FORM_DEFAULT
+    route_form: str | None = None  # the route's weights (manifest.ROUTE_FORMS); None: ROUTE_FORM_DEFAULT
     # the codec encoder (parts/encoder_int8.py): "int8" | "fp32"; None: int8 in a cpu int4 build (the provider runs
     # the int8 GEMM) if a form's gate holds, else fp32
     encoder: str | None = None
@@ -118,8 +118,12 @@ class ExportOptions:
         if self.encoder == "int8" and not self.provider.int8_gemm_route:
             raise ValueError(f"the int8 codec encoder runs on ONNX Runtime's CPU int8 GEMM (--device cpu), not "
                              f"{self.device}")
-        if self.route_form not in ROUTE_FORMS:
-            raise ValueError(f"--route-form must be one of {', '.join(ROUTE_FORMS)}, got {self.route_form!r}")
+        if self.route_form is not None:
+            if self.route_form not in ROUTE_FORMS:
+                raise ValueError(f"--route-form must be one of {', '.join(ROUTE_FORMS)}, got {self.route_form!r}")
+            if not self.route:
+                raise ValueError("--route-form sets the int8 route's weights, but this build makes no route")
+        object.__setattr__(self, "route_form", self.route_form or ROUTE_FORM_DEFAULT)  # given or the default, once
         if self.route_crossover is not None:
             if not self.route:
                 raise ValueError("--route-crossover sets the int8 route's crossover, but this build makes no route")

@@ -101,6 +101,9 @@ def test_the_route_form_is_checked_at_build_and_at_load(tmp_path):
     assert ExportOptions("cpu", "int4").route_form == "s7"  # the default: one export that runs on every x86 CPU
     with pytest.raises(ValueError, match="--route-form must be one of s7, s8, got 's6'"):
         ExportOptions("cpu", "int4", route_form="s6")
+    for no_route in ({"precision": "fp32"}, {"precision": "int4", "prefill_route": "none"}):  # said, never ignored
+        with pytest.raises(ValueError, match="--route-form sets the int8 route.s weights, but this build makes no"):
+            ExportOptions("cpu", route_form="s8", **no_route)
     entry = {"kind": "int8-gemm", "crossover": {"prefill": 16, "batch": None}}
     check_route(entry, tmp_path / "manifest.json")  # built before the form: s8
     check_route({**entry, "form": "s7"}, tmp_path / "manifest.json")
