@@ -186,9 +186,14 @@ def published(builds, out_root, tmp_path_factory, route_crossover):
     hub.close()
 
 
+def _exported(folder: Path) -> list[str]:
+    """The export's files as the Hub gets them: not the dot files a load writes beside it (the hashes' verdicts)."""
+    return sorted(p.name for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))
+
+
 def _same_files(a: Path, b: Path) -> None:
-    names = sorted(p.name for p in a.iterdir() if p.is_file())
-    assert names == sorted(p.name for p in b.iterdir() if p.is_file())
+    names = _exported(a)
+    assert names == _exported(b)
     for n in names:
         assert (a / n).read_bytes() == (b / n).read_bytes(), n
 
@@ -199,7 +204,8 @@ def test_push_uploads_the_export_and_its_card(published, builds):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "up to date" in r.stdout and "pushed " in r.stdout and "hf://org/tts/cpu_int4" in r.stdout
     files = hub.files("org/tts")
-    local = sorted(p.name for p in builds["int4"].iterdir() if p.is_file())
+    local = _exported(builds["int4"])
+    assert ".higgs-verified.json" not in {p.rsplit("/", 1)[-1] for p in files}  # local identities stay local
     assert sorted(p for p in files if p != "README.md") == [f"cpu_int4/{n}" for n in local]
     for n in local:
         assert files[f"cpu_int4/{n}"] == (builds["int4"] / n).read_bytes(), n

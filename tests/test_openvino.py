@@ -224,8 +224,9 @@ def test_to_ir_int4_compresses_and_stays_close(builds, tmp_path):
         feeds = random_feeds("llm_decoder", onnx_part, facts(fp32), rng, past=past, seq=seq)
         ref, mine, theirs = (p(**feeds)["hidden_states"] for p in (onnx_part, ov_part, ort_int4))
         assert cosine(ref, mine) > 0.9  # random tiny weights: int4 loses more than on a trained model
-        # the same symmetric block-32 RTN as the ORT int4 export: both land in nearly the same place
-        assert cosine(mine, theirs) > 0.99
+        # both symmetric block-32 int4 of the same weights: NNCF rounds to nearest, the ORT export's scales come
+        # from its layout gate's search (parts/int4_layout.py, 0.987 here); both land close together
+        assert cosine(mine, theirs) > 0.98 and cosine(ref, theirs) > 0.9
     with pytest.raises(RuntimeError, match="without u4/i4 weights"):
         describe_ir(to_ir(fp32 / "llm_decoder.onnx", tmp_path / "f" / "llm_decoder.xml", "fp32"), "int4")
 

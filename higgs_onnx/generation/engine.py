@@ -326,13 +326,14 @@ class Request:
         if free is not None:
             free()
         self.cache = self.hidden = self.embeds = self.next_logits = None
+        self.clock = None  # the engine's: a finished request kept by its handle must not hold the engine's sessions
 
     def hand_over(self) -> Any:
         """The cache of this finished request, for a request that continues it (KV continuation); it is then no
         longer this request's to release."""
         if not self.done or self.cache is None:
             raise ValueError("only a finished request that kept its cache can be continued")
-        cache, self.cache, self.hidden, self.next_logits = self.cache, None, None, None
+        cache, self.cache, self.hidden, self.next_logits, self.clock = self.cache, None, None, None, None
         return cache
 
 

@@ -184,7 +184,7 @@ def check_entry(name: str, graph: Path, folder: Path, provider: str, threads: in
     """The second load: the prepared copy opened and probed; bit-equal to the original's outputs: "equal" (used
     from now on), else "differs" (the copy deleted, the original loaded)."""
     try:
-        with np.load(folder / PROBE) as kept:
+        with np.load(folder / PROBE, allow_pickle=False) as kept:
             expected = [kept[k] for k in kept.files]
         part = Part(name, folder / graph.name, provider, threads)
         got = probe(part)
