@@ -326,15 +326,18 @@ class Request:
         if free is not None:
             free()
         self.cache = self.hidden = self.embeds = self.next_logits = None
-        self.clock = None  # the engine's: a finished request kept by its handle must not hold the engine's sessions
 
     def hand_over(self) -> Any:
         """The cache of this finished request, for a request that continues it (KV continuation); it is then no
         longer this request's to release."""
         if not self.done or self.cache is None:
             raise ValueError("only a finished request that kept its cache can be continued")
-        cache, self.cache, self.hidden, self.next_logits, self.clock = self.cache, None, None, None, None
+        cache, self.cache, self.hidden, self.next_logits = self.cache, None, None, None
         return cache
+
+
+def _no_loads() -> float:
+    return 0.0
 
 
 class Engine:
@@ -348,11 +351,16 @@ class Engine:
     def __init__(self, backend: Backend, pool: Any = None):
         self.backend, self.pool = backend, pool
 
-    def load_clock(self) -> float:
-        """The seconds this thread has waited for the backend's sessions to be made (a backend without lazy
-        sessions: 0); a request's phases leave them out (`Request.load_s`)."""
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The backend's load clock (seconds this thread has waited for its sessions to be made; a backend without
+        lazy sessions: always 0); a request's phases leave them out (`Request.load_s`). The backend's own callable,
+        never a method of this engine: a request keeps it, and must not keep the engine's pool."""
         clock = getattr(self.backend, "load_clock", None)
-        return clock() if clock is not None else 0.0
+        return clock if callable(clock) else _no_loads
+
+    def load_clock(self) -> float:
+        return self.clock()
 
     def admit(self, req: Request, cache: Any = None) -> None:
         """Give `req` its cache and the embeddings of the prompt positions still to prefill (`req.embeds`); a voice
@@ -362,12 +370,13 @@ class Engine:
         Otherwise a slot of the pool (or a cache of its own), empty or holding the voice's saved prefix."""
         if cache is not None and req.width > 1:
             raise ValueError("a voice blend cannot continue a KV cache")
-        loads = self.load_clock()
-        req.clock = self.load_clock
+        clock = self.clock
+        loads = clock()
+        req.clock = clock
         for row in req.members:
-            row.clock = self.load_clock
+            row.clock = clock
             self._admit_row(row, cache)
-        req.load_s += self.load_clock() - loads  # the embeddings' sessions, made on first use
+        req.load_s += clock() - loads  # the embeddings' sessions, made on first use
 
     def _admit_row(self, req: Request, cache: Any) -> None:
         if cache is None and self.pool is not None and len(req.prompt) + req.max_rows > self.pool.capacity:

@@ -15,6 +15,8 @@ cache (or a slot of a pool); the backend holds none.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from .. import providers
@@ -71,11 +73,12 @@ class OnnxBackend:
         """The route's part name where calls may take it (`runtime/route.py`; its session is made by the first call
         that does, or by `HiggsTTS.preload`), else None."""
         return ROUTE_PART if getattr(self.decoder, "has_route", False) else None
-    def load_clock(self) -> float:
-        """Seconds this thread has spent making the parts' sessions (`ModelParts.load_clock`): the engine leaves
-        them out of a request's prefill and decode time."""
-        clock = getattr(self.parts, "load_clock", None)
-        return clock() if clock is not None else 0.0
+    @property
+    def load_clock(self) -> Callable[[], float] | None:
+        """The parts' clock (`ModelParts.load_clock`: seconds this thread has spent making sessions), which the
+        engine leaves out of a request's prefill and decode time. A request keeps it: it holds no session (a
+        finished request kept by its handle must not keep the decoder's session past an idle unload)."""
+        return getattr(self.parts, "load_clock", None)
 
     @property
     def kv_memory(self) -> str:
