@@ -268,6 +268,15 @@ def time_batch(decoder, rows: int, route: bool, context: int = 16, repeats: int 
                 s.free()
 
 
+def time_size(decoder, kind: str, size: int, route: bool, repeats: int, rng: np.random.Generator) -> float:
+    """Best seconds of one call of a ladder's `kind`: a one-row prefill of `size` positions ("prefill") or a batched
+    step of `size` rows ("batch")."""
+    if kind == "prefill":
+        embeds = (rng.standard_normal((size, decoder.facts.hidden)) * 0.05).astype(np.float32)
+        return time_prefill(decoder, embeds, route, repeats)
+    return time_batch(decoder, size, route, repeats=repeats)
+
+
 def crossover(times: dict[int, tuple[float, float]]) -> int | None:
     """{size: (int4 s, route s)} -> the smallest size from which the route is faster at every larger size, or None."""
     best = None
@@ -285,18 +294,13 @@ def time_ladders(decoder, route: bool, budget_s: float = BUDGET_S, repeats: int 
     steps along `BATCH_LADDER`. Alone (`against` None: the first route timed), each ladder climbs until half of
     `budget_s` is spent; `against` (the other route's times): the sizes timed there, and each climb stops once this
     route has won at two sizes in a row (past the crossover the route's lead only grows)."""
-    f = decoder.facts
     rng = np.random.default_rng(0)
     out = {}
     for kind, ladder in (("prefill", PREFILL_LADDER), ("batch", BATCH_LADDER)):
         t_end = time.perf_counter() + budget_s / 2
         times, wins = {}, 0
         for size in ladder if against is None else sorted(against[kind]):
-            if kind == "prefill":
-                embeds = (rng.standard_normal((size, f.hidden)) * 0.05).astype(np.float32)
-                times[size] = time_prefill(decoder, embeds, route, repeats)
-            else:
-                times[size] = time_batch(decoder, size, route, repeats=repeats)
+            times[size] = time_size(decoder, kind, size, route, repeats, rng)
             if against is not None:
                 wins = wins + 1 if times[size] < against[kind][size] else 0
                 if wins >= 2:
@@ -313,19 +317,9 @@ def time_again(decoder, route: bool, times: dict[str, dict[int, float]],
     better of the two kept. The build times one session at a time (int4's ladders, then the route's): a machine
     busy during one phase alone would otherwise move the crossover (a build beside other work measured int4's
     batched step of 2 rows at 165 ms, 65 ms on the same machine quiet, and gave the route every batch)."""
-    f = decoder.facts
     rng = np.random.default_rng(0)
-    out = {}
-    for kind, sizes in times.items():
-        out[kind] = {}
-        for size, first in sizes.items():
-            if kind == "prefill":
-                embeds = (rng.standard_normal((size, f.hidden)) * 0.05).astype(np.float32)
-                again = time_prefill(decoder, embeds, route, repeats)
-            else:
-                again = time_batch(decoder, size, route, repeats=repeats)
-            out[kind][size] = min(first, again)
-    return out
+    return {kind: {size: min(first, time_size(decoder, kind, size, route, repeats, rng))
+                   for size, first in sizes.items()} for kind, sizes in times.items()}
 
 
 def timings(int4: dict, route: dict) -> dict:
