@@ -257,17 +257,26 @@ def files_digest(folder: Path, names: tuple[str, ...] = ("config.json", WEIGHTS)
     return h.hexdigest()
 
 
+def is_extracted(folder: Path, out: Path) -> bool:
+    """Whether `out` holds a finished extraction (`extract_qwen3`) of the checkpoint in `folder` as it is now."""
+    marker = out / "extracted_from.json"
+    try:
+        return marker.is_file() and load_json(marker).get("digest") == files_digest(folder)
+    except (OSError, ValueError, AttributeError):  # a damaged marker: extract again
+        return False
+
+
 def extract_qwen3(folder: Path, out: Path) -> Path:
     """Write a standalone `Qwen3ForCausalLM` folder (config + `model.*` tensors + tokenizer) into `out`.
 
     Tensors are copied byte for byte, one at a time, so RAM stays flat whatever the model size. Skipped when `out`
     already holds an extraction of the same source files.
     """
-    stamp = files_digest(folder)
-    marker = out / "extracted_from.json"
-    if marker.is_file() and load_json(marker).get("digest") == stamp:
+    if is_extracted(folder, out):
         log.info("qwen3 body already extracted in %s", out)
         return out
+    stamp = files_digest(folder)
+    marker = out / "extracted_from.json"
     cfg = load_json(folder / "config.json")
     src = TensorFile(folder / WEIGHTS)
     mapping = {}

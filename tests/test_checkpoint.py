@@ -98,3 +98,20 @@ def test_extract_qwen3_loads_in_transformers(tiny_ckpt, reference, tmp_path):
     mtime = (out / ck.WEIGHTS).stat().st_mtime_ns
     ck.extract_qwen3(tiny_ckpt, out)  # unchanged source: skipped
     assert (out / ck.WEIGHTS).stat().st_mtime_ns == mtime
+
+
+def test_the_disk_check_counts_a_body_already_extracted(tiny_ckpt, tmp_path):
+    """The decoder build's free-space estimate leaves out the extracted body when a current extraction is there
+    (the 4b refused to rebuild with 28 GB free beside its own 7.6 GB extraction), and counts it again when the
+    checkpoint changed since or the marker is damaged."""
+    from higgs_onnx.parts.llm_decoder import disk_needed
+
+    size = (tiny_ckpt / ck.WEIGHTS).stat().st_size
+    body = tmp_path / "qwen3"
+    assert disk_needed(tiny_ckpt, body) == disk_needed(tiny_ckpt) == 4 * size  # nothing extracted yet
+    ck.extract_qwen3(tiny_ckpt, body)
+    assert ck.is_extracted(tiny_ckpt, body) and disk_needed(tiny_ckpt, body) == 3 * size
+    (body / "extracted_from.json").write_text("{not json")
+    assert not ck.is_extracted(tiny_ckpt, body) and disk_needed(tiny_ckpt, body) == 4 * size
+    (body / "extracted_from.json").write_text('["a list"]')
+    assert not ck.is_extracted(tiny_ckpt, body)

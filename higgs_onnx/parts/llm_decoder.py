@@ -54,24 +54,26 @@ def _model_builder(qwen3_dir: Path, out: Path, precision: str, ep: str, cache: P
     release_memory()
 
 
-def disk_needed(ckpt: Path) -> int:
-    """A generous estimate of the free space a decoder build needs: the extracted body (1x the weights), the
-    fp32 decoder before quantization (2x) and the finished parts (< 1x)."""
-    from ..checkpoint import WEIGHTS
+def disk_needed(ckpt: Path, extracted: Path | None = None) -> int:
+    """A generous estimate of the free space a decoder build needs: the extracted body (1x the weights, nothing
+    when `extracted` already holds it), the fp32 decoder before quantization (2x) and the finished parts (< 1x)."""
+    from ..checkpoint import WEIGHTS, is_extracted
 
-    return int(4 * (ckpt / WEIGHTS).stat().st_size)
+    body = 0 if extracted is not None and is_extracted(ckpt, extracted) else 1
+    return int((3 + body) * (ckpt / WEIGHTS).stat().st_size)
 
 
 def build(job: BuildJob) -> Path:
     """Extract the Qwen3 body (once per checkpoint) and build the decoder from it into `job.out`."""
     from ..checkpoint import extract_qwen3
 
-    need, free = disk_needed(job.ckpt), shutil.disk_usage(job.work).free
+    body = job.work / f"qwen3-{job.digest[:16]}"
+    need, free = disk_needed(job.ckpt, body), shutil.disk_usage(job.work).free
     if free < need:
         raise OSError(errno.ENOSPC, f"{job.work} has {free / 2**30:.1f} GB free; building the decoder needs about "
                                     f"{need / 2**30:.1f} GB (the previous build is left as it is)")
     job.say("extracting the Qwen3 body (tensor by tensor: RAM holds one)")
-    qwen3 = extract_qwen3(job.ckpt, job.work / f"qwen3-{job.digest[:16]}")
+    qwen3 = extract_qwen3(job.ckpt, body)
     provider = providers.get(job.device)
     if provider.ir:
         return build_openvino(qwen3, job)
