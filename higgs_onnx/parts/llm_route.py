@@ -56,12 +56,11 @@ KIND = ROUTE_KIND  # the manifest's decoder.route kind
 POLICY = 3  # bump when the graph, the gate or the crossover rule changes: a build recomposes, gates and times its
 # route again (a build that refused it tries again); 2: the quantization in QuantizeLinear, the scales in
 # MatMulIntegerToFloat (docs/performance.md, the routes section); 3: the crossover from int4's better phase
-# (`time_again`), so a build timed beside other work is timed again
+# (`time_again`) over int4's whole ladders (no wall-clock budget), so a build timed beside other work is timed again
 # the route may be at most this many times further from fp32 (1 - cosine) than the int4 route: 1.0 = no further
 ALLOWANCE = 1.0
 PREFILL_LADDER = (2, 4, 8, 16, 32, 64, 128)  # positions of a one-row call
 BATCH_LADDER = (2, 4, 8, 16)  # rows of a batched step
-BUDGET_S = 40.0  # seconds the first route timed may climb its ladders (half each); the other times the same sizes
 
 
 QUANT = "route/q/"  # the names of the activation quantization's nodes (benchmarks/routes.py splits a profile by it)
@@ -289,16 +288,16 @@ def crossover(times: dict[int, tuple[float, float]]) -> int | None:
     return best
 
 
-def time_ladders(decoder, route: bool, budget_s: float = BUDGET_S, repeats: int = 3,
-                 against: dict | None = None) -> dict[str, dict[int, float]]:
+def time_ladders(decoder, route: bool, repeats: int = 3, against: dict | None = None) -> dict[str, dict[int, float]]:
     """{kind: {size: best seconds}} of one route of `decoder`: one-row prefills along `PREFILL_LADDER`, batched
-    steps along `BATCH_LADDER`. Alone (`against` None: the first route timed), each ladder climbs until half of
-    `budget_s` is spent; `against` (the other route's times): the sizes timed there, and each climb stops once this
-    route has won at two sizes in a row (past the crossover the route's lead only grows)."""
+    steps along `BATCH_LADDER`. Alone (`against` None: the first route timed), every size of both ladders, whatever
+    the clock says (a climb cut by a time budget on a busy machine once stopped int4's prefills at 4 positions, where
+    the route never wins, and recorded "one-row calls never" for the 4b); `against` (the other route's times): the
+    sizes timed there, each climb stopping once this route has won at two sizes in a row (past the crossover the
+    route's lead only grows). The 4b's int4 ladders take about 16 s quiet on 2 cores."""
     rng = np.random.default_rng(0)
     out = {}
     for kind, ladder in (("prefill", PREFILL_LADDER), ("batch", BATCH_LADDER)):
-        t_end = time.perf_counter() + budget_s / 2
         times, wins = {}, 0
         for size in ladder if against is None else sorted(against[kind]):
             times[size] = time_size(decoder, kind, size, route, repeats, rng)
@@ -306,8 +305,6 @@ def time_ladders(decoder, route: bool, budget_s: float = BUDGET_S, repeats: int 
                 wins = wins + 1 if times[size] < against[kind][size] else 0
                 if wins >= 2:
                     break
-            elif time.perf_counter() > t_end:
-                break
         out[kind] = times
     return out
 
@@ -333,8 +330,8 @@ def timings(int4: dict, route: dict) -> dict:
     return out
 
 
-def measure(decoder, budget_s: float = BUDGET_S, repeats: int = 3) -> dict:
+def measure(decoder, repeats: int = 3) -> dict:
     """Both routes of `decoder` (loaded with its route) on this machine: int4 first along the ladders, then the
     route on the same sizes (`time_ladders`). Returns the timings (ms) and the crossovers (`timings`)."""
-    int4 = time_ladders(decoder, False, budget_s, repeats)
-    return timings(int4, time_ladders(decoder, True, budget_s, repeats, against=int4))
+    int4 = time_ladders(decoder, False, repeats)
+    return timings(int4, time_ladders(decoder, True, repeats, against=int4))
