@@ -136,7 +136,7 @@ def adopt(folder: str | os.PathLike, verify: bool = True) -> ForeignManifest:
             path = manifest.path(name)
             if not path.is_file() or path.stat().st_size != meta["size"]:
                 raise ManifestError(f"{folder}: {part}'s file {name} changed while it was read (run again)")
-            if verdicts is not None and verdicts.sha256(path) != meta["sha256"]:
+            if verdicts is not None and not verdicts.matches(path, meta["sha256"]):
                 verdicts.save()
                 raise not_its_sha256(path.parent, part, name, path)
     if verdicts is not None:

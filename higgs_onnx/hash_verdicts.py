@@ -8,12 +8,15 @@ file, hashed again and refused as before when its sha256 is not the manifest's.
 
 The verdicts live beside the export (`VERDICTS`, a dot file: `optimize.py --push-to-hub` leaves it out) where the
 folder can be written, else (a folder in the Hub's cache, a read-only mount) in the user's cache, under a key of the
-folder's resolved path. Written atomically; a verdict file that cannot be read, or one whose entries are not what
-this module writes, is ignored (every file hashed again), never trusted; one that cannot be written costs the next
-load a hash, nothing else.
+folder's resolved path. Written atomically; a verdict file that cannot be read, one larger than `MAX_BYTES`, or one
+whose entries are not what this module writes, is ignored (every file hashed again), never trusted; one that cannot
+be written costs the next load a hash, nothing else. A verdict only vouches for a file: one that disagrees with the
+sha256 the manifest expects is not believed (the file is hashed), so a verdict file edited or damaged can make a load
+hash again, never refuse a sound file.
 
     verdicts = Verdicts(folder, shared=False)   # shared: a download in the Hub's cache (never written into)
-    verdicts.sha256(path)          # the recorded sha256 while the identity holds, else computed (and recorded)
+    verdicts.matches(path, sha256) # whether the file's sha256 is this one: the verdict's while the identity holds,
+                                   # else computed (and recorded)
     verdicts.save()                # the new verdicts written (a no-op when nothing was hashed)
 """
 
@@ -34,6 +37,7 @@ VERDICTS = ".higgs-verified.json"  # beside the export; a dot file, so never pus
 CACHE_KIND = "verdicts"  # <user cache>/verdicts/<key of the folder>/VERDICTS for a folder that cannot be written
 VERSION = 1  # bump when an entry's fields change: older files are then ignored (hashed again)
 IDENTITY = ("path", "size", "mtime_ns", "ctime_ns", "ino", "dev")
+MAX_BYTES = 2**24  # a verdict file larger than this is not read (an entry is ~250 bytes: 60,000 files)
 
 
 def identity(path: Path) -> dict:
@@ -63,8 +67,11 @@ def verdict_file(folder: Path, shared: bool) -> Path:
 
 
 def _read(path: Path) -> dict[str, dict]:
-    """The verdicts in `path` by resolved file path; {} when missing, unreadable or not of this version."""
+    """The verdicts in `path` by resolved file path; {} when missing, unreadable, too large or not of this
+    version."""
     try:
+        if path.stat().st_size > MAX_BYTES:
+            return {}
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError):
         return {}
@@ -91,17 +98,18 @@ class Verdicts:
         self.known = _read(self.file) if self.file is not None else {}
         self.hashed: dict[str, dict] = {}
 
-    def sha256(self, path: Path) -> str:
-        """`path`'s sha256: the verdict's while the file's identity is the one it was computed for, else computed
-        now (and kept for `save` when the file did not change while it was read)."""
+    def matches(self, path: Path, sha256: str) -> bool:
+        """Whether `path`'s sha256 is `sha256` (what the manifest records): yes while the file's identity is the one
+        a verdict of that sha256 was computed for, else the file hashed now (its verdict kept for `save` when the
+        file did not change while it was read)."""
         before = identity(path)
         known = self.known.get(before["path"])
-        if known is not None and all(known[k] == before[k] for k in IDENTITY):
-            return known["sha256"]
+        if known is not None and known["sha256"] == sha256 and all(known[k] == before[k] for k in IDENTITY):
+            return True
         digest = sha256_file(path)
         if identity(path) == before:
             self.hashed[before["path"]] = {**before, "sha256": digest}
-        return digest
+        return digest == sha256
 
     def save(self) -> None:
         """Write the verdicts (the known ones of files still there, the new ones) atomically; nothing when no file

@@ -105,6 +105,28 @@ def test_a_verdict_file_for_other_identities_or_a_corrupt_one_is_not_trusted(tmp
         assert len(json.loads((folder / VERDICTS).read_text())["files"]) == len(mf.REQUIRED_PARTS)
 
 
+def test_a_verdict_never_refuses_a_sound_file_and_a_huge_verdict_file_is_not_read(tmp_path, hashes, monkeypatch):
+    """A well-formed verdict with another sha256 for the file's very identity (a verdict file edited or damaged)
+    refused the sound file; now the file is hashed, found sound, and its verdict written right. A verdict file over
+    MAX_BYTES is not read (a huge one would be read whole into memory)."""
+    folder = small_export(tmp_path / "m")
+    load_manifest(folder, verify=True)
+    kept = json.loads((folder / VERDICTS).read_text())
+    for entry in kept["files"]:
+        entry["sha256"] = "0" * 64
+    (folder / VERDICTS).write_text(json.dumps(kept))
+    hashes.clear()
+    load_manifest(folder, verify=True)
+    assert len(hashes) == len(mf.REQUIRED_PARTS)
+    assert "0" * 64 not in {e["sha256"] for e in json.loads((folder / VERDICTS).read_text())["files"]}
+    hashes.clear()
+    load_manifest(folder, verify=True)
+    assert hashes == []
+    monkeypatch.setattr(hash_verdicts, "MAX_BYTES", (folder / VERDICTS).stat().st_size - 1)
+    load_manifest(folder, verify=True)
+    assert len(hashes) == len(mf.REQUIRED_PARTS)
+
+
 def test_a_hub_download_keeps_its_verdicts_in_the_users_cache(tmp_path, monkeypatch, hashes):
     """A folder of the Hub's cache (snapshot files linking to blobs) is never written into."""
     src = small_export(tmp_path / "src")
