@@ -314,7 +314,9 @@ def time_again(decoder, route: bool, times: dict[str, dict[int, float]],
     """`times` ({kind: {size: s}}, one route's `time_ladders`) with each size timed once more on `decoder` and the
     better of the two kept. The build times one session at a time (int4's ladders, then the route's): a machine
     busy during one phase alone would otherwise move the crossover (a build beside other work measured int4's
-    batched step of 2 rows at 165 ms, 65 ms on the same machine quiet, and gave the route every batch)."""
+    batched step of 2 rows at 165 ms, 65 ms on the same machine quiet, and gave the route every batch). The route's
+    sizes get the same second pass, in its own session: the 4b's route once read 315 ms for a batched step of 16
+    rows (136 ms at 8), which alone made the rule record "batched steps never"."""
     rng = np.random.default_rng(0)
     return {kind: {size: min(first, time_size(decoder, kind, size, route, repeats, rng))
                    for size, first in sizes.items()} for kind, sizes in times.items()}
