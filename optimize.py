@@ -88,7 +88,7 @@ def parse_crossover(values: list[str] | None) -> tuple | None:
     for v in values:
         if v.lower() == "none":
             out.append(None)
-        elif v.isdigit():
+        elif v.isascii() and v.isdigit():  # not '²', which isdigit() takes and int() refuses
             out.append(int(v))
         else:
             raise ValueError(f"--route-crossover takes two sizes >= 1 (or none), got {v!r}")

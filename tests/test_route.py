@@ -427,6 +427,12 @@ def test_a_given_crossover_is_checked_and_needs_a_route():
         ExportOptions("cpu", "int4", route_crossover=(0, 4))
     with pytest.raises(ValueError, match="makes no route"):
         ExportOptions("cpu", "int4", prefill_route="none", route_crossover=(8, 4))
+    import optimize
+
+    assert optimize.parse_crossover(["64", "None"]) == (64, None)
+    for bad in ("\u00b2", "-1", "4.0"):  # '²' was int()'s "invalid literal" line
+        with pytest.raises(ValueError, match=rf"--route-crossover takes two sizes >= 1 \(or none\), got '{bad}'"):
+            optimize.parse_crossover([bad, "4"])
 
 
 # -- the gate refuses a damaged route -----------------------------------------------------------------------------
