@@ -458,6 +458,7 @@ def check_out(out: Path) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from .exports import load_export
+    from .runtime.prepared import enabled as check_prepared
     from .runtime.route import check_mode as check_route
 
     require("ray", "the corpus command", ("ray",))
@@ -467,6 +468,7 @@ def run(args: argparse.Namespace) -> int:
 
     SpeechOptions.build({"retries": args.retries, "loudness": args.loudness}, "cli")  # the same bounds as everywhere
     check_route(None)  # $HIGGS_ROUTE: here, not in every worker after Ray has started
+    check_prepared()  # $HIGGS_PREPARED alike
     check_address(args.address)
     cli_model_path(args)  # hf://...: fetched once on the driver; the workers get the local folder
     manifest = load_export(args.model_path, verify=False)  # a missing or broken export: one line, before Ray starts

@@ -58,6 +58,16 @@ def test_text_and_option_rows(capsys, no_model, case, args, message):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("value", ["no", "false", "2"])
+def test_a_higgs_prepared_that_is_neither_0_nor_1_is_refused_before_the_model_loads(capsys, no_model, monkeypatch,
+                                                                                     value):
+    """It was read as "on" unless exactly 0: HIGGS_PREPARED=no or false left the prepared graphs on, silently."""
+    monkeypatch.setenv("HIGGS_PREPARED", value)
+    code, err, out = run_inference(capsys, no_model, "--text", "Hi.")
+    assert code == 2 and err == (f"error: $HIGGS_PREPARED must be 0 (load the original graphs) or 1 (prepare them, "
+                                 f"the default), got {value!r}\n")
+
+
 def test_takes_with_a_text_file_names_the_reason(capsys, no_model, tmp_path):
     lines = tmp_path / "lines.txt"
     lines.write_text("One line.\nAnother.\n")

@@ -1,12 +1,18 @@
 """Loading apart from generation: the int4 decoder's prepared graph (runtime/prepared.py: made once, gated bit-equal
-to the original's outputs, used from then on; a copy that differs is dropped) and the load kept out of a request's
-figures (GenerationStats.load_s, the CLI's one-line summary)."""
+to the original's outputs, used from then on; a copy that differs is dropped; a damaged one, or one a killed process
+left half-made, never fails a load nor changes its outputs) and the load kept out of a request's figures
+(GenerationStats.load_s, the CLI's one-line summary)."""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +22,7 @@ from higgs_onnx.runtime import prepared
 from higgs_onnx.speak import summary
 
 pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def entry_of(cache) -> tuple:
@@ -64,6 +71,61 @@ def test_a_prepared_graph_that_differs_is_dropped(builds, tmp_path, monkeypatch,
     assert greedy(folder)[0] == folder / "llm_step.onnx"  # and later
 
 
+def truncate(path: Path) -> None:
+    path.write_bytes(b"")
+
+
+def flip_keeping_size_and_mtime(path: Path) -> None:
+    st = path.stat()
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2:len(data) // 2 + 64] = bytes(b ^ 0x5A for b in data[len(data) // 2:len(data) // 2 + 64])
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+@pytest.mark.parametrize("damage", [truncate, flip_keeping_size_and_mtime])
+def test_a_damaged_prepared_graph_is_prepared_again_never_failing_a_load(builds, tmp_path, monkeypatch, caplog,
+                                                                         damage):
+    """A checked ("equal") copy whose data file was emptied (a full disk, a cleaner) failed the load; one changed in
+    place at the same size and mtime was used, with other outputs. Its files' identities are in its stamp now."""
+    monkeypatch.setenv("HIGGS_CACHE", str(tmp_path / "cache"))
+    folder = builds["int4"]
+    _, rows = greedy(folder)
+    greedy(folder)
+    entry, state = entry_of(tmp_path / "cache")
+    assert state == "equal"
+    damage(entry / "llm_step.onnx.data")
+    with caplog.at_level(logging.WARNING, logger="higgs_onnx.runtime.prepared"):
+        path, again = greedy(folder)
+    assert "changed since it was written: prepared again" in caplog.text
+    assert path == folder / "llm_step.onnx" and np.array_equal(again, rows)
+    assert entry_of(tmp_path / "cache")[1] == "unchecked"  # made anew, checked by the next load
+    path, again = greedy(folder)
+    assert path == entry / "llm_step.onnx" and np.array_equal(again, rows)
+
+
+def test_a_prepare_killed_midway_leaves_nothing_a_load_reads(builds, tmp_path, monkeypatch):
+    """SIGKILL after ONNX Runtime wrote the copy, before its stamp: the half-made entry is a temporary folder no load
+    opens, removed by the next prepare (its lock is no longer held), which makes the entry anew."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("HIGGS_CACHE", str(cache))
+    folder = builds["int4"]
+    code = ("import os, signal, sys; from higgs_onnx.runtime import prepared; "
+            "prepared.files_of = lambda folder: os.kill(os.getpid(), signal.SIGKILL); "
+            "from higgs_onnx.runtime.parts import ModelParts; ModelParts(sys.argv[1], threads=1).part('llm_step')")
+    r = subprocess.run([sys.executable, "-c", code, str(folder)], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    left, = (cache / prepared.CACHE_KIND).iterdir()
+    assert left.name.endswith(".partial") and (left / "llm_step.onnx.data").is_file()
+    monkeypatch.setenv(prepared.ENV, "0")
+    _, rows = greedy(folder)
+    monkeypatch.delenv(prepared.ENV)
+    path, first = greedy(folder)
+    entry, state = entry_of(cache)  # the one folder left: the dead process's is gone
+    assert path == folder / "llm_step.onnx" and state == "unchecked" and np.array_equal(first, rows)
+    assert greedy(folder)[0] == entry / "llm_step.onnx" and entry_of(cache)[1] == "equal"
+
+
 def test_a_session_made_inside_a_call_is_load_not_generation(builds):
     """The route's session made by the first call that takes it: counted in load_s, not in prefill_s or the RTF."""
     from higgs_onnx.runtime.model import HiggsTTS
@@ -110,13 +172,17 @@ def test_entries_of_changed_or_deleted_graphs_are_removed(builds, tmp_path, monk
     old, _ = entry_of(cache)
     orphan = cache / prepared.CACHE_KIND / ("0" * 32)  # made for a staging folder since deleted
     orphan.mkdir()
-    (orphan / prepared.STAMP).write_text(json.dumps({"state": "equal", "graph": str(tmp_path / "gone.onnx")}))
-    making = cache / prepared.CACHE_KIND / ("1" * 32)  # another process's entry still being written: no stamp yet
+    (orphan / prepared.STAMP).write_text(json.dumps({"state": "equal", "graph": str(tmp_path / "gone.onnx"),
+                                                      "files": {}}))
+    making = cache / prepared.CACHE_KIND / ("1" * 32)  # no stamp, young: maybe another process's, left
     making.mkdir()
+    dead = cache / prepared.CACHE_KIND / ("2" * 32)  # no stamp, untouched for over an hour: a killed process's
+    dead.mkdir()
+    os.utime(dead, (0, 0))
     step = folder / "llm_step.onnx"
     shutil.copy(step, tmp_path / "step.onnx")
     step.unlink()
     shutil.move(tmp_path / "step.onnx", step)  # the same bytes, another file: a new entry
     greedy(folder)
     left = sorted(p.name for p in (cache / prepared.CACHE_KIND).iterdir())
-    assert not old.exists() and not orphan.exists() and making.exists() and len(left) == 2
+    assert not old.exists() and not orphan.exists() and not dead.exists() and making.exists() and len(left) == 2

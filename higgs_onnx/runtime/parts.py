@@ -31,7 +31,7 @@ from ..manifest import Manifest, ManifestError
 from ..part_facts import FACTS
 from .checks import check_threads
 from .cpu_graph import default_provider, graph_for
-from .prepared import PREPARED_PARTS, open_prepared
+from .prepared import PREPARED_PARTS, enabled, open_prepared
 from .session import Part, open_part
 
 STATEFUL_CODEC = "audio_tokenizer_stream"
@@ -51,6 +51,7 @@ class ModelParts:
                  verify: bool = True):
         from tokenizers import Tokenizer
 
+        enabled()  # $HIGGS_PREPARED checked before anything, not at the first session it is for (runtime/prepared.py)
         model_path, self.source = hub.local(model_path)  # hf://...: fetched once (docs/hub.md); source: its commit
         check_threads(threads)  # before the (slow) hashing of the model files
         self.manifest: Manifest = load_export(model_path, verify=verify)

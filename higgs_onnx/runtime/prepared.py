@@ -12,9 +12,14 @@ probe: outputs bit-equal to the original graph's, the copy is used from then on;
 and the original graph loaded (then and every later time, said once).
 
 The entry's key: the graph file's and each external data file's identity (path, size, mtime, inode, device), the
-onnxruntime version, this CPU's flags and `PREPARE_VERSION`; its stamp (`STAMP`, written last) says where the
-entry stands: "unchecked" (the probe's outputs of the original kept beside it), "equal", or "differs".
-`$HIGGS_PREPARED=0` loads the original graph every time (nothing written), and so does a build (`held_off`, around
+onnxruntime version, this CPU's flags and `PREPARE_VERSION`; its stamp (`STAMP`) says where the entry stands:
+"unchecked" (the probe's outputs of the original kept beside it), "equal", or "differs", and the identity of each
+file of the copy as it was written. An entry is made in a temporary folder of its own and renamed into place whole,
+so no load sees one half-written (two processes preparing at once, a process killed meanwhile); a copy whose files
+are not the ones its stamp names (changed, truncated, deleted), or that ONNX Runtime cannot load, is prepared anew:
+the prepared cache never fails a load nor changes its outputs. Temporary folders a killed process left are removed by
+the next prepare (their lock unheld). `$HIGGS_PREPARED`: 1 or unset prepares (the default), 0 loads the original
+graph every time (nothing written), anything else is refused at load; a build holds it at 0 (`held_off`, around
 `export.Exporter.run`: its staging folders are loaded for the gates, then renamed; a copy of them would be waste).
 
     part = open_prepared("llm_step", path, "cpu", threads, probe)    # a runtime.session.Part (llm_route alike)
@@ -26,7 +31,9 @@ import hashlib
 import json
 import logging
 import os
+import secrets
 import shutil
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -41,15 +48,28 @@ from .session import Part
 log = logging.getLogger(__name__)
 
 CACHE_KIND = "prepared"
-PREPARE_VERSION = 1  # bump when the entry changes: the key holds it
+PREPARE_VERSION = 2  # bump when the entry changes: the key holds it (2: the stamp names the copy's files)
 STAMP = "entry.json"
 PROBE = "probe.npz"  # the original graph's outputs on the probe (while the entry is unchecked)
+LOCK = "lock"  # in a temporary folder: held (flock) by the process making it, released by the kernel if it is killed
 ENV = "HIGGS_PREPARED"
 # graphs whose load is mostly their weights' repacking (measured on the 4b: see the module's docstring)
 PREPARED_PARTS = ("llm_step", "llm_decoder", "llm_route")
 # free space asked of the cache, times the graph's data files (4b: the step's copy 5.2 GB for 2.3 GB of data; the
 # route's 7.5 GB for 6.1 GB, most of its int4 file unused)
 SPACE_FACTOR = 3
+FILE_ID = ("size", "mtime_ns", "ctime_ns", "ino", "dev")  # a copy's file as written (an entry's rename keeps them)
+ABANDONED_S = 3600  # a folder without stamp or lock untouched this long is a killed process's (a prepare: 30 s)
+
+
+def enabled() -> bool:
+    """Whether graphs are prepared: `$HIGGS_PREPARED` 1 or unset (the default), 0 not; anything else is a ValueError
+    (a load checks it first, `runtime.parts.ModelParts`)."""
+    value = os.environ.get(ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"${ENV} must be 0 (load the original graphs) or 1 (prepare them, the default), got "
+                         f"{value[:40]!r}")
+    return value != "0"
 
 
 @contextmanager
@@ -89,13 +109,58 @@ def entry_key(graph: Path, data: list[Path]) -> str:
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:32]
 
 
-def read_stamp(folder: Path) -> str | None:
-    """The entry's state ("unchecked", "equal", "differs"), None when there is no sound stamp."""
+def read_stamp(folder: Path) -> dict | None:
+    """The entry's stamp ({"state": "unchecked" | "equal" | "differs", "graph", "files"}), None when it has no sound
+    one."""
     try:
-        state = json.loads((folder / STAMP).read_text(encoding="utf-8")).get("state")
-    except (OSError, ValueError, AttributeError):
+        stamp = json.loads((folder / STAMP).read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
         return None
-    return state if state in ("unchecked", "equal", "differs") else None
+    if (not isinstance(stamp, dict) or stamp.get("state") not in ("unchecked", "equal", "differs")
+            or not isinstance(stamp.get("graph"), str) or not isinstance(stamp.get("files"), dict)):
+        return None
+    return stamp
+
+
+def files_of(folder: Path) -> dict[str, dict]:
+    """The copy's files in an entry folder (not its stamp, the probe's outputs, the lock) by name: their `FILE_ID`."""
+    out = {}
+    for f in folder.iterdir():
+        if f.name not in (STAMP, PROBE, LOCK):
+            st = f.stat()
+            out[f.name] = {k: getattr(st, f"st_{k}") for k in FILE_ID}
+    return out
+
+
+def intact(folder: Path, stamp: dict) -> bool:
+    """Whether the entry's files are the ones its stamp names, each as it was written."""
+    try:
+        return files_of(folder) == stamp["files"]
+    except OSError:
+        return False
+
+
+def stamp_entry(folder: Path, state: str, graph: Path, files: dict) -> None:
+    write_atomic(folder / STAMP, json.dumps({"state": state, "graph": str(graph), "files": files}) + "\n")
+
+
+def discard(folder: Path) -> None:
+    """The entry removed: renamed aside first (another load may be reading it; a session mapping its files keeps
+    them, POSIX), then deleted."""
+    aside = folder.with_name(f".{folder.name}.{secrets.token_hex(4)}.gone")
+    try:
+        os.rename(folder, aside)
+    except OSError:
+        return
+    remove(aside)
+
+
+def remove(path: Path) -> None:
+    """A folder with what it holds, or a file (what a user or a disk left where an entry was expected)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def same(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
@@ -108,79 +173,126 @@ def open_prepared(name: str, graph: Path, provider: str, threads: int,
     """The part's session from its prepared copy where that gated bit-equal, else from `graph` (preparing the copy
     on the first load: see the module's docstring). `probe(part)`: the outputs compared, seeded and the same every
     time."""
-    if os.environ.get(ENV, "1").strip() == "0":
+    if not enabled():
         return Part(name, graph, provider, threads)
     try:
         data = data_files(graph)
     except Exception:  # noqa: BLE001 - a damaged graph (protobuf's errors): the original's load says it in one line
         return Part(name, graph, provider, threads)
     folder = cache_dir(CACHE_KIND, entry_key(graph, data), make=False)
-    state = read_stamp(folder)
-    if state == "differs":
+    stamp = read_stamp(folder) or {"state": None}
+    if stamp["state"] == "differs":
         return Part(name, graph, provider, threads)
-    if state == "equal":
-        return Part(name, folder / graph.name, provider, threads)
-    if state == "unchecked":
-        return check_entry(name, graph, folder, provider, threads, probe)
-    return prepare(name, graph, data, provider, threads, probe)
+    if stamp["state"] in ("equal", "unchecked") and not intact(folder, stamp):
+        log.warning("%s: its prepared graph in %s changed since it was written: prepared again", name, folder)
+        discard(folder)
+    elif stamp["state"] == "unchecked":
+        return check_entry(name, graph, folder, stamp, provider, threads, probe)
+    elif stamp["state"] == "equal":
+        try:
+            return Part(name, folder / graph.name, provider, threads)
+        except RuntimeError as e:  # a damage its files' identities do not show: prepared again
+            log.warning("%s: its prepared graph in %s does not load (%s): prepared again", name, folder, str(e)[:120])
+            discard(folder)
+    return prepare(name, graph, data, provider, threads, probe)  # a folder there without a sound stamp: replaced
 
 
 def prune(graph: Path, keep: Path) -> list[Path]:
     """Delete the entries no load can use any more (each holds GBs for the 4b): those made for `graph` under another
-    identity (the file was rebuilt or changed) and those whose graph is gone (a rebuilt export, a build's staging).
-    An entry being made (no stamp yet) is left. A session still mapping a deleted entry keeps its pages (POSIX)."""
+    identity (the file was rebuilt or changed), those whose graph is gone (a rebuilt export, a build's staging), and
+    what killed processes left (`abandoned`). A session still mapping a deleted entry keeps its pages (POSIX)."""
     gone = []
     for entry in keep.parent.iterdir():
         if entry == keep:
             continue
-        try:
-            made_for = json.loads((entry / STAMP).read_text(encoding="utf-8")).get("graph")
-        except (OSError, ValueError, AttributeError):
-            continue
-        if isinstance(made_for, str) and (made_for == str(graph) or not Path(made_for).is_file()):
-            shutil.rmtree(entry, ignore_errors=True)
+        stamp = read_stamp(entry)
+        if stamp is None or entry.name.startswith("."):
+            stale = abandoned(entry)
+        else:
+            stale = stamp["graph"] == str(graph) or not Path(stamp["graph"]).is_file()
+        if stale:
+            remove(entry)
             gone.append(entry)
     if gone:
-        log.info("prepared graphs: %d entries of changed or deleted graphs removed", len(gone))
+        log.info("prepared graphs: %d entries no load can use removed (changed or deleted graphs, killed prepares)",
+                 len(gone))
     return gone
+
+
+def abandoned(entry: Path) -> bool:
+    """Whether a temporary folder, or an entry without a sound stamp, is a killed process's: a prepare's whose lock
+    nobody holds, anything else untouched for `ABANDONED_S`."""
+    from filelock import FileLock, Timeout
+
+    try:
+        if entry.name.endswith(".partial"):
+            lock = FileLock(str(entry / LOCK), thread_local=False)
+            lock.acquire(timeout=0)
+            lock.release()
+            return True
+        return time.time() - entry.stat().st_mtime > ABANDONED_S
+    except (Timeout, OSError):  # being made; or gone meanwhile
+        return False
 
 
 def prepare(name: str, graph: Path, data: list[Path], provider: str, threads: int, probe) -> Part:
     """The first load: the session made from `graph` writing its optimized copy with the prepacked weights into a
-    new entry, the probe's outputs kept; the entry stays "unchecked" until the next load. Too little space, or a
-    cache that cannot be written: the original alone (said at info level)."""
+    temporary folder, the probe's outputs kept, the folder renamed into place as an "unchecked" entry (checked by the
+    next load). Too little space, a cache that cannot be written, a copy that cannot be made: the original alone
+    (said at info level), nothing left behind."""
+    from filelock import FileLock
+
     weights = sum(p.stat().st_size for p in data)
+    folder = cache_dir(CACHE_KIND, entry_key(graph, data), make=False)
     try:
-        folder = cache_dir(CACHE_KIND, entry_key(graph, data))
+        tmp = cache_dir(CACHE_KIND, f".{folder.name}.{secrets.token_hex(4)}.partial")
     except CacheError as e:
         log.info("%s: not prepared for fast loads (%s)", name, e)
         return Part(name, graph, provider, threads)
-    prune(graph, keep=folder)  # before the space is counted: what it frees counts
-    free = shutil.disk_usage(folder).free
-    if free < SPACE_FACTOR * weights:
-        log.info("%s: not prepared for fast loads: %.1f GB free in %s, %.1f GB wanted", name, free / 1e9, folder,
-                 SPACE_FACTOR * weights / 1e9)
-        return Part(name, graph, provider, threads)
-    (folder / STAMP).unlink(missing_ok=True)
-    log.info("%s: preparing its graph with prepacked weights in %s (once per file identity)", name, folder)
-    saving = {"session.optimized_model_external_initializers_file_name": f"{graph.name}.data",
-              "session.optimized_model_external_initializers_min_size_in_bytes": "1024",
-              "session.save_external_prepacked_constant_initializers": "1"}
+    part, held = None, FileLock(str(tmp / LOCK), thread_local=False)
     try:
-        part = Part(name, graph, provider, threads, optimized=(folder / graph.name, saving))
-    except RuntimeError as e:  # the copy could not be written (a full disk ...): the original alone
-        log.info("%s: not prepared for fast loads (%s)", name, str(e)[:160])
-        return Part(name, graph, provider, threads)
-    try:
-        with cache_writes(folder):
-            np.savez(folder / PROBE, *probe(part))
-            write_atomic(folder / STAMP, json.dumps({"state": "unchecked", "graph": str(graph)}) + "\n")
-    except CacheError as e:  # no stamp: prepared again next time
+        held.acquire()
+        prune(graph, keep=folder)  # before the space is counted: what it frees counts
+        free = shutil.disk_usage(tmp).free
+        if free < SPACE_FACTOR * weights:
+            log.info("%s: not prepared for fast loads: %.1f GB free in %s, %.1f GB wanted", name, free / 1e9,
+                     folder.parent, SPACE_FACTOR * weights / 1e9)
+            return Part(name, graph, provider, threads)
+        log.info("%s: preparing its graph with prepacked weights in %s (once per file identity)", name, folder)
+        saving = {"session.optimized_model_external_initializers_file_name": f"{graph.name}.data",
+                  "session.optimized_model_external_initializers_min_size_in_bytes": "1024",
+                  "session.save_external_prepacked_constant_initializers": "1"}
+        try:
+            part = Part(name, graph, provider, threads, optimized=(tmp / graph.name, saving))
+        except RuntimeError as e:  # the copy could not be written (a full disk ...): the original alone
+            log.info("%s: not prepared for fast loads (%s)", name, str(e)[:160])
+            return Part(name, graph, provider, threads)
+        with cache_writes(tmp):
+            np.savez(tmp / PROBE, *probe(part))
+            stamp_entry(tmp, "unchecked", graph, files_of(tmp))
+        install(tmp, folder)
+    except (CacheError, OSError) as e:
         log.info("%s: its prepared graph cannot be kept (%s)", name, e)
+    finally:
+        held.release()
+        remove(tmp)  # gone already once installed
     return part
 
 
-def check_entry(name: str, graph: Path, folder: Path, provider: str, threads: int, probe) -> Part:
+def install(tmp: Path, folder: Path) -> None:
+    """A finished entry renamed into place. Another process's sound entry there already stays (ours is dropped);
+    anything else there is discarded first."""
+    for _ in range(2):
+        try:
+            os.rename(tmp, folder)
+            return
+        except OSError:
+            if read_stamp(folder) is not None:
+                return
+            discard(folder)
+
+
+def check_entry(name: str, graph: Path, folder: Path, stamp: dict, provider: str, threads: int, probe) -> Part:
     """The second load: the prepared copy opened and probed; bit-equal to the original's outputs: "equal" (used
     from now on), else "differs" (the copy deleted, the original loaded)."""
     try:
@@ -200,10 +312,10 @@ def check_entry(name: str, graph: Path, folder: Path, provider: str, threads: in
         part = None
         for f in folder.iterdir():
             if f.name != STAMP:
-                f.unlink(missing_ok=True)
+                remove(f)
     try:
         with cache_writes(folder):
-            write_atomic(folder / STAMP, json.dumps({"state": state, "graph": str(graph)}) + "\n")
+            stamp_entry(folder, state, graph, stamp["files"] if state == "equal" else {})
             (folder / PROBE).unlink(missing_ok=True)
     except CacheError as e:
         log.info("%s: the prepared graph's verdict cannot be kept (%s)", name, e)

@@ -112,10 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(args: argparse.Namespace) -> None:
     """Every argument that can be checked before the (slow) model load; ValueError says which and why."""
+    from ..runtime.prepared import enabled
     from ..runtime.route import check_mode
     from ..runtime.session import check_threads
 
     check_mode(None)  # $HIGGS_ROUTE: here, not in a replica after Ray has started
+    enabled()  # $HIGGS_PREPARED alike
 
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
