@@ -692,6 +692,31 @@ def export_figures(ckpt: Path) -> dict:
         shutil.rmtree(work, ignore_errors=True)
 
 
+MODES = ("load", "routes", "continuity", "matmul", "context_curve", "step_graph")  # each a run of its own
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """The numbers and the run's mode checked before any work (ValueError: the one line): a zero or negative count
+    or a duration that is not a positive number failed deep in a run, after minutes (a traceback), or was used."""
+    counts = {"--frames": [args.frames], "--steps": [args.steps], "--context": [args.context],
+              "--repeats": [args.repeats], "--batch": args.batch or [], "--streams": args.streams,
+              "--chunk-frames": [] if args.chunk_frames is None else [args.chunk_frames]}
+    for flag, values in counts.items():
+        if any(v < 1 for v in values):
+            raise ValueError(f"{flag} must be >= 1, got {' '.join(map(str, values))}")
+    for flag, value in (("--stream-seconds", args.stream_seconds), ("--long-seconds", args.long_seconds)):
+        if not (np.isfinite(value) and value > 0):
+            raise ValueError(f"{flag} must be a number of seconds > 0, got {value}")
+    modes = [f"--{m.replace('_', '-')}" for m in MODES if getattr(args, m)]
+    if len(modes) > 1 or (args.batch and modes and modes != ["--step-graph"]):
+        raise ValueError(f"{' and '.join(modes + (['--batch'] if args.batch else []))} are runs of their own: "
+                         f"one at a time (--batch goes with --step-graph only)")
+    if args.json is not None:
+        from higgs_onnx.outputs import check_output_file
+
+        check_output_file(args.json, "--json", example="bench.json")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", choices=["tiny", "4b"], default="tiny")
@@ -751,8 +776,10 @@ def main(argv: list[str] | None = None) -> int:
         check_threads(args.threads)
     except ValueError as e:
         ap.error(str(e))  # a usage error: exit 2 before anything is built
-    if min(args.streams) < 1 or args.stream_seconds <= 0 or (args.chunk_frames is not None and args.chunk_frames < 1):
-        ap.error("--streams and --chunk-frames must be >= 1, --stream-seconds > 0")
+    try:
+        check_args(args)
+    except (ValueError, OSError) as e:
+        ap.error(str(e))  # a usage error: exit 2 before anything is built or timed
     if args.model_path is not None:
         try:
             cli_model_path(args)  # hf://...: fetched once here; the child processes get the local folder

@@ -70,10 +70,33 @@ def test_bench_batch_gain_tiny(builds, tmp_path):
     assert f"CPU: {b['cpu']['model']}" in r.stdout
 
 
-def test_bench_refuses_bad_continuity_runs(tmp_path):  # fast: refused before anything is built
-    for flags in (("--streams", 1, 0), ("--stream-seconds", 0), ("--chunk-frames", 0)):
-        r = bench("--continuity", *flags, "--work", tmp_path, timeout=120)
-        assert r.returncode == 2 and "--chunk-frames must be >= 1" in r.stderr and "Traceback" not in r.stderr, flags
+BAD_RUNS = [  # (arguments, the one line's start); the numbers were used or failed deep in a run (a traceback)
+    (["--continuity", "--streams", "1", "0"], "--streams must be >= 1, got 1 0"),
+    (["--continuity", "--stream-seconds", "0"], "--stream-seconds must be a number of seconds > 0, got 0.0"),
+    (["--continuity", "--stream-seconds", "nan"], "--stream-seconds must be a number of seconds > 0, got nan"),
+    (["--continuity", "--chunk-frames", "0"], "--chunk-frames must be >= 1, got 0"),
+    (["--routes", "--repeats", "0"], "--repeats must be >= 1, got 0"),
+    (["--batch", "0", "4"], "--batch must be >= 1, got 0 4"),
+    (["--frames", "-1"], "--frames must be >= 1, got -1"),
+    (["--long-seconds", "inf"], "--long-seconds must be a number of seconds > 0, got inf"),
+    (["--load", "--routes"], "--load and --routes are runs of their own: one at a time"),
+    (["--batch", "2", "--continuity"], "--continuity and --batch are runs of their own"),
+    (["--load", "--json", "/no/such/b.json"], "--json /no/such/b.json: folder /no/such does not exist"),
+]
+
+
+def test_bench_refuses_bad_numbers_and_modes_before_any_work(tmp_path):  # fast: one process, nothing built
+    code = ("import json, sys; sys.path.insert(0, 'benchmarks'); import bench\n"
+            "for args in json.loads(sys.argv[1]):\n"
+            "    try:\n        bench.main(args)\n"
+            "    except SystemExit as e:\n        print('exit', e.code, file=sys.stderr)")
+    runs = [[*args, "--work", str(tmp_path)] for args, _ in BAD_RUNS]
+    r = subprocess.run([sys.executable, "-c", code, json.dumps(runs)], capture_output=True, text=True, cwd=ROOT,
+                       timeout=120)
+    lines = r.stderr.splitlines()
+    assert len(lines) == 2 * len(BAD_RUNS), r.stderr
+    for (args, message), line, ended in zip(BAD_RUNS, lines[::2], lines[1::2], strict=True):
+        assert line.startswith(f"error: {message}") and ended == "exit 2", (args, line, ended)
     assert not any(tmp_path.iterdir())
 
 
