@@ -9,7 +9,7 @@ cut at random points of their life over every stream door, from several client t
   closes its socket mid-turn: that door has no cancel message);
 - points: before the first chunk, after the first chunk (during sends), after 2-12 chunks (across segment
   boundaries), just after a segment's words were sent (the next segment's being timed), and the socket closed
-  mid-turn instead of a cancel.
+  mid-turn instead of a cancel. Drawn by their weights, or `stratified`: every door cut at every point.
 
 After each cancel a probe (a cancel of a context that never existed) is sent on the same socket: its answer proves
 the socket still reads, and every message of the cancelled context arrived before it, so the time from the cancel to
@@ -233,18 +233,35 @@ class Door:
         return Cut(self.protocol, point, last - t0, after)
 
 
-def cut_turns(server, turns: int, seed: int, workers: int = 4) -> list[Cut]:
-    """`turns` turns cut at random points (module docstring) by `workers` client threads at once."""
+def stratified(turns: int, seed: int) -> list[tuple[str, str]]:
+    """`turns` (protocol, point) pairs in a shuffled order: every door cut at every point `turns // 20` times (20:
+    the doors times the points), the rest drawn by the weights."""
+    rng = random.Random(seed)
+    pairs = [(p, q) for p in PROTOCOLS for q in POINTS]
+    plan = pairs * (turns // len(pairs)) + [
+        (rng.choices(list(PROTOCOLS), weights=list(PROTOCOLS.values()))[0],
+         rng.choices(list(POINTS), weights=list(POINTS.values()))[0]) for _ in range(turns % len(pairs))]
+    rng.shuffle(plan)
+    return plan
+
+
+def cut_turns(server, turns: int, seed: int, workers: int = 4, plan: list[tuple[str, str]] | None = None) -> list[Cut]:
+    """`turns` turns cut at random points (module docstring) by `workers` client threads at once; `plan`: the
+    (protocol, point) of each turn (`stratified`), else each is drawn by the weights."""
     cuts: list[Cut] = []
     failures: list[BaseException] = []
+    assert plan is None or len(plan) == turns, (len(plan), turns)
 
     def work(w: int) -> None:
         rng = random.Random(seed * 1000 + w)
         doors = {p: Door(server, p) for p in PROTOCOLS}
         try:
             for i in range(w, turns, workers):
-                protocol = rng.choices(list(PROTOCOLS), weights=list(PROTOCOLS.values()))[0]
-                point = rng.choices(list(POINTS), weights=list(POINTS.values()))[0]
+                if plan is None:
+                    protocol = rng.choices(list(PROTOCOLS), weights=list(PROTOCOLS.values()))[0]
+                    point = rng.choices(list(POINTS), weights=list(POINTS.values()))[0]
+                else:
+                    protocol, point = plan[i]
                 cuts.append(doors[protocol].turn(i, point, rng))
         except BaseException as e:  # noqa: BLE001 - told to the caller
             failures.append(e)
