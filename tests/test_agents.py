@@ -196,7 +196,10 @@ def test_every_cartesia_message_and_setting_is_checked_by_name(server):
         until(ws, lambda m: m["type"] == "done" and m["context_id"] == "ok")
         got = ask({**CARTESIA, "context_id": "ok", "transcript": "Again."})
         assert got["code"] == "context_closed" and "new context_id" in got["error"], got
-        assert ask({"context_id": "ok", "cancel": True}) is not None  # an ended context: nothing to stop, no error
+        # an ended context: nothing to stop, no error (the next message is the probe's, sent after it)
+        ws.send(json.dumps({"context_id": "ok", "cancel": True}))
+        got = ask({"context_id": "probe", "cancel": True})
+        assert got["context_id"] == "probe" and got["code"] == "unknown_context", got
     server.released()
 
 
