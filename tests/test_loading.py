@@ -172,17 +172,20 @@ def test_entries_of_changed_or_deleted_graphs_are_removed(builds, tmp_path, monk
     old, _ = entry_of(cache)
     orphan = cache / prepared.CACHE_KIND / ("0" * 32)  # made for a staging folder since deleted
     orphan.mkdir()
-    (orphan / prepared.STAMP).write_text(json.dumps({"state": "equal", "graph": str(tmp_path / "gone.onnx"),
-                                                      "files": {}}))
+    (orphan / prepared.STAMP).write_text(json.dumps({"state": "equal", "graph": str(tmp_path / "gone.onnx")}))
     making = cache / prepared.CACHE_KIND / ("1" * 32)  # no stamp, young: maybe another process's, left
     making.mkdir()
     dead = cache / prepared.CACHE_KIND / ("2" * 32)  # no stamp, untouched for over an hour: a killed process's
     dead.mkdir()
     os.utime(dead, (0, 0))
+    v1 = cache / prepared.CACHE_KIND / ("3" * 32)  # made by PREPARE_VERSION 1 (no files in its stamp) for this graph
+    v1.mkdir()
+    (v1 / prepared.STAMP).write_text(json.dumps({"state": "equal", "graph": str(folder / "llm_step.onnx")}))
     step = folder / "llm_step.onnx"
     shutil.copy(step, tmp_path / "step.onnx")
     step.unlink()
     shutil.move(tmp_path / "step.onnx", step)  # the same bytes, another file: a new entry
     greedy(folder)
     left = sorted(p.name for p in (cache / prepared.CACHE_KIND).iterdir())
-    assert not old.exists() and not orphan.exists() and not dead.exists() and making.exists() and len(left) == 2
+    assert not old.exists() and not orphan.exists() and not dead.exists() and not v1.exists() and making.exists()
+    assert len(left) == 2

@@ -205,11 +205,8 @@ def prune(graph: Path, keep: Path) -> list[Path]:
     for entry in keep.parent.iterdir():
         if entry == keep:
             continue
-        stamp = read_stamp(entry)
-        if stamp is None or entry.name.startswith("."):
-            stale = abandoned(entry)
-        else:
-            stale = stamp["graph"] == str(graph) or not Path(stamp["graph"]).is_file()
+        made_for = None if entry.name.startswith(".") else graph_of(entry)
+        stale = abandoned(entry) if made_for is None else made_for == str(graph) or not Path(made_for).is_file()
         if stale:
             remove(entry)
             gone.append(entry)
@@ -217,6 +214,16 @@ def prune(graph: Path, keep: Path) -> list[Path]:
         log.info("prepared graphs: %d entries no load can use removed (changed or deleted graphs, killed prepares)",
                  len(gone))
     return gone
+
+
+def graph_of(entry: Path) -> str | None:
+    """The graph an entry was made for, as its stamp names it (any `PREPARE_VERSION`'s: an older entry of the same
+    graph is removed at once, not after an hour); None without one."""
+    try:
+        made_for = json.loads((entry / STAMP).read_text(encoding="utf-8")).get("graph")
+    except (OSError, ValueError, RecursionError, AttributeError):
+        return None
+    return made_for if isinstance(made_for, str) else None
 
 
 def abandoned(entry: Path) -> bool:
