@@ -8,11 +8,11 @@ file, hashed again and refused as before when its sha256 is not the manifest's.
 
 The verdicts live beside the export (`VERDICTS`, a dot file: `optimize.py --push-to-hub` leaves it out) where the
 folder can be written, else (a folder in the Hub's cache, a read-only mount) in the user's cache, under a key of the
-folder's resolved path. Written atomically; a verdict file that cannot be read, one larger than `MAX_BYTES`, or one
-whose entries are not what this module writes, is ignored (every file hashed again), never trusted; one that cannot
-be written costs the next load a hash, nothing else. A verdict only vouches for a file: one that disagrees with the
-sha256 the manifest expects is not believed (the file is hashed), so a verdict file edited or damaged can make a load
-hash again, never refuse a sound file.
+folder's resolved path. Written atomically; a verdict file that cannot be read, one larger than `MAX_BYTES` or not a
+regular file (a FIFO, a link to /dev/zero), or one whose entries are not what this module writes, is ignored (every
+file hashed again), never trusted; one that cannot be written costs the next load a hash, nothing else. A verdict
+only vouches for a file: one that disagrees with the sha256 the manifest expects is not believed (the file is
+hashed), so a verdict file edited or damaged can make a load hash again, never refuse a sound file.
 
     verdicts = Verdicts(folder, shared=False)   # shared: a download in the Hub's cache (never written into)
     verdicts.matches(path, sha256) # whether the file's sha256 is this one: the verdict's while the identity holds,
@@ -29,7 +29,7 @@ import os
 from pathlib import Path
 
 from .outputs import write_atomic
-from .user_cache import CacheError, cache_dir
+from .user_cache import CacheError, cache_dir, read_kept
 
 log = logging.getLogger(__name__)
 
@@ -67,13 +67,12 @@ def verdict_file(folder: Path, shared: bool) -> Path:
 
 
 def _read(path: Path) -> dict[str, dict]:
-    """The verdicts in `path` by resolved file path; {} when missing, unreadable, too large or not of this
-    version."""
+    """The verdicts in `path` by resolved file path; {} when missing, unreadable, too large, not a regular file or
+    not of this version."""
+    text = read_kept(path, MAX_BYTES)
     try:
-        if path.stat().st_size > MAX_BYTES:
-            return {}
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError):
+        data = json.loads(text) if text is not None else None
+    except (ValueError, RecursionError):
         return {}
     if not isinstance(data, dict) or data.get("version") != VERSION or not isinstance(data.get("files"), list):
         return {}

@@ -5,6 +5,7 @@ provider. `$HIGGS_CACHE` moves it (default: `$XDG_CACHE_HOME/higgs-onnx`, else `
     cache_dir("adopted", key)      # <root>/adopted/<key>/, made on first use
     with cache_writes(folder):     # an OSError of the writes inside becomes the CacheError line
         ...
+    read_kept(path, max_bytes)     # a file a cache keeps, as text; None when it is not one a cache could have written
 
 A cache that cannot be written (a read-only filesystem, a folder of another user, `$HIGGS_CACHE` naming a file) is a
 `CacheError` (a ValueError: the CLIs print its one line and exit 2) naming the cache, `$HIGGS_CACHE` and the fix.
@@ -13,6 +14,7 @@ A cache that cannot be written (a read-only filesystem, a folder of another user
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -73,3 +75,22 @@ def cache_writes(folder: Path) -> Iterator[None]:
 def _reason(e: OSError) -> str:
     what = e.strerror or type(e).__name__
     return f"{what[:1].lower()}{what[1:]}: {e.filename}" if e.filename else what
+
+
+def read_kept(path: Path, max_bytes: int) -> str | None:
+    """A small file a cache keeps (the files' verdicts, a prepared graph's stamp) as UTF-8 text; None when it is
+    missing or not what a cache writes: not a regular file (a FIFO blocked the load, /dev/zero filled the memory),
+    over `max_bytes`, not UTF-8, or unreadable. Opened without blocking, its type and size checked on the open file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode) or st.st_size > max_bytes:
+                return None
+            data = f.read(max_bytes + 1)
+        return data.decode("utf-8") if len(data) <= max_bytes else None
+    except (OSError, UnicodeDecodeError):
+        return None

@@ -127,6 +127,19 @@ def test_a_verdict_never_refuses_a_sound_file_and_a_huge_verdict_file_is_not_rea
     assert len(hashes) == len(mf.REQUIRED_PARTS)
 
 
+@pytest.mark.timeout(30)
+def test_a_verdict_file_that_is_no_regular_file_is_not_read(tmp_path, hashes):
+    """A FIFO in its place blocked the load forever; a link to /dev/zero read until the memory ran out. Both are
+    passed over (every file hashed) and replaced by the verdicts written."""
+    folder = small_export(tmp_path / "m")
+    for make in (os.mkfifo, lambda p: p.symlink_to("/dev/zero")):
+        make(folder / VERDICTS)
+        hashes.clear()
+        load_manifest(folder, verify=True)
+        assert len(hashes) == len(mf.REQUIRED_PARTS) and (folder / VERDICTS).is_file()
+        (folder / VERDICTS).unlink()
+
+
 def test_a_hub_download_keeps_its_verdicts_in_the_users_cache(tmp_path, monkeypatch, hashes):
     """A folder of the Hub's cache (snapshot files linking to blobs) is never written into."""
     src = small_export(tmp_path / "src")

@@ -104,6 +104,21 @@ def test_a_damaged_prepared_graph_is_prepared_again_never_failing_a_load(builds,
     assert path == entry / "llm_step.onnx" and np.array_equal(again, rows)
 
 
+@pytest.mark.timeout(60)
+def test_a_stamp_that_is_no_regular_file_is_not_read(builds, tmp_path, monkeypatch):
+    """A FIFO in place of an entry's stamp blocked the load forever (user_cache.read_kept): now the entry is
+    prepared anew."""
+    monkeypatch.setenv("HIGGS_CACHE", str(tmp_path / "cache"))
+    folder = builds["int4"]
+    _, rows = greedy(folder)
+    entry, _ = entry_of(tmp_path / "cache")
+    (entry / prepared.STAMP).unlink()
+    os.mkfifo(entry / prepared.STAMP)
+    path, again = greedy(folder)
+    assert path == folder / "llm_step.onnx" and np.array_equal(again, rows)
+    assert entry_of(tmp_path / "cache")[1] == "unchecked"
+
+
 def test_a_prepare_killed_midway_leaves_nothing_a_load_reads(builds, tmp_path, monkeypatch):
     """SIGKILL after ONNX Runtime wrote the copy, before its stamp: the half-made entry is a temporary folder no load
     opens, removed by the next prepare (its lock is no longer held), which makes the entry anew."""

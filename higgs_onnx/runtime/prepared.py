@@ -42,7 +42,7 @@ import numpy as np
 
 from ..hash_verdicts import identity
 from ..outputs import write_atomic
-from ..user_cache import CacheError, cache_dir, cache_writes
+from ..user_cache import CacheError, cache_dir, cache_writes, read_kept
 from .session import Part
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 CACHE_KIND = "prepared"
 PREPARE_VERSION = 2  # bump when the entry changes: the key holds it (2: the stamp names the copy's files)
 STAMP = "entry.json"
+STAMP_BYTES = 2**16  # a stamp names a graph and its few files: a larger "stamp" is not one (not read)
 PROBE = "probe.npz"  # the original graph's outputs on the probe (while the entry is unchecked)
 LOCK = "lock"  # in a temporary folder: held (flock) by the process making it, released by the kernel if it is killed
 ENV = "HIGGS_PREPARED"
@@ -113,8 +114,8 @@ def read_stamp(folder: Path) -> dict | None:
     """The entry's stamp ({"state": "unchecked" | "equal" | "differs", "graph", "files"}), None when it has no sound
     one."""
     try:
-        stamp = json.loads((folder / STAMP).read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError):
+        stamp = json.loads(read_kept(folder / STAMP, STAMP_BYTES) or "null")
+    except (ValueError, RecursionError):
         return None
     if (not isinstance(stamp, dict) or stamp.get("state") not in ("unchecked", "equal", "differs")
             or not isinstance(stamp.get("graph"), str) or not isinstance(stamp.get("files"), dict)):
@@ -220,8 +221,8 @@ def graph_of(entry: Path) -> str | None:
     """The graph an entry was made for, as its stamp names it (any `PREPARE_VERSION`'s: an older entry of the same
     graph is removed at once, not after an hour); None without one."""
     try:
-        made_for = json.loads((entry / STAMP).read_text(encoding="utf-8")).get("graph")
-    except (OSError, ValueError, RecursionError, AttributeError):
+        made_for = json.loads(read_kept(entry / STAMP, STAMP_BYTES) or "null").get("graph")
+    except (ValueError, RecursionError, AttributeError):
         return None
     return made_for if isinstance(made_for, str) else None
 
