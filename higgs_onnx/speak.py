@@ -254,7 +254,7 @@ def speak_lines(tts, lines: list[str], cmd: Command, voice) -> int:
     lanes = min(lanes, len(lines))
     cmd.out_dir.mkdir(parents=True, exist_ok=True)
     say = sys.stderr if cmd.live else sys.stdout
-    t0, audio, made = time.perf_counter(), 0.0, 0
+    t0, audio, made, loaded = time.perf_counter(), 0.0, 0, tts.load_s
     with tts.scheduler(lanes * getattr(voice, "width", 1), slot) as sched:  # a voice blend: a batch row per voice
         handles = [sched.submit(r, "stream" if cmd.live else "speech", cmd.stream) for r in requests]
         sinks = {h.id: None for h in handles}
@@ -299,9 +299,9 @@ def speak_lines(tts, lines: list[str], cmd: Command, voice) -> int:
                     sink.abandon()
             raise
         st = sched.stats()
-    wall = time.perf_counter() - t0
-    print(f"{made} files in {cmd.out_dir}: {audio:.1f} s audio in {wall:.1f} s (RTF {wall / max(audio, 1e-9):.2f}); "
-          f"{lanes} lanes, mean batch {st['mean_batch']:.2f}", file=say)
+    wall = time.perf_counter() - t0 - (tts.load_s - loaded)  # generation: the sessions made meanwhile are load
+    print(f"{made} files in {cmd.out_dir}: {audio:.1f} s audio in {wall:.1f} s (RTF {wall / max(audio, 1e-9):.2f}; "
+          f"load {tts.load_s:.2f} s apart); {lanes} lanes, mean batch {st['mean_batch']:.2f}", file=say)
     return 0
 
 
@@ -325,7 +325,7 @@ def run_job(make, cmd: Command) -> int:
         print(f"{cmd.source}: {n} pieces of {sum(len(p.text) for p in job.pieces) / n:.0f} characters on average"
               f" in {lanes} lane{'s' if lanes > 1 else ''}{who}{gains}{' (resuming)' if cmd.resume else ''}",
               file=sys.stderr)
-        t0, cues, seconds = time.perf_counter(), [], [0.0]
+        t0, cues, seconds, loaded = time.perf_counter(), [], [0.0], job.tts.load_s
 
         def progress(p) -> None:
             seconds[0] = p.seconds_so_far
@@ -355,9 +355,10 @@ def run_job(make, cmd: Command) -> int:
                 raise
         if cmd.captions is not None:
             write_captions(cmd, cues, job.tts.facts.sample_rate)
-        wall, st = time.perf_counter() - t0, job.stats
+        wall, st = time.perf_counter() - t0 - (job.tts.load_s - loaded), job.stats  # the sessions made: load
         print(f"{cmd.out}: {seconds[0]:.1f} s audio from {n} pieces in {wall:.1f} s (RTF "
-              f"{wall / max(seconds[0], 1e-9):.2f}); {st.get('lanes', lanes)} lanes, mean batch "
+              f"{wall / max(seconds[0], 1e-9):.2f}; load {job.tts.load_s:.2f} s apart); {st.get('lanes', lanes)} "
+              f"lanes, mean batch "
               f"{st.get('mean_batch', 0):.2f}; prompt positions prefilled {st.get('positions_prefilled', 0)} vs rows "
               f"generated {st.get('rows_generated', 0)}", file=sys.stderr if cmd.live else sys.stdout)
     return 0
