@@ -437,7 +437,9 @@ def test_a_given_crossover_is_checked_and_needs_a_route():
 
 # -- the gate refuses a damaged route -----------------------------------------------------------------------------
 @pytest.mark.slow
-def test_a_damaged_route_is_refused_and_not_written(tiny_ckpt, tmp_path, monkeypatch, capsys):
+def test_a_damaged_route_is_refused_and_not_written(builds, part_cache, tiny_ckpt, tmp_path, monkeypatch, capsys):
+    import shutil
+
     from higgs_onnx import quantize
     from higgs_onnx.export import PART_CACHE_ENV, Exporter, ExportOptions
     from higgs_onnx.manifest import load_manifest
@@ -449,7 +451,12 @@ def test_a_damaged_route_is_refused_and_not_written(tiny_ckpt, tmp_path, monkeyp
         return q, s * np.random.default_rng(q.shape[1]).uniform(0.6, 1.4, s.shape).astype(np.float32)
 
     monkeypatch.setattr(quantize, "quantize_columns", damaged)
-    monkeypatch.setenv(PART_CACHE_ENV, str(tmp_path / "parts"))  # the decoder is built again, with the damage
+    # the decoder (its files hold the route's weights) is built again, with the damage, in a part cache of the test's
+    # own; the parts without a route, the session's (`builds` made them), are copied into it
+    keep = [p for p in part_cache.iterdir() if not p.name.startswith("llm_decoder-") and not p.name.endswith(".tmp")]
+    for folder in keep:
+        shutil.copytree(folder, tmp_path / "parts" / folder.name)
+    monkeypatch.setenv(PART_CACHE_ENV, str(tmp_path / "parts"))
     root = tmp_path / "out"
     folder = Exporter(str(tiny_ckpt), root, ExportOptions("cpu", "int4")).run()
     m = load_manifest(folder, verify=True)
