@@ -334,14 +334,17 @@ def test_no_provider_and_no_cuda_ep_runs_on_the_cpu_with_one_warning(cuda_builds
         parts = ModelParts(cuda_builds["int4"], verify=False)
         for name in parts.manifest.parts:
             parts.part(name)
-    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    # ours only: a library's background thread (Olive's telemetry exporter, in-process from the builds) once logged
+    # an ERROR about a host it could not resolve while this test counted
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("higgs_onnx")]
     assert parts.provider == "cpu" and len(said) == 1, said
     assert "is a cuda export" in said[0] and "float16 activations and KV cache" in said[0]
     assert "optimize.py --device cpu --precision int4" in said[0] and "\n" not in said[0]
     assert f"{cpu_graph.SLOWER['int4']} slower per decode step than a cpu int4 export" in said[0]
     monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", CPU])
     caplog.clear()
-    assert ModelParts(cuda_builds["int4"], verify=False).provider == "cuda" and not caplog.records
+    assert ModelParts(cuda_builds["int4"], verify=False).provider == "cuda"
+    assert not [r for r in caplog.records if r.name.startswith("higgs_onnx")]
 
 
 @pytest.mark.slow
