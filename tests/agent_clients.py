@@ -39,6 +39,11 @@ CARTESIA = {"model_id": "sonic-3.6", "voice": {"mode": "id", "id": "default"}, "
 PROTOCOLS = {"cartesia": 3, "elevenlabs": 2, "elevenlabs-flushed": 2, "websocket": 1}  # weights
 POINTS = {"before": 3, "first": 4, "later": 4, "words": 2, "closed": 1}
 PROBE_S = 15.0  # a socket whose loop is wedged answers no probe: the run fails here instead of hanging
+# A segment's words come once the server's one aligner process (niced, one piece at a time for every stream) has
+# timed it and the pieces queued before it: the tiny model's audio is noise, which the aligner searches every way
+# (1-4 s of CPU a piece) before it gives up. Beside a busy loop and another test worker that process gets ~7 % of a
+# core (CI: a "words" turn waited 15 s and was taken for wedged), so its wait is longer than the audio's.
+WORDS_S = 90.0
 
 
 def ws_url(server, path: str) -> str:
@@ -204,7 +209,7 @@ class Door:
         try:
             over = False
             if point == "words":  # just after a segment's words: the next segment's are being timed
-                over = self.over(speaking(ws, lambda m: self.words(m, cid) or self.over(m, cid), PROBE_S), cid)
+                over = self.over(speaking(ws, lambda m: self.words(m, cid) or self.over(m, cid), WORDS_S), cid)
             for _ in range(reads):
                 if over:
                     break

@@ -137,3 +137,47 @@ def test_a_stream_waiting_for_text_keeps_its_context_until_a_job_waits(svc):
     asyncio.run(go())
     stats = svc.scheduler.stats()
     assert stats["kept"] == 0 and stats["slots_in_use"] == 0, stats
+
+
+def test_a_stream_owed_its_words_is_not_idle(svc):
+    """A stream whose audio is all sent but whose words are still being timed (the aligner's one process busy with
+    a long piece first) is still speaking: the idle timeout (1 s) waits for them, the words and the turn's end are
+    sent, and only then is the idle socket closed as idle. (It was closed as idle while its words were owed.)"""
+    import numpy as np
+    from starlette.datastructures import QueryParams
+
+    from higgs_onnx.job.finish import time_words
+    from higgs_onnx.longform.captions import Cue
+    from higgs_onnx.serve.streams.elevenlabs import ElevenLabs, Query
+
+    noise = (np.random.default_rng(7).standard_normal(svc.sample_rate * 40) * 0.1).astype(np.float32)
+
+    class Timed(Memory):
+        async def send(self, obj) -> None:
+            self.sent.append((time.monotonic(), obj))
+
+    async def go():
+        warm = svc.speech_session(None, None)  # the session's first audio comes at once
+        async for _ in warm.speak("Warm."):
+            pass
+        warm.close()
+        await time_words(Cue(0, 0, "x"), np.zeros(0, np.float32), svc.sample_rate, "en")  # the aligner is up
+        busy = asyncio.create_task(time_words(Cue(0, noise.size, "a piece the aligner takes seconds to refuse"),
+                                              noise, svc.sample_rate, "en"))
+        transport = Timed()
+        query = Query(svc, "default", QueryParams("inactivity_timeout=1"))
+        engine = Engine(transport, lambda e: ElevenLabs(e, query), svc, query.idle_s, 5.0, svc.sample_rate, "eleven")
+        task = asyncio.create_task(engine.run())
+        await transport.incoming.put({"text": "One sentence to time.", "context_id": "c", "flush": True})
+        await transport.incoming.put({"context_id": "c", "close_context": True})  # the end of the turn
+        await asyncio.wait_for(task, 120)  # the client sends nothing more: the socket ends idle
+        assert (await busy).words == ()
+        return transport
+
+    t = asyncio.run(go())
+    kinds = [("audio" if m.get("audio") else "words" if m.get("alignment") else "final" if m.get("isFinal")
+              else m.get("error"), at) for at, m in t.sent]
+    assert [k for k, _ in kinds][-3:] == ["words", "final", "idle_timeout"], kinds
+    last_audio = max(at for k, at in kinds if k == "audio")
+    assert kinds[-3][1] - last_audio > 1.0, kinds  # the words came later than the idle timeout after the audio
+    assert t.closed == [1000] and OPEN == {"sockets": 0, "streams": 0}

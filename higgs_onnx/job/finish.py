@@ -1,7 +1,7 @@
 """A job's finish, written once for every door: loudness (`level`; a take's chunks `leveled`, a recording
 `level_file`), then word timing (`time_words`; a stream of pieces `with_words`, a recording's cues `file_words`).
 
-Word timing runs the forced aligner (`captions.timed`) in one bounded, lower-priority thread pool off the event
+Word timing runs the forced aligner (`captions.timed`) in one lower-priority process (`job.aligner`) off the event
 loop, with one failure rule: an aligner that raises is logged once and the cue comes back with no words and a
 `words_reason` that says so (`words=()`); only a cancellation propagates. The audio is never held back by it.
 
@@ -13,8 +13,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
-import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -22,38 +20,47 @@ import numpy as np
 
 from ..longform.captions import Cue, timed
 from ..loudness import Loudness, normalise
+from .aligner import Aligner, AlignerEnded, failed_cue
 
 log = logging.getLogger(__name__)
 
-ALIGNER_THREADS = 1  # word timing (0.5-1.3 s of CPU a piece) for every stream of the server, one at a time
 ALIGNER_NICE = 10  # below the decoder's threads: word timing can slow its own stream's words, not the others' audio
-_aligner: ThreadPoolExecutor | None = None
+ALIGNER = Aligner(ALIGNER_NICE)  # the server's one aligner process (job.aligner), started at its first piece
+_queue: ThreadPoolExecutor | None = None  # the one thread that waits on it: pieces queue here, cancellable
 _aligning = 0  # pieces submitted to the aligner and not yet timed (event loop only)
 
 
-def _lower_priority() -> None:
-    """The aligner thread at a lower scheduling priority (Linux sets a nice value per thread)."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), ALIGNER_NICE)
-    except (AttributeError, OSError):  # not Linux, or not allowed: it runs at the process's priority
-        log.debug("the aligner thread keeps the process's priority")
+def close_aligner() -> None:
+    """End the aligner process (the server's end); pieces still queued are dropped."""
+    global _queue
+    if _queue is not None:
+        _queue.shutdown(wait=False, cancel_futures=True)
+        _queue = None
+    ALIGNER.close()
 
 
 async def time_words(cue: Cue, samples: np.ndarray, sample_rate: int, language: str) -> Cue:
-    """`cue` with its words timed on `samples` (its own, from `cue.start`) in `language` (`timed_piece`), in one
-    aligner pool (bounded, lower priority) off the event loop, not the default executor that the text steps and voice
-    uploads share: 8 word-timed streams queue their pieces here instead of taking every core from the decoder. An
-    aligner failure comes back as a cue without words (the one failure rule); only a cancellation propagates."""
-    global _aligner, _aligning
-    if _aligner is None:
-        _aligner = ThreadPoolExecutor(ALIGNER_THREADS, thread_name_prefix="higgs-align", initializer=_lower_priority)
+    """`cue` with its words timed on `samples` (its own, from `cue.start`) in `language` (`timed_piece`), in the
+    server's one aligner process (`job.aligner`: one piece at a time, lower priority, the GIL its own), never on
+    the event loop nor in the default executor that the text steps and voice uploads share: 8 word-timed streams
+    queue their pieces here instead of taking every core from the decoder. An aligner failure, its process's death
+    included, comes back as a cue without words (the one failure rule, logged once; a new process takes the next
+    piece); only a cancellation propagates."""
+    global _queue, _aligning
+    if _queue is None:
+        _queue = ThreadPoolExecutor(1, thread_name_prefix="higgs-align")
     _aligning += 1
     try:
-        return await asyncio.get_running_loop().run_in_executor(_aligner, timed_piece, cue, samples, sample_rate,
-                                                                language)
+        try:
+            got, failure = await asyncio.get_running_loop().run_in_executor(_queue, ALIGNER.time, cue, samples,
+                                                                            sample_rate, language)
+        except AlignerEnded as e:
+            got, failure = failed_cue(cue, e), str(e)
+        if failure:
+            log.error("word timing of piece %d failed: %s", cue.index, failure)
+        return got
     finally:
         _aligning -= 1
-
 
 
 def timed_piece(cue: Cue, samples: np.ndarray, sample_rate: int, language: str) -> Cue:
@@ -63,7 +70,7 @@ def timed_piece(cue: Cue, samples: np.ndarray, sample_rate: int, language: str) 
         return timed(cue, samples, sample_rate, language)
     except Exception as e:  # noqa: BLE001 - the words say so; the audio went on without them
         log.error("word timing of piece %d failed", cue.index, exc_info=e)
-        return dataclasses.replace(cue, words=(), words_reason=f"word timing failed ({type(e).__name__})")
+        return failed_cue(cue, e)
 
 
 def file_words(path, cues: list[Cue], language: str) -> tuple[list[Cue], int, str]:
@@ -151,7 +158,7 @@ def level_file(path, lufs: float | None) -> Loudness | None:
 
 
 def aligner_pending() -> int:
-    """Pieces waiting for, or in, the aligner thread (the metrics' aligner queue)."""
+    """Pieces waiting for, or in, the aligner process (the metrics' aligner queue)."""
     return _aligning
 
 

@@ -10,8 +10,8 @@ model's own scheduler; the async one (`Runner`; HTTP, SSE, the WebSocket, Wyomin
 server's scheduler, which batches the job's takes with every other request. Both judge, choose and record takes by
 one policy (`guard`: `take_seeds`, `judge`, `take_scores`, `best_take`, `RetryPolicy`); a degenerate take is drawn
 again by one driver, the scheduler's (`generation.scheduler.Scheduler._retake`); and both finish a whole take the
-same way (`job.finish`): one loudness gain (`level`, `leveled`), then each piece's words timed in one bounded,
-lower-priority aligner pool with one failure rule (`with_words`, `time_words`).
+same way (`job.finish`): one loudness gain (`level`, `leveled`), then each piece's words timed in one
+lower-priority aligner process with one failure rule (`with_words`, `time_words`).
 
 `job` stands one floor above `runtime`: `runtime` imports nothing from here.
 """

@@ -30,6 +30,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from ..job.finish import close_aligner
 from ..job.options import SpeechOptions
 from . import cartesia_bytes, dialogue_routes, info_routes, speech_routes, stream_routes, voice_routes
 from .http import STATIC, ApiError, HostGuard, LoggedCut, client_of, error_response, validation_message
@@ -84,6 +85,7 @@ def create_app(tts, scheduler, voices_dir: str | Path, api_key: str | None = Non
             if beside is not None:
                 beside.close()
             scheduler.stop()
+            close_aligner()  # the word aligner's process (job.finish), if a stream started it
 
     # no /docs page: Swagger UI loads from a CDN (offline machines, the page CSP); the schema stays at /openapi.json
     app = FastAPI(title="higgs-onnx speech server", lifespan=lifespan, docs_url=None, redoc_url=None)

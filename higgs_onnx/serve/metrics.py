@@ -11,7 +11,7 @@ What it exports, all prefixed `higgs_`:
 - histograms of each finished job's `time_to_first_audio_seconds` and `real_time_factor` (wall / audio);
 - `model_loaded` (1, or 0 while the idle model is unloaded or loading again: `--idle-unload`), `model_unloads_total`,
   `model_reloads_total` and `model_reload_seconds` (the last load after an unload);
-- `aligner_pending`: pieces waiting for, or in, the word aligner's thread;
+- `aligner_pending`: pieces waiting for, or in, the word aligner's process;
 - `takes_total{policy, verdict}`: takes the guard judged (`best_of`: a request's `takes`; `redraw`: its `retries`) by
   verdict (`good`, or the failure the guard found), and `redraws_total`: the takes drawn again after a bad one;
 - `voice_cache_lookups_total{result}` (`hit`, `miss`) and `voice_cache_bytes`: voices made from reference audio.
@@ -123,7 +123,7 @@ class _SchedulerCollector:
         if s["reload_s"] is not None:
             yield GaugeMetricFamily("higgs_model_reload_seconds", "how long the last load after an unload took",
                                     value=s["reload_s"])
-        yield GaugeMetricFamily("higgs_aligner_pending", "pieces waiting for, or in, the word aligner's thread",
+        yield GaugeMetricFamily("higgs_aligner_pending", "pieces waiting for, or in, the word aligner's process",
                                 value=aligner_pending())
         jobs = CounterMetricFamily("higgs_jobs", "jobs by how they ended (rejected: the queue was full, a 429)",
                                    labels=["outcome"])

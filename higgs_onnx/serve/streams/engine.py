@@ -22,7 +22,8 @@ engine owns everything else, one way for every door:
   is `asyncio.wait_for`), then gives back its kept KV context whatever the tasks did.
 - **Stalls, leaving and idle time**: every send waits at most the server's --send-timeout (`wire.send_within`); a
   client that stops reading, leaves or whose connection fails ends the connection, and every stream is cancelled as
-  above before `run` returns. A connection idle for `idle_s` with nothing being spoken is told so and closed.
+  above before `run` returns. A connection idle for `idle_s` with nothing being spoken (no segment, and no words
+  still being timed) is told so and closed.
 - **Failures**: a segment's failure (`wire.segment_failure`) is worded by the codec, which says whether its stream
   goes on (the WebSocket, Wyoming) or ends (the agent sockets); the server stopping ends the connection; a failure of
   the server's own is logged once with its traceback and the client told in one line.
@@ -113,7 +114,8 @@ class Stream:
         self.state: dict = {}  # the door's own per-stream values
 
     def speaking(self) -> bool:
-        return self.busy or not self.queue.empty()
+        """A segment is being spoken, one waits, or its words are still being timed (owed to the client)."""
+        return self.busy or not self.queue.empty() or (self.words_tail is not None and not self.words_tail.done())
 
 
 class Codec:
