@@ -333,6 +333,32 @@ def test_an_aligner_process_that_dies_is_a_piece_without_words_and_a_new_one_fol
     assert proc.returncode == 0 and pieces.ALIGNER.pid is None
 
 
+def test_the_servers_end_does_not_wait_for_the_piece_being_timed():
+    """close_aligner (the server's lifespan end, on its event loop) returns at once while a long piece is being
+    searched: the process is ended and that piece comes back without words."""
+    import asyncio
+    import time
+
+    from higgs_onnx.job import finish as pieces
+    from higgs_onnx.longform.captions import Cue
+
+    noise = (np.random.default_rng(5).standard_normal(24000 * 60) * 0.1).astype(np.float32)
+
+    async def run():
+        await pieces.time_words(Cue(0, 0, "x"), np.zeros(0, np.float32), 24000, "en")
+        proc = pieces.ALIGNER.proc
+        task = asyncio.create_task(pieces.time_words(Cue(0, noise.size, "never said"), noise, 24000, "en"))
+        await asyncio.sleep(0.5)
+        t0 = time.perf_counter()
+        pieces.close_aligner()
+        took = time.perf_counter() - t0
+        return await task, took, proc
+
+    got, took, proc = asyncio.run(run())
+    assert took < 1.0 and proc.returncode is not None, took
+    assert got.words == () and got.words_reason == "word timing failed (AlignerEnded)"
+
+
 def test_time_words_has_one_failure_rule_and_lets_only_a_cancellation_through(en, caplog):
     """job.finish.time_words, what every door's word timing calls: the recording's words as captions.timed gives
     them; an aligner that raises (here a cue whose text is not text) is logged once, with its traceback, and the cue

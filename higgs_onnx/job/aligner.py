@@ -59,12 +59,15 @@ class Aligner:
     def time(self, *piece):
         """The child's answer for `piece` (blocking: call it off the event loop); AlignerEnded if it died."""
         with self.lock:
-            proc = self._started()
+            try:
+                proc = self._started()
+            except OSError as e:  # no process could be started (the executable gone, no memory, no pids)
+                raise AlignerEnded(f"the aligner process could not start ({type(e).__name__}: {e})") from None
             try:
                 pickle.dump(piece, proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
                 proc.stdin.flush()
                 return pickle.load(proc.stdout)
-            except (OSError, EOFError, pickle.UnpicklingError) as e:
+            except (OSError, ValueError, EOFError, pickle.UnpicklingError) as e:  # ValueError: closed under it
                 self._end(proc)
                 code = proc.poll()
                 raise AlignerEnded(f"the aligner process ended ({type(e).__name__}"
@@ -83,11 +86,20 @@ class Aligner:
         return self.proc
 
     def close(self) -> None:
-        """End the child (its stdin closed; killed if it is still searching after 2 s)."""
-        with self.lock:
-            if self.proc is not None:
-                self._end(self.proc)
-                self.proc = None
+        """End the child without waiting for the piece it may hold (the server's end, on its event loop): its stdin
+        closed, killed if it is not gone in 0.2 s; the piece's caller gets AlignerEnded."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        try:
+            proc.stdin.close()
+        except (OSError, ValueError):  # being written by the queue's thread
+            pass
+        try:
+            proc.wait(0.2)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
     @staticmethod
     def _end(proc: subprocess.Popen) -> None:
