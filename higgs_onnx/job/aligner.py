@@ -7,8 +7,10 @@ Why a process: pocketsphinx holds the GIL for a whole search (0.3 s on 30 s of a
 `__mp_main__`): a user's unguarded script would speak again, or fail, in it. This is `python -m
 higgs_onnx.job.aligner`, which imports only the aligner.
 
-The protocol is one pickle each way per piece over the child's stdin and stdout (the child's own prints go to
-stderr): (cue, samples, sample_rate, language) in, (cue, failure traceback or None) out. One piece at a time
+The protocol, over the child's stdin and stdout (the child's own prints go to stderr), is plain data, no pickle
+(tests/test_security.py): in, a 4-byte length, a JSON header (the cue, the rate, the language, the samples' shape)
+and the samples as little-endian float32; out, one JSON line (the words, why there are none, a failure's
+traceback). One piece at a time
 (`Aligner.time` holds a lock; the caller queues in one thread). The child lowers its own priority
 (`finish.ALIGNER_NICE`), and ends when its stdin closes: the server's end, or its death (a search under way is
 finished first and its answer cannot be written). A child that dies is `AlignerEnded` for the piece it held, and the
@@ -18,13 +20,16 @@ next piece starts a new one.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
-import pickle
+import struct
 import subprocess
 import sys
 import threading
 import traceback
 from pathlib import Path
+
+import numpy as np
 
 PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the folder holding higgs_onnx: the child imports it
 
@@ -34,7 +39,7 @@ def failed_cue(cue, e: BaseException):
     return dataclasses.replace(cue, words=(), words_reason=f"word timing failed ({type(e).__name__})")
 
 
-def timed_apart(cue, samples, sample_rate: int, language: str):
+def timed_apart(cue, samples, sample_rate: int, language: str) -> tuple:
     """`captions.timed` in the aligner process: the cue, and the failure's traceback for the server to log (None)."""
     from ..longform.captions import timed
 
@@ -42,6 +47,24 @@ def timed_apart(cue, samples, sample_rate: int, language: str):
         return timed(cue, samples, sample_rate, language), None
     except Exception as e:  # noqa: BLE001 - the one failure rule, logged by the server (finish.time_words)
         return failed_cue(cue, e), traceback.format_exc()
+
+
+def _request(cue, samples, sample_rate: int, language: str) -> bytes:
+    x = np.ascontiguousarray(samples, dtype="<f4")
+    head = json.dumps({"cue": [cue.start, cue.end, cue.text, cue.speaker, cue.index], "rate": int(sample_rate),
+                       "language": language, "shape": list(x.shape)}, default=_plain).encode()
+    return struct.pack("<I", len(head)) + head + x.tobytes()
+
+
+def _plain(value):
+    """A NumPy number as JSON's (a sample position may be one)."""
+    return value.item()
+
+
+def _answer(cue, line: bytes) -> tuple:
+    got = json.loads(line)
+    words = None if got["words"] is None else tuple(type(cue)(a, b, t, sp) for a, b, t, sp in got["words"])
+    return dataclasses.replace(cue, words=words, words_reason=got["reason"]), got["failure"]
 
 
 class AlignerEnded(RuntimeError):
@@ -56,18 +79,22 @@ class Aligner:
         self.proc: subprocess.Popen | None = None
         self.lock = threading.Lock()
 
-    def time(self, *piece):
-        """The child's answer for `piece` (blocking: call it off the event loop); AlignerEnded if it died."""
+    def time(self, *piece) -> tuple:
+        """(cue, failure traceback or None) for `piece` = (cue, samples, sample_rate, language), from the child
+        (blocking: call it off the event loop); AlignerEnded if it died."""
         with self.lock:
             try:
                 proc = self._started()
             except OSError as e:  # no process could be started (the executable gone, no memory, no pids)
                 raise AlignerEnded(f"the aligner process could not start ({type(e).__name__}: {e})") from None
             try:
-                pickle.dump(piece, proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
+                proc.stdin.write(_request(*piece))
                 proc.stdin.flush()
-                return pickle.load(proc.stdout)
-            except (OSError, ValueError, EOFError, pickle.UnpicklingError) as e:  # ValueError: closed under it
+                line = proc.stdout.readline()
+                if not line.endswith(b"\n"):
+                    raise EOFError
+                return _answer(piece[0], line)
+            except (OSError, ValueError, EOFError) as e:  # ValueError: closed under it, or not its answer
                 self._end(proc)
                 code = proc.poll()
                 raise AlignerEnded(f"the aligner process ended ({type(e).__name__}"
@@ -125,14 +152,22 @@ def main() -> None:
         os.nice(nice)  # below the server's own priority
     except (AttributeError, OSError):  # not a POSIX system, or not allowed: the server's priority
         pass
+    from ..longform.captions import Cue
+
     source = sys.stdin.buffer
     while True:
-        try:
-            piece = pickle.load(source)
-        except EOFError:  # the server closed the pipe (its end), or died
+        size = source.read(4)
+        if len(size) < 4:  # the server closed the pipe (its end), or died
             return
+        head = json.loads(source.read(struct.unpack("<I", size)[0]))
+        shape = head["shape"]
+        raw = source.read(4 * int(np.prod(shape)))
+        samples = np.frombuffer(raw, "<f4").reshape(shape)
+        cue, failure = timed_apart(Cue(*head["cue"]), samples, head["rate"], head["language"])
+        words = None if cue.words is None else [[w.start, w.end, w.text, w.speaker] for w in cue.words]
         try:
-            pickle.dump(timed_apart(*piece), out, protocol=pickle.HIGHEST_PROTOCOL)
+            out.write(json.dumps({"words": words, "reason": cue.words_reason, "failure": failure},
+                                 default=_plain).encode() + b"\n")
             out.flush()
         except BrokenPipeError:
             return
