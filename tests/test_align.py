@@ -266,7 +266,7 @@ def test_the_server_times_words_in_one_lower_priority_process():
     mine = os.getpriority(os.PRIO_PROCESS, 0)
     assert os.getpriority(os.PRIO_PROCESS, pid) == mine + min(pieces.ALIGNER_NICE, 19 - mine)
     cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    assert cmd[:3] == [sys.executable.encode(), b"-m", b"higgs_onnx.job.aligner"], cmd
+    assert cmd[:4] == [sys.executable.encode(), b"-P", b"-m", b"higgs_onnx.job.aligner"], cmd
 
 
 def test_word_timing_leaves_the_event_loop_free():
@@ -357,6 +357,76 @@ def test_the_servers_end_does_not_wait_for_the_piece_being_timed():
     got, took, proc = asyncio.run(run())
     assert took < 1.0 and proc.returncode is not None, took
     assert got.words == () and got.words_reason == "word timing failed (AlignerEnded)"
+
+
+def test_a_terminals_ctrl_c_reaches_the_server_not_its_aligner():
+    """Ctrl-C in a terminal signals the whole foreground process group: the aligner, in a group of its own, goes on
+    (the server ends it at its own end) instead of dying mid-search with a KeyboardInterrupt traceback in the
+    server's log and an ERROR for the piece it held."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    script = """if True:
+        import signal, sys, numpy as np
+        signal.signal(signal.SIGINT, lambda *a: None)  # the server's own handler (a handler is not inherited)
+        from higgs_onnx.job.aligner import Aligner
+        from higgs_onnx.longform.captions import Cue
+        a = Aligner(10)
+        a.time(Cue(0, 0, "x"), np.zeros(0, np.float32), 24000, "en")
+        print(a.pid, flush=True)
+        sys.stdin.readline()
+        got, _ = a.time(Cue(0, 0, "x"), np.zeros(0, np.float32), 24000, "en")
+        print(a.pid, got.words_reason, flush=True)
+    """
+    p = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True, cwd=Path(__file__).parents[1])
+    try:
+        pid = p.stdout.readline().strip()
+        os.killpg(p.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        out, err = p.communicate("go\n", timeout=60)
+    finally:
+        p.kill()
+    assert pid and out.split(" ", 1)[0] == pid and "nothing to time" in out, (pid, out, err)  # the same process
+    assert "KeyboardInterrupt" not in err and p.returncode == 0, err
+
+
+def test_the_aligner_imports_nothing_from_the_servers_working_directory(en, tmp_path, monkeypatch):
+    """A console script's server does not have its working directory on sys.path, and neither has its aligner
+    (`-P`): a user's json.py there is neither run nor taken for the standard one."""
+    from higgs_onnx.job.aligner import Aligner
+    from higgs_onnx.longform.captions import Cue
+
+    x, sr, text, _ = en
+    (tmp_path / "json.py").write_text("open(__file__ + '.ran', 'w').close()\n")
+    monkeypatch.chdir(tmp_path)
+    aligner = Aligner(10)
+    try:
+        got, failure = aligner.time(Cue(0, len(x), text), x, sr, "en")
+    finally:
+        aligner.close()
+    assert failure is None and [(w.start, w.end, w.text) for w in got.words] == word_cues(x, sr, text)
+    assert not (tmp_path / "json.py.ran").exists()
+
+
+def test_an_aligner_that_cannot_start_is_not_started_again_for_every_piece(tmp_path, monkeypatch, capfd):
+    """A child that ends before its ready line (here a broken json module on the PYTHONPATH, which the server had
+    imported before) cannot start: each piece is AlignerEnded with why, and only the first one starts a process
+    (one traceback in the log, not one per piece)."""
+    from higgs_onnx.job.aligner import Aligner, AlignerEnded
+    from higgs_onnx.longform.captions import Cue
+
+    (tmp_path / "json.py").write_text("raise ImportError('not the json module')\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    aligner = Aligner(10)
+    whys = []
+    for _ in range(3):
+        with pytest.raises(AlignerEnded) as e:
+            aligner.time(Cue(0, 0, "x"), np.zeros(0, np.float32), 24000, "en")
+        whys.append(str(e.value))
+    assert whys == ["the aligner process could not start (exit code 1)"] * 3
+    assert capfd.readouterr().err.count("ImportError: not the json module") == 1
 
 
 def test_time_words_has_one_failure_rule_and_lets_only_a_cancellation_through(en, caplog):

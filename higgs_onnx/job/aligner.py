@@ -14,7 +14,11 @@ traceback). One piece at a time
 (`Aligner.time` holds a lock; the caller queues in one thread). The child lowers its own priority
 (`finish.ALIGNER_NICE`), and ends when its stdin closes: the server's end, or its death (a search under way is
 finished first and its answer cannot be written). A child that dies is `AlignerEnded` for the piece it held, and the
-next piece starts a new one.
+next piece starts a new one; one that cannot start (it ends before its ready line: an import that fails) is not
+started again, and every later piece is `AlignerEnded` at once (one ERROR line each, not a process and a traceback
+each). The child runs in a process group of its own (a terminal's Ctrl-C reaches the server, which ends it, not the
+child in the middle of a search) and with `-P` (the server's working directory is not on its path: a user's
+`json.py` there is neither imported nor run).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the folder holding higgs_onnx: the child imports it
+READY = b"ready\n"  # the child's first line: it started (its imports done)
 
 
 def failed_cue(cue, e: BaseException):
@@ -78,11 +83,14 @@ class Aligner:
         self.nice = nice
         self.proc: subprocess.Popen | None = None
         self.lock = threading.Lock()
+        self.broken: str | None = None  # why no process can start (one ended before its ready line): none is tried
 
     def time(self, *piece) -> tuple:
         """(cue, failure traceback or None) for `piece` = (cue, samples, sample_rate, language), from the child
         (blocking: call it off the event loop); AlignerEnded if it died."""
         with self.lock:
+            if self.broken:
+                raise AlignerEnded(self.broken)
             try:
                 proc = self._started()
             except OSError as e:  # no process could be started (the executable gone, no memory, no pids)
@@ -108,8 +116,12 @@ class Aligner:
         if self.proc is None or self.proc.poll() is not None:
             env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (PACKAGE_ROOT, os.environ.get("PYTHONPATH"))
                                                                if p))
-            self.proc = subprocess.Popen([sys.executable, "-m", "higgs_onnx.job.aligner", str(self.nice)],
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+            self.proc = subprocess.Popen([sys.executable, "-P", "-m", "higgs_onnx.job.aligner", str(self.nice)],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, process_group=0)
+            if self.proc.stdout.readline() != READY:
+                self._end(self.proc)
+                self.broken = f"the aligner process could not start (exit code {self.proc.returncode})"
+                raise AlignerEnded(self.broken)
         return self.proc
 
     def close(self) -> None:
@@ -154,6 +166,8 @@ def main() -> None:
         pass
     from ..longform.captions import Cue
 
+    out.write(READY)
+    out.flush()
     source = sys.stdin.buffer
     while True:
         size = source.read(4)
