@@ -429,6 +429,27 @@ def test_an_aligner_that_cannot_start_is_not_started_again_for_every_piece(tmp_p
     assert capfd.readouterr().err.count("ImportError: not the json module") == 1
 
 
+def test_an_aligner_killed_before_it_is_ready_is_started_again(tmp_path, monkeypatch):
+    """A child killed before its ready line (a signal: the OOM killer, an operator) is that piece's AlignerEnded,
+    not the rule for a child that cannot start: the next piece starts a new one."""
+    from higgs_onnx.job.aligner import Aligner, AlignerEnded
+    from higgs_onnx.longform.captions import Cue
+
+    (tmp_path / "sitecustomize.py").write_text(  # the first child only kills itself at its start
+        "import os, signal\nflag = os.path.join(os.path.dirname(__file__), 'once')\n"
+        "if not os.path.exists(flag):\n    open(flag, 'w').close()\n    os.kill(os.getpid(), signal.SIGKILL)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    aligner = Aligner(10)
+    piece = (Cue(0, 0, "x"), np.zeros(0, np.float32), 24000, "en")
+    try:
+        with pytest.raises(AlignerEnded, match=r"could not start \(exit code -9\)"):
+            aligner.time(*piece)
+        got, failure = aligner.time(*piece)
+    finally:
+        aligner.close()
+    assert failure is None and "nothing to time" in got.words_reason and aligner.broken is None
+
+
 def test_time_words_has_one_failure_rule_and_lets_only_a_cancellation_through(en, caplog):
     """job.finish.time_words, what every door's word timing calls: the recording's words as captions.timed gives
     them; an aligner that raises (here a cue whose text is not text) is logged once, with its traceback, and the cue

@@ -14,11 +14,11 @@ traceback). One piece at a time
 (`Aligner.time` holds a lock; the caller queues in one thread). The child lowers its own priority
 (`finish.ALIGNER_NICE`), and ends when its stdin closes: the server's end, or its death (a search under way is
 finished first and its answer cannot be written). A child that dies is `AlignerEnded` for the piece it held, and the
-next piece starts a new one; one that cannot start (it ends before its ready line: an import that fails) is not
-started again, and every later piece is `AlignerEnded` at once (one ERROR line each, not a process and a traceback
-each). The child runs in a process group of its own (a terminal's Ctrl-C reaches the server, which ends it, not the
-child in the middle of a search) and with `-P` (the server's working directory is not on its path: a user's
-`json.py` there is neither imported nor run).
+next piece starts a new one; one that cannot start (it exits before its ready line: an import that fails; not one
+killed) is not started again, and every later piece is `AlignerEnded` at once (one ERROR line each, not a process
+and a traceback each). The child runs in a process group of its own (a terminal's Ctrl-C reaches the server, which
+ends it, not the child in the middle of a search) and with `-P` (the server's working directory is not on its path:
+a user's `json.py` there is neither imported nor run).
 """
 
 from __future__ import annotations
@@ -120,8 +120,10 @@ class Aligner:
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, process_group=0)
             if self.proc.stdout.readline() != READY:
                 self._end(self.proc)
-                self.broken = f"the aligner process could not start (exit code {self.proc.returncode})"
-                raise AlignerEnded(self.broken)
+                why = f"the aligner process could not start (exit code {self.proc.returncode})"
+                if self.proc.returncode > 0:  # its own failure (an import), not a signal's (killed): never again
+                    self.broken = why
+                raise AlignerEnded(why)
         return self.proc
 
     def close(self) -> None:
