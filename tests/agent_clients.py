@@ -18,6 +18,7 @@ the last of them is the cancel-to-silence figure.
 
 from __future__ import annotations
 
+import collections
 import json
 import random
 import threading
@@ -203,20 +204,33 @@ class Door:
         return lambda m: m.get("error") == "unknown_context" and m.get("contextId") == f"probe{i}"
 
     def turn(self, i: int, point: str, rng: random.Random) -> Cut:
+        from websockets.exceptions import ConnectionClosed
+
         cid = f"t{i}"
         ws = self.start(cid, words=point == "words" or rng.random() < 0.3)
         reads = {"before": 0, "first": 1, "later": rng.randint(2, 12), "words": 0, "closed": rng.randint(0, 6)}[point]
+        heard = collections.deque(maxlen=4)  # the last text messages (what a server that closed the socket said)
+
+        def seen(m) -> None:
+            if not isinstance(m, bytes):
+                heard.append(str(m)[:300])
+
         try:
             over = False
             if point == "words":  # just after a segment's words: the next segment's are being timed
-                over = self.over(speaking(ws, lambda m: self.words(m, cid) or self.over(m, cid), WORDS_S), cid)
+                over = self.over(speaking(ws, lambda m: seen(m) or self.words(m, cid) or self.over(m, cid), WORDS_S),
+                                 cid)
             for _ in range(reads):
                 if over:
                     break
-                over = self.over(speaking(ws, lambda m: self.audio(m, cid) or self.over(m, cid), PROBE_S), cid)
+                over = self.over(speaking(ws, lambda m: seen(m) or self.audio(m, cid) or self.over(m, cid), PROBE_S),
+                                 cid)
         except TimeoutError:
             raise Wedged(f"a {self.protocol} turn ({point}, {cid}) stopped speaking; /health: "
                          f"{health(self.server)}") from None
+        except ConnectionClosed as e:  # the server closed the socket mid-turn: say what it said last
+            raise AssertionError(f"a {self.protocol} turn ({point}, {cid}) was closed by the server ({e}); its last "
+                                 f"messages: {list(heard)}; /health: {health(self.server)}") from None
         if point == "closed" or self.protocol == "websocket":
             time.sleep(rng.random() * 0.01)
             self.close()  # the client leaves mid-turn (the WebSocket's only way to cut a turn)
@@ -235,6 +249,9 @@ class Door:
         except TimeoutError:
             raise Wedged(f"a {self.protocol} socket answered no probe {PROBE_S:g} s after a cancel ({point}, {cid}); "
                          f"/health: {health(self.server)}") from None
+        except ConnectionClosed as e:
+            raise AssertionError(f"a {self.protocol} socket was closed by the server after a cancel ({point}, {cid}; "
+                                 f"{e}); /health: {health(self.server)}") from None
         return Cut(self.protocol, point, last - t0, after)
 
 
