@@ -330,7 +330,7 @@ def test_an_aligner_process_that_dies_is_a_piece_without_words_and_a_new_one_fol
     assert new not in (None, old) and [(w.start, w.end, w.text) for w in again.words] == word_cues(x, sr, text)
     proc = pieces.ALIGNER.proc
     pieces.close_aligner()
-    assert proc.returncode == 0 and pieces.ALIGNER.pid is None
+    assert proc.returncode is not None and pieces.ALIGNER.pid is None  # ended (its stdin closed, or killed 0.2 s on)
 
 
 def test_the_servers_end_does_not_wait_for_the_piece_being_timed():
@@ -479,3 +479,39 @@ def test_time_words_has_one_failure_rule_and_lets_only_a_cancellation_through(en
 
     with pytest.raises(asyncio.CancelledError):
         asyncio.run(cancelled())
+
+
+def test_an_aligner_stopped_mid_piece_is_ended_after_its_limit(en, caplog):
+    """A child that stops answering (here SIGSTOP: stopped, or looping) is killed once a piece passes the limit
+    (`Aligner.limit_s`, PIECE_LIMIT_S): that piece has no words and why, and the next is timed by a new child."""
+    import asyncio
+    import logging
+    import os
+    import signal
+
+    from higgs_onnx.job import finish as pieces
+    from higgs_onnx.job.aligner import PIECE_LIMIT_S
+    from higgs_onnx.longform.captions import Cue
+
+    x, sr, text, _ = en
+    pieces.close_aligner()
+    try:
+        async def run():
+            await pieces.time_words(Cue(0, 0, "x"), np.zeros(0, np.float32), 24000, "en")
+            stopped = pieces.ALIGNER.pid
+            os.kill(stopped, signal.SIGSTOP)
+            pieces.ALIGNER.limit_s = 1.0
+            held = await pieces.time_words(Cue(0, len(x), text, index=7), x, sr, "en")
+            pieces.ALIGNER.limit_s = PIECE_LIMIT_S
+            return stopped, held, await pieces.time_words(Cue(0, len(x), text), x, sr, "en")
+
+        with caplog.at_level(logging.ERROR, logger="higgs_onnx.job.finish"):
+            stopped, held, again = asyncio.run(run())
+    finally:
+        pieces.ALIGNER.limit_s = PIECE_LIMIT_S
+    assert held.words == () and held.words_reason == "word timing failed (AlignerEnded)"
+    assert [r.getMessage() for r in caplog.records] == [
+        "word timing of piece 7 failed: the aligner process took over 1 s on one piece and was ended"]
+    assert pieces.ALIGNER.pid not in (None, stopped) and [w.text for w in again.words] == [
+        w for _, _, w in word_cues(x, sr, text)]
+    assert not os.path.exists(f"/proc/{stopped}") or "Z" in open(f"/proc/{stopped}/stat").read().split()[2]

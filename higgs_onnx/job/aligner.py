@@ -8,17 +8,16 @@ Why a process: pocketsphinx holds the GIL for a whole search (0.3 s on 30 s of a
 higgs_onnx.job.aligner`, which imports only the aligner.
 
 The protocol, over the child's stdin and stdout (the child's own prints go to stderr), is plain data, no pickle
-(tests/test_security.py): in, a 4-byte length, a JSON header (the cue, the rate, the language, the samples' shape)
-and the samples as little-endian float32; out, one JSON line (the words, why there are none, a failure's
-traceback). One piece at a time
-(`Aligner.time` holds a lock; the caller queues in one thread). The child lowers its own priority
+(tests/test_security.py): in, a 4-byte length, a JSON header (the cue, the rate, the language, the samples' shape) and
+the samples as little-endian float32; out, one JSON line (the words, why there are none, a failure's traceback). One
+piece at a time (`Aligner.time` holds a lock; the caller queues in one thread). The child lowers its own priority
 (`finish.ALIGNER_NICE`), and ends when its stdin closes: the server's end, or its death (a search under way is
 finished first and its answer cannot be written). A child that dies is `AlignerEnded` for the piece it held, and the
-next piece starts a new one; one that cannot start (it exits before its ready line: an import that fails; not one
-killed) is not started again, and every later piece is `AlignerEnded` at once (one ERROR line each, not a process
-and a traceback each). The child runs in a process group of its own (a terminal's Ctrl-C reaches the server, which
-ends it, not the child in the middle of a search) and with `-P` (the server's working directory is not on its path:
-a user's `json.py` there is neither imported nor run).
+next piece starts a new one, and so is one that takes over `PIECE_LIMIT_S` on a piece (killed); one that cannot start
+(it exits before its ready line: an import that fails; not one killed) is not started again, and every later piece is
+`AlignerEnded` at once (one ERROR line each, not a process and a traceback each). The child runs in a process group of
+its own (a terminal's Ctrl-C reaches the server, which ends it, not the child in the middle of a search) and with `-P`
+(the server's working directory is not on its path: a user's `json.py` there is neither imported nor run).
 """
 
 from __future__ import annotations
@@ -36,6 +35,10 @@ from pathlib import Path
 import numpy as np
 
 PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the folder holding higgs_onnx: the child imports it
+# The most one piece may take in the child, wall clock. The longest piece (2,048 rows, 82 s of audio) is ~7 s of
+# CPU when every search fails; niced beside a loaded decoder the child gets ~5 % of a core: ~140 s. Past this the
+# child is stopped or looping: it is killed, that piece has no words, the next piece starts a new one.
+PIECE_LIMIT_S = 300.0
 READY = b"ready\n"  # the child's first line: it started (its imports done)
 
 
@@ -84,6 +87,7 @@ class Aligner:
         self.proc: subprocess.Popen | None = None
         self.lock = threading.Lock()
         self.broken: str | None = None  # why no process can start (one ended before its ready line): none is tried
+        self.limit_s = PIECE_LIMIT_S
 
     def time(self, *piece) -> tuple:
         """(cue, failure traceback or None) for `piece` = (cue, samples, sample_rate, language), from the child
@@ -95,6 +99,15 @@ class Aligner:
                 proc = self._started()
             except OSError as e:  # no process could be started (the executable gone, no memory, no pids)
                 raise AlignerEnded(f"the aligner process could not start ({type(e).__name__}: {e})") from None
+            overdue = threading.Event()
+
+            def end_overdue() -> None:  # a child stopped or looping is ended
+                overdue.set()
+                proc.kill()
+
+            watchdog = threading.Timer(self.limit_s, end_overdue)
+            watchdog.daemon = True
+            watchdog.start()
             try:
                 proc.stdin.write(_request(*piece))
                 proc.stdin.flush()
@@ -105,8 +118,13 @@ class Aligner:
             except (OSError, ValueError, EOFError) as e:  # ValueError: closed under it, or not its answer
                 self._end(proc)
                 code = proc.poll()
+                if overdue.is_set():
+                    raise AlignerEnded(f"the aligner process took over {self.limit_s:g} s on one piece and was "
+                                       f"ended") from None
                 raise AlignerEnded(f"the aligner process ended ({type(e).__name__}"
                                    f"{'' if code is None else f', exit code {code}'})") from None
+            finally:
+                watchdog.cancel()
 
     @property
     def pid(self) -> int | None:
