@@ -146,29 +146,22 @@ class Aligner:
 
     def close(self) -> None:
         """End the child without waiting for the piece it may hold (the server's end, on its event loop): its stdin
-        closed, killed if it is not gone in 0.2 s; the piece's caller gets AlignerEnded."""
+        closed (not stdout: the queue's thread may be reading it), killed if it is not gone in 0.2 s; the piece's
+        caller gets AlignerEnded."""
         proc, self.proc = self.proc, None
-        if proc is None:
-            return
-        try:
-            proc.stdin.close()
-        except (OSError, ValueError):  # being written by the queue's thread
-            pass
-        try:
-            proc.wait(0.2)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        if proc is not None:
+            self._end(proc, (proc.stdin,), 0.2)
 
     @staticmethod
-    def _end(proc: subprocess.Popen) -> None:
-        for pipe in (proc.stdin, proc.stdout):
+    def _end(proc: subprocess.Popen, pipes=None, wait_s: float = 2.0) -> None:
+        """Close `pipes` (default both), wait `wait_s` for the child to go, else kill it."""
+        for pipe in pipes or (proc.stdin, proc.stdout):
             try:
                 pipe.close()
-            except OSError:
+            except (OSError, ValueError):  # being written by the queue's thread
                 pass
         try:
-            proc.wait(2)
+            proc.wait(wait_s)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
