@@ -18,9 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from ..longform.captions import Cue, timed
+from ..longform.captions import Cue
 from ..loudness import Loudness, normalise
-from .aligner import Aligner, AlignerEnded, failed_cue
+from .aligner import Aligner, AlignerEnded, failed_cue, timed_apart
 
 log = logging.getLogger(__name__)
 
@@ -56,21 +56,23 @@ async def time_words(cue: Cue, samples: np.ndarray, sample_rate: int, language: 
                                                                             sample_rate, language)
         except AlignerEnded as e:
             got, failure = failed_cue(cue, e), str(e)
-        if failure:
-            log.error("word timing of piece %d failed: %s", cue.index, failure)
-        return got
+        return _logged(got, failure)
     finally:
         _aligning -= 1
 
 
 def timed_piece(cue: Cue, samples: np.ndarray, sample_rate: int, language: str) -> Cue:
-    """`captions.timed` with the one failure rule: an aligner exception is logged once (with its traceback) and the
-    cue comes back with `words` () and `words_reason` "word timing failed (<exception type>)"."""
-    try:
-        return timed(cue, samples, sample_rate, language)
-    except Exception as e:  # noqa: BLE001 - the words say so; the audio went on without them
-        log.error("word timing of piece %d failed", cue.index, exc_info=e)
-        return failed_cue(cue, e)
+    """`captions.timed` with the one failure rule (`aligner.timed_apart`), in this process: an aligner exception is
+    logged once (with its traceback) and the cue comes back with `words` () and `words_reason` "word timing failed
+    (<exception type>)"."""
+    return _logged(*timed_apart(cue, samples, sample_rate, language))
+
+
+def _logged(cue: Cue, failure: str | None) -> Cue:
+    """`cue`, its failure (a traceback, or why the aligner process ended) logged once."""
+    if failure:
+        log.error("word timing of piece %d failed: %s", cue.index, failure)
+    return cue
 
 
 def file_words(path, cues: list[Cue], language: str) -> tuple[list[Cue], int, str]:
